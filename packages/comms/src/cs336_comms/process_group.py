@@ -1,0 +1,101 @@
+"""Process-group helpers: start ranks locally with ``torch.multiprocessing.spawn`` or join from
+``torchrun``'s environment (``env://``), always with a timeout so a mismatched collective raises
+instead of hanging, and always torn down.
+
+    from cs336_comms.process_group import spawn
+    spawn(train, world_size=2)            # train(rank, world_size, *args) runs in each rank
+
+Under torchrun (any number of nodes) call :func:`init_from_env` at the top of the script instead.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def default_backend() -> str:
+    """NCCL when CUDA GPUs are present, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _validate_backend(backend: str) -> None:
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend 'nccl' needs CUDA GPUs; use 'gloo' on CPU")
+
+
+def device_for_rank(backend: str, local_rank: int) -> torch.device:
+    """The device a rank computes on: its own GPU under NCCL, the CPU under gloo."""
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.device:
+    """Join the group described by torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*).
+
+    Returns:
+        This rank's device.
+    """
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise ValueError(f"init_from_env needs torchrun's environment; missing {', '.join(missing)}")
+    backend = backend or default_backend()
+    _validate_backend(backend)
+    device = device_for_rank(backend, int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return device
+
+
+def _spawned(
+    rank: int, fn: Callable[..., Any], world_size: int, port: int, backend: str, timeout_s: float, args: tuple
+) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    device_for_rank(backend, rank)
+    dist.init_process_group(
+        backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes joined in one process group.
+
+    ``fn`` must be importable (a module-level function). A failing rank raises in the caller.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    backend = backend or default_backend()
+    _validate_backend(backend)
+    if backend == "nccl" and world_size > torch.cuda.device_count():
+        raise ValueError(f"world_size {world_size} exceeds the {torch.cuda.device_count()} visible GPUs")
+    mp.spawn(_spawned, args=(fn, world_size, free_port(), backend, timeout_s, args), nprocs=world_size, join=True)

@@ -1,0 +1,103 @@
+"""Results rows with provenance, appended to JSON-lines files, and plain-text tables.
+
+Every measured number in the repo lives in a row that says what was run (command), where (device),
+with what (torch and triton versions), from which commit and when. Tables and figures are made
+from these rows.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import shlex
+import subprocess
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def _git_dirty() -> bool:
+    try:
+        out = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        )
+        return bool(out.stdout.strip())
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        return f"{n}x {torch.cuda.get_device_name(0)}" if n > 1 else torch.cuda.get_device_name(0)
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def provenance(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """What every results row carries: command, device, versions, commit and UTC date."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    argv = list(sys.argv if argv is None else argv)
+    return {
+        "command": shlex.join(["cs336", *argv[1:]] if argv and argv[0].endswith("cs336") else argv),
+        "device": device_name(),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "commit": _git_commit() + ("+dirty" if _git_dirty() else ""),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def append_rows(path: str | Path, rows: Iterable[dict[str, Any]], meta: dict[str, Any] | None = None) -> Path:
+    """Append each row, merged with ``meta`` (default: :func:`provenance`), as one JSON line."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = provenance() if meta is None else meta
+    with path.open("a") as f:
+        for row in rows:
+            f.write(json.dumps({**row, **meta}) + "\n")
+    return path
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    with Path(path).open() as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], floatfmt: str = ".3f") -> str:
+    """A fixed-width text table of ``columns`` from ``rows`` (missing values shown as '-')."""
+
+    def cell(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return format(v, floatfmt)
+        return str(v)
+
+    body = [[cell(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(b[i]) for b in body)) if body else len(c) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(v.rjust(w) for v, w in zip(b, widths, strict=True)) for b in body]
+    return "\n".join(lines)
