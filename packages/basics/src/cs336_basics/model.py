@@ -216,8 +216,12 @@ class BasicsTransformerLM(nn.Module):
     ):
         super().__init__()
         for name, value in dict(
-            vocab_size=vocab_size, context_length=context_length, d_model=d_model, num_layers=num_layers,
-            num_heads=num_heads, d_ff=d_ff,
+            vocab_size=vocab_size,
+            context_length=context_length,
+            d_model=d_model,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            d_ff=d_ff,
         ).items():
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -245,7 +249,9 @@ class BasicsTransformerLM(nn.Module):
         if token_ids.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"token_ids must be int32 or int64, got {token_ids.dtype}")
         if not 1 <= token_ids.shape[1] <= self.context_length:
-            raise ValueError(f"sequence length must be in [1, {self.context_length}], got {token_ids.shape[1]}")
+            raise ValueError(
+                f"sequence length must be in [1, context_length={self.context_length}], got {token_ids.shape[1]}"
+            )
         if not torch.compiler.is_compiling():
             lo, hi = (int(v) for v in torch.stack(torch.aminmax(token_ids)).tolist())  # one sync, a clear error
             if lo < 0 or hi >= self.vocab_size:

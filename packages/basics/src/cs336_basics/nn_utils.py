@@ -27,7 +27,9 @@ def cross_entropy(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         ValueError: if the leading shapes differ or a target lies outside [0, vocab).
     """
     if inputs.shape[:-1] != targets.shape:
-        raise ValueError(f"inputs (..., vocab) and targets (...) disagree: {tuple(inputs.shape)} vs {tuple(targets.shape)}")
+        raise ValueError(
+            f"inputs (..., vocab) and targets (...) disagree: {tuple(inputs.shape)} vs {tuple(targets.shape)}"
+        )
     if targets.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"targets must be int32 or int64, got {targets.dtype}")
     logp = log_softmax(inputs.float(), dim=-1)  # (..., V)

@@ -1,0 +1,168 @@
+"""The basics Transformer against PyTorch references: layers, causality, autocast, bad input."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from cs336_basics import model
+from cs336_basics.model import (
+    BasicsTransformerLM,
+    CausalMultiHeadSelfAttention,
+    Embedding,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLU,
+    TransformerBlock,
+    scaled_dot_product_attention,
+)
+
+ATOL, RTOL = 1e-5, 1e-5
+
+
+def small_lm(**overrides) -> BasicsTransformerLM:
+    cfg = dict(vocab_size=37, context_length=19, d_model=24, num_layers=2, num_heads=3, d_ff=40)
+    cfg.update(overrides)
+    return BasicsTransformerLM(**cfg)
+
+
+def test_linear_and_embedding_match_torch():
+    lin = Linear(7, 5)
+    assert lin.weight.shape == (5, 7)
+    std = math.sqrt(2 / 12)
+    assert lin.weight.abs().max() <= 3 * std + 1e-6
+    x = torch.randn(3, 4, 7)
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight), atol=ATOL, rtol=RTOL)
+    emb = Embedding(11, 6)
+    ids = torch.randint(0, 11, (2, 9))
+    torch.testing.assert_close(emb(ids), F.embedding(ids, emb.weight))
+
+
+def test_rmsnorm_matches_reference():
+    norm = RMSNorm(13)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(13))
+    x = torch.randn(4, 5, 13, dtype=torch.float64)
+    expected = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
+    torch.testing.assert_close(norm(x.float()).double(), expected, atol=1e-5, rtol=1e-5)
+    assert norm(x.to(torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_rope_relative_position_property():
+    rope = RotaryEmbedding(context_length=64, dim=8)
+    q, k = torch.randn(8, dtype=torch.float64).float(), torch.randn(8).float()
+
+    def score(i: int, j: int) -> float:
+        qi = rope(q.view(1, 8), torch.tensor([i]))
+        kj = rope(k.view(1, 8), torch.tensor([j]))
+        return (qi * kj).sum().item()
+
+    # The rotated dot product depends only on the offset i - j.
+    assert score(5, 2) == pytest.approx(score(40, 37), abs=1e-4)
+    assert score(9, 9) == pytest.approx((q * k).sum().item(), abs=1e-4)
+    assert score(5, 2) != pytest.approx(score(5, 3), abs=1e-3)
+    # Rotation preserves norms.
+    x = torch.randn(3, 10, 8)
+    torch.testing.assert_close(rope(x, torch.arange(10)).norm(dim=-1), x.norm(dim=-1), atol=1e-5, rtol=1e-5)
+
+
+def test_rope_rejects_odd_dim():
+    with pytest.raises(ValueError, match="even"):
+        RotaryEmbedding(8, 5)
+
+
+def test_swiglu_matches_reference():
+    ffn = SwiGLU(6, 10)
+    x = torch.randn(2, 3, 6)
+    expected = F.linear(F.silu(F.linear(x, ffn.w1.weight)) * F.linear(x, ffn.w3.weight), ffn.w2.weight)
+    torch.testing.assert_close(ffn(x), expected, atol=ATOL, rtol=RTOL)
+
+
+def test_attention_matches_torch_sdpa():
+    q, k, v = (torch.randn(2, 3, 11, 8, dtype=torch.float64) for _ in range(3))
+    mask = torch.ones(11, 11, dtype=torch.bool).tril()
+    torch.testing.assert_close(
+        scaled_dot_product_attention(q, k, v, mask), F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    )
+    torch.testing.assert_close(scaled_dot_product_attention(q, k, v), F.scaled_dot_product_attention(q, k, v))
+
+
+def test_multihead_attention_matches_reference():
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(16, 4)
+    attn = CausalMultiHeadSelfAttention(12, 3, rope)
+    x = torch.randn(2, 7, 12)
+    pos = torch.arange(7)
+
+    def split(t):  # (B, T, D) -> (B, H, T, Dh)
+        return t.view(2, 7, 3, 4).transpose(1, 2)
+
+    q = rope(split(F.linear(x, attn.q_proj.weight)), pos)
+    k = rope(split(F.linear(x, attn.k_proj.weight)), pos)
+    v = split(F.linear(x, attn.v_proj.weight))
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 7, 12)
+    torch.testing.assert_close(attn(x), F.linear(o, attn.output_proj.weight), atol=1e-5, rtol=1e-5)
+
+
+def test_block_is_prenorm_residual():
+    block = TransformerBlock(12, 3, 20, RotaryEmbedding(16, 4))
+    x = torch.randn(2, 5, 12)
+    h = x + block.attn(block.ln1(x))
+    torch.testing.assert_close(block(x), h + block.ffn(block.ln2(h)))
+
+
+def test_lm_shapes_and_causality():
+    torch.manual_seed(0)
+    lm = small_lm()
+    ids = torch.randint(0, 37, (3, 19))
+    logits = lm(ids)
+    assert logits.shape == (3, 19, 37) and logits.dtype == torch.float32
+    changed = ids.clone()
+    changed[:, 12] = (changed[:, 12] + 1) % 37
+    new = lm(changed)
+    torch.testing.assert_close(new[:, :12], logits[:, :12])
+    assert not torch.allclose(new[:, 12:], logits[:, 12:])
+
+
+def test_lm_under_bf16_autocast():
+    lm = small_lm()
+    ids = torch.randint(0, 37, (2, 9))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = lm(ids)
+    assert logits.shape == (2, 9, 37) and logits.dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in lm.parameters())
+    torch.testing.assert_close(logits.float(), lm(ids), atol=0.15, rtol=0.05)
+
+
+def test_attention_function_is_swappable(monkeypatch):
+    calls = []
+
+    def spy(Q, K, V, mask=None):
+        calls.append(Q.shape)
+        return F.scaled_dot_product_attention(Q, K, V, is_causal=True)
+
+    lm = small_lm()
+    ids = torch.randint(0, 37, (2, 8))
+    expected = lm(ids)
+    monkeypatch.setattr(model, "scaled_dot_product_attention", spy)
+    torch.testing.assert_close(lm(ids), expected, atol=1e-5, rtol=1e-5)
+    assert len(calls) == 2
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match="divisible"):
+        small_lm(d_model=25)
+    with pytest.raises(ValueError, match="divisible"):
+        CausalMultiHeadSelfAttention(10, 3, None)
+    lm = small_lm()
+    with pytest.raises(ValueError, match="batch, seq"):
+        lm(torch.randint(0, 37, (19,)))
+    with pytest.raises(ValueError, match="token ids"):
+        lm(torch.tensor([[0, 37]]))
+    with pytest.raises(ValueError, match="token ids"):
+        lm(torch.tensor([[-1, 3]]))
+    with pytest.raises(ValueError, match="context_length"):
+        lm(torch.zeros(1, 20, dtype=torch.long))
+    with pytest.raises(TypeError, match="int"):
+        lm(torch.zeros(1, 3))
