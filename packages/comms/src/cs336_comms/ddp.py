@@ -1,0 +1,252 @@
+"""Data-parallel wrappers: every rank holds the whole model and gradients are averaged by all-reduce.
+
+Four strategies behind one interface, all built on :class:`_GradientSync`:
+
+============== ============================================ ===================================
+class          what is all-reduced                          when
+============== ============================================ ===================================
+NaiveDDP       each gradient on its own                     after backward, one by one
+FlatDDP        all gradients concatenated into one buffer   after backward, one call per dtype
+OverlappedDDP  each gradient on its own                     during backward, as each is ready
+BucketedDDP    buckets of about ``bucket_size_mb`` MiB       during backward, as each bucket fills
+============== ============================================ ===================================
+
+Usage is the same for all four (the overlapping ones need ``finish_gradient_synchronization`` to
+wait; for the others it is where the communication happens)::
+
+    model = BucketedDDP(model, bucket_size_mb=25)     # after init_process_group
+    loss_fn(model(x), y).backward()
+    model.finish_gradient_synchronization()
+    optimizer.step()
+
+Gradient accumulation: backward passes run inside ``with model.no_sync():`` only accumulate locally;
+the next backward outside it reduces the accumulated sum.
+
+At construction every rank checks that all ranks hold parameters and buffers of the same names, shapes
+and dtypes (a ``ValueError`` on every rank otherwise, instead of a hang in a mismatched collective),
+then copies rank 0's parameters and buffers to the others. Parameters with ``requires_grad=False`` are
+never communicated; a shared (tied) parameter is one ``nn.Parameter`` and is reduced once.
+
+The collectives are issued in bucket order on every rank, whatever order the backward pass makes
+gradients ready in (a ready bucket waits for the buckets before it), because NCCL matches collectives
+by issue order; this is the same rule torch's DistributedDataParallel follows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+__all__ = ["NaiveDDP", "FlatDDP", "OverlappedDDP", "BucketedDDP"]
+
+
+def _check_same_layout(module: nn.Module) -> None:
+    """Raise ``ValueError`` on every rank if any rank's parameters or buffers differ from rank 0's."""
+    layout = [("param", n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]
+    layout += [("buffer", n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()]
+    layouts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(layouts, layout)
+    for rank, other in enumerate(layouts[1:], start=1):
+        if other == layouts[0]:
+            continue
+        diff = next(((a, b) for a, b in zip(layouts[0], other, strict=False) if a != b), None)
+        detail = (
+            f"rank 0 has {diff[0]}, rank {rank} has {diff[1]}" if diff is not None
+            else f"rank 0 has {len(layouts[0])} tensors, rank {rank} has {len(other)}"
+        )
+        raise ValueError(f"data-parallel ranks must hold the same parameters and buffers: {detail}")
+
+
+class _Bucket:
+    """Parameters whose gradients are reduced by one collective, and the state of that collective."""
+
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        self.ready: set[int] = set()  # ids of params whose gradient is final for this step
+        self.work: dist.Work | None = None
+        self.flat: torch.Tensor | None = None  # the buffer being reduced when the bucket has several params
+
+
+class _GradientSync(nn.Module):
+    """Shared machinery: layout check, broadcast, buckets, hooks, ``no_sync`` and the final wait.
+
+    Subclasses choose the buckets (``_bucket_params``) and whether buckets are launched from
+    post-accumulate-grad hooks during backward (``overlap = True``) or all at the end.
+    """
+
+    overlap: bool = False
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(f"{type(self).__name__} needs an initialized default process group")
+        self.module = module
+        self.world_size = dist.get_world_size()
+        _check_same_layout(module)
+        with torch.no_grad():
+            for t in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(t, src=0)
+        # parameters() yields a shared parameter once, so tied weights land in one bucket once.
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        # Reverse registration order approximates the order backward produces gradients in.
+        self._buckets = [_Bucket(ps) for ps in self._bucket_params(trainable[::-1]) if ps]
+        self._bucket_of = {id(p): i for i, b in enumerate(self._buckets) for p in b.params}
+        self._trainable = [p for b in self._buckets for p in b.params]
+        # Kept on the parameters' device so building the per-step flags needs no host-to-device copy.
+        self._ones = torch.ones(len(self._trainable), device=trainable[0].device) if trainable else None
+        self._next_launch = 0
+        self._zero_filled: list[nn.Parameter] = []
+        self._sync = True
+        self._hooks = []
+        if self.overlap:
+            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in trainable]
+
+    def _bucket_params(self, params: list[nn.Parameter]) -> Sequence[list[nn.Parameter]]:
+        raise NotImplementedError
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate gradients locally; the next one outside reduces."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self._sync:
+            return
+        i = self._bucket_of[id(param)]
+        bucket = self._buckets[i]
+        if id(param) in bucket.ready:
+            raise RuntimeError(
+                "a gradient was accumulated twice in one step: call finish_gradient_synchronization() "
+                "after each backward, or accumulate inside no_sync()"
+            )
+        bucket.ready.add(id(param))
+        while self._next_launch < len(self._buckets):
+            nxt = self._buckets[self._next_launch]
+            if len(nxt.ready) < len(nxt.params):
+                break
+            self._launch(nxt)
+            self._next_launch += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        grads = []
+        for p in bucket.params:
+            if p.grad is None:
+                # No gradient on this rank (parameter unused here): it contributes zeros, so every
+                # rank issues the same collective; finish decides afterwards whether to keep it.
+                p.grad = torch.zeros_like(p)
+                self._zero_filled.append(p)
+            grads.append(p.grad)
+        if len(grads) == 1:
+            target = grads[0]
+        else:
+            bucket.flat = target = torch.cat([g.reshape(-1) for g in grads])
+        # Dividing before the sum keeps values in range for large world sizes; for a power-of-two
+        # world size it is exact, so the result is bit-identical to dividing the sum.
+        target.div_(self.world_size)
+        bucket.work = dist.all_reduce(target, op=dist.ReduceOp.SUM, async_op=True)
+
+    def finish_gradient_synchronization(self) -> None:
+        """Launch what backward has not, wait for all reductions, and leave averaged ``.grad`` behind.
+
+        A no-op inside :meth:`no_sync`. Parameters that received no gradient on any rank keep
+        ``.grad = None``, as they would in single-process training.
+        """
+        if not self._sync:
+            return
+        while self._next_launch < len(self._buckets):
+            self._launch(self._buckets[self._next_launch])
+            self._next_launch += 1
+        if self._ones is None:
+            return
+        # One small extra reduction counts the ranks that had each gradient, so a gradient missing
+        # here but present elsewhere is kept; every rank issues it, keeping the collectives aligned.
+        missing = {id(p) for p in self._zero_filled}
+        had_grad = self._ones.clone()
+        for i, p in enumerate(self._trainable):
+            if id(p) in missing:
+                had_grad[i] = 0.0
+        flag_work = dist.all_reduce(had_grad, async_op=True)
+        for bucket in self._buckets:
+            assert bucket.work is not None
+            bucket.work.wait()
+            if bucket.flat is not None:
+                offset = 0
+                for p in bucket.params:
+                    n = p.grad.numel()
+                    p.grad.copy_(bucket.flat[offset:offset + n].view_as(p.grad))
+                    offset += n
+            bucket.work, bucket.flat = None, None
+            bucket.ready.clear()
+        flag_work.wait()
+        if missing:
+            counts = had_grad.tolist()
+            for p, count in zip(self._trainable, counts, strict=True):
+                if id(p) in missing and count == 0:
+                    p.grad = None
+        self._zero_filled = []
+        self._next_launch = 0
+
+
+class NaiveDDP(_GradientSync):
+    """All-reduce every gradient separately after the backward pass."""
+
+    def _bucket_params(self, params: list[nn.Parameter]) -> Sequence[list[nn.Parameter]]:
+        return [[p] for p in params]
+
+
+class FlatDDP(_GradientSync):
+    """One all-reduce of all gradients concatenated (one per dtype) after the backward pass."""
+
+    def _bucket_params(self, params: list[nn.Parameter]) -> Sequence[list[nn.Parameter]]:
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        return list(by_dtype.values())
+
+
+class OverlappedDDP(_GradientSync):
+    """An asynchronous all-reduce per gradient, launched from its post-accumulate-grad hook."""
+
+    overlap = True
+
+    def _bucket_params(self, params: list[nn.Parameter]) -> Sequence[list[nn.Parameter]]:
+        return [[p] for p in params]
+
+
+class BucketedDDP(_GradientSync):
+    """Gradients grouped into buckets of at most ``bucket_size_mb`` MiB (a larger tensor gets its own),
+    in reverse registration order; a bucket is all-reduced asynchronously once all its gradients exist.
+    """
+
+    overlap = True
+
+    def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0):
+        if not bucket_size_mb > 0:
+            raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
+        self.bucket_size_bytes = bucket_size_mb * 2**20
+        super().__init__(module)
+
+    def _bucket_params(self, params: list[nn.Parameter]) -> Sequence[list[nn.Parameter]]:
+        buckets: list[list[nn.Parameter]] = [[]]
+        size = 0
+        for p in params:
+            nbytes = p.numel() * p.element_size()
+            current = buckets[-1]
+            if current and (size + nbytes > self.bucket_size_bytes or current[0].dtype != p.dtype):
+                buckets.append([])
+                size = 0
+            buckets[-1].append(p)
+            size += nbytes
+        return buckets

@@ -1,0 +1,197 @@
+"""What each spawned rank runs for test_ddp.py: toy models, the single-process reference, and the checks.
+
+It lives outside the test module because spawned ranks unpickle the entry point by module name,
+and pytest's importlib mode gives test modules names the ranks cannot import (conftest.py puts this
+folder on ``sys.path``, which spawn passes on to the ranks).
+
+Why exact equality holds: with two ranks each gradient is ``g0/2 + g1/2`` (halving is exact and a
+sum of two is order-free), and the single-process reference computes each shard's gradient with
+the same operations, then combines them the same way. The reference itself is checked against
+plain full-batch training with a tolerance, so it cannot drift from what "the larger batch" means.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from cs336_comms.collectives import benchmark_collectives
+from cs336_comms.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlappedDDP
+
+WORLD_SIZE = 2
+INIT_SEED = 100  # rank r initialises with INIT_SEED + r; the wrappers must make every rank hold rank 0's
+STEPS = 4
+
+VARIANTS: dict[str, Callable[[nn.Module], nn.Module]] = {
+    "naive": NaiveDDP,
+    "flat": FlatDDP,
+    "overlapped": OverlappedDDP,
+    # A tiny bucket cap so the toy models span several buckets, some holding several tensors.
+    "bucketed": lambda m: BucketedDDP(m, bucket_size_mb=300 * 4 / 2**20),
+}
+
+
+class ToyModel(nn.Module):
+    """Two linear layers, a frozen scale, a buffer, a parameter no step uses and one that only
+    shard 0 uses (so gradients are missing on some ranks and on all ranks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(13, 11)
+        self.fc2 = nn.Linear(11, 5)
+        self.scale = nn.Parameter(torch.rand(11) + 0.5, requires_grad=False)
+        self.extra = nn.Parameter(torch.randn(5))
+        self.unused = nn.Parameter(torch.randn(3, 2))
+        self.register_buffer("shift", torch.randn(11))
+
+    def forward(self, x: torch.Tensor, use_extra: bool = False) -> torch.Tensor:
+        h = F.gelu(self.fc1(x) * self.scale + self.shift)
+        out = self.fc2(h)
+        return out + self.extra if use_extra else out
+
+
+class TiedModel(nn.Module):
+    """Embedding whose weight is also the output projection (one shared parameter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(17, 6)
+        self.mix = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 17, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor, use_extra: bool = False) -> torch.Tensor:
+        return self.head(torch.tanh(self.mix(self.embed(x))))
+
+
+def _batches(kind: str, num_steps: int, num_micro: int) -> list[list[list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """batches[step][rank][micro] = (inputs, targets), identical on every rank; 3 examples each."""
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for _ in range(num_steps):
+        per_rank = []
+        for _ in range(WORLD_SIZE):
+            micro = []
+            for _ in range(num_micro):
+                if kind == "toy":
+                    micro.append((torch.randn(3, 13, generator=g), torch.randint(0, 5, (3,), generator=g)))
+                else:
+                    micro.append((torch.randint(0, 17, (3, 7), generator=g), torch.randint(0, 17, (3, 7), generator=g)))
+            per_rank.append(micro)
+        out.append(per_rank)
+    return out
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, use_extra: bool) -> torch.Tensor:
+    logits = model(x, use_extra=use_extra)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def new_model(kind: str, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return ToyModel() if kind == "toy" else TiedModel()
+
+
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    # Weight decay makes a zero gradient differ from a missing one, so those cases are visible.
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+
+
+def _reference(kind: str, batches: list, num_micro: int) -> dict[str, torch.Tensor]:
+    """Single process: each shard's gradient as a rank computes it, then ``sum(g / world_size)``."""
+    model = new_model(kind, seed=INIT_SEED)  # rank 0's initialisation, which the wrappers broadcast
+    opt = _optimizer(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for step in batches:
+        shard_grads = []
+        for r, micro in enumerate(step):
+            model.zero_grad(set_to_none=True)
+            for x, y in micro:
+                (_loss(model, x, y, use_extra=r == 0) / num_micro).backward()
+            shard_grads.append([None if p.grad is None else p.grad.clone() for p in params])
+        for i, p in enumerate(params):
+            grads = [g[i] for g in shard_grads]
+            if all(g is None for g in grads):
+                p.grad = None
+                continue
+            total = None
+            for g in grads:
+                part = (torch.zeros_like(p) if g is None else g).div(WORLD_SIZE)
+                total = part if total is None else total + part
+            p.grad = total
+        opt.step()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _full_batch(kind: str, batches: list) -> dict[str, torch.Tensor]:
+    """Plain single-process training on the concatenated global batch (rank 0's shard uses ``extra``)."""
+    model = new_model(kind, seed=INIT_SEED)
+    opt = _optimizer(model)
+    for step in batches:
+        model.zero_grad(set_to_none=True)
+        losses = [_loss(model, x, y, use_extra=r == 0) for r, micro in enumerate(step) for x, y in micro]
+        (sum(losses) / len(losses)).backward()
+        opt.step()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _train_ddp(variant: str, kind: str, rank: int, batches: list, num_micro: int) -> dict[str, torch.Tensor]:
+    model = new_model(kind, seed=INIT_SEED + rank)  # different on each rank: the wrapper must broadcast
+    ddp = VARIANTS[variant](model)
+    opt = _optimizer(model)
+    for step in batches:
+        micro = step[rank]
+        opt.zero_grad(set_to_none=True)
+        with ddp.no_sync():
+            for x, y in micro[:-1]:
+                (_loss(ddp, x, y, use_extra=rank == 0) / num_micro).backward()
+        x, y = micro[-1]
+        (_loss(ddp, x, y, use_extra=rank == 0) / num_micro).backward()
+        ddp.finish_gradient_synchronization()
+        opt.step()
+    return {k.removeprefix("module."): v.clone() for k, v in ddp.state_dict().items()}
+
+
+def _mismatch_error(rank: int) -> str | None:
+    model = nn.Sequential(nn.Linear(4, 5 + rank))
+    try:
+        NaiveDDP(model)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _double_backward_error(rank: int) -> str | None:
+    ddp = OverlappedDDP(nn.Linear(3, 2))
+    x = torch.randn(4, 3)
+    ddp(x).sum().backward()
+    try:
+        ddp(x).sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        ddp.finish_gradient_synchronization()
+    return None
+
+
+def all_checks(rank: int, world_size: int, out_dir: str) -> None:
+    torch.set_num_threads(1)  # the same kernels and reduction order in the ranks and the reference
+    record: dict = {"train": {}, "reference_vs_full": {}}
+    for kind in ("toy", "tied"):
+        for num_micro in (1, 2):
+            batches = _batches(kind, STEPS, num_micro)
+            ref = _reference(kind, batches, num_micro)
+            full = _full_batch(kind, batches)
+            record["reference_vs_full"][kind, num_micro] = (ref, full)
+            for variant in VARIANTS:
+                record["train"][variant, kind, num_micro] = (_train_ddp(variant, kind, rank, batches, num_micro), ref)
+    record["mismatch"] = _mismatch_error(rank)
+    record["double_backward"] = _double_backward_error(rank)
+    record["collectives"] = benchmark_collectives(sizes_bytes=[4096, 40_000], warmup=1, iters=3)
+    with open(f"{out_dir}/rank{rank}.pkl", "wb") as f:
+        pickle.dump(record, f)
+    dist.barrier()

@@ -1,0 +1,71 @@
+"""Data-parallel wrappers on two gloo ranks against single-process training, bit for bit in fp32.
+
+One spawn runs every check in comms_spawn_checks.py (a spawn costs seconds); each rank records
+what it saw and the tests below assert on both ranks' records.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from comms_spawn_checks import INIT_SEED, VARIANTS, WORLD_SIZE, all_checks, new_model
+from cs336_comms.collectives import OPS
+from cs336_comms.process_group import spawn
+
+FULL_BATCH_RTOL, FULL_BATCH_ATOL = 1e-5, 1e-6  # reference vs one full-batch backward (sum order differs)
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out = tmp_path_factory.mktemp("ddp")
+    spawn(all_checks, WORLD_SIZE, str(out), backend="gloo", timeout_s=120)
+    return [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(WORLD_SIZE)]
+
+
+@pytest.mark.parametrize("num_micro", [1, 2], ids=["one_batch", "no_sync_accumulation"])
+@pytest.mark.parametrize("kind", ["toy", "tied"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_matches_single_process_exactly(records: list[dict], variant: str, kind: str, num_micro: int) -> None:
+    for rank, record in enumerate(records):
+        trained, ref = record["train"][variant, kind, num_micro]
+        assert trained.keys() == ref.keys()
+        for name in ref:
+            assert torch.equal(trained[name], ref[name]), f"rank {rank}, {name} differs from single-process"
+
+
+@pytest.mark.parametrize("num_micro", [1, 2])
+@pytest.mark.parametrize("kind", ["toy", "tied"])
+def test_reference_is_full_batch_training(records: list[dict], kind: str, num_micro: int) -> None:
+    ref, full = records[0]["reference_vs_full"][kind, num_micro]
+    initial = new_model(kind, seed=INIT_SEED).state_dict()
+    for name in ref:
+        torch.testing.assert_close(ref[name], full[name], rtol=FULL_BATCH_RTOL, atol=FULL_BATCH_ATOL)
+    # The parameter no step uses keeps its initial value (no gradient, so no weight decay either).
+    if kind == "toy":
+        assert torch.equal(ref["unused"], initial["unused"])
+        assert torch.equal(ref["scale"], initial["scale"])
+        assert not torch.equal(ref["extra"], initial["extra"])
+
+
+def test_mismatched_shapes_raise_on_every_rank(records: list[dict]) -> None:
+    for record in records:
+        assert record["mismatch"] is not None and "0.weight" in record["mismatch"]
+
+
+def test_second_backward_without_finish_raises(records: list[dict]) -> None:
+    for record in records:
+        assert record["double_backward"] is not None and "no_sync" in record["double_backward"]
+
+
+def test_collectives_rows_are_well_formed(records: list[dict]) -> None:
+    rows = records[0]["collectives"]
+    assert rows == records[1]["collectives"]  # the slowest rank's median, agreed on by all ranks
+    assert [(r["op"], r["bytes"]) for r in rows] == [(op, b) for b in (4096, 40_000) for op in OPS]
+    for r in rows:
+        assert r["backend"] == "gloo" and r["world_size"] == WORLD_SIZE
+        assert r["time_ms"] > 0
+        assert r["algbw_gbps"] == pytest.approx(r["bytes"] / (r["time_ms"] / 1e3) / 1e9)
+        factor = 2 * (WORLD_SIZE - 1) / WORLD_SIZE if r["op"] == "all_reduce" else (WORLD_SIZE - 1) / WORLD_SIZE
+        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * factor)
