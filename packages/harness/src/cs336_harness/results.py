@@ -101,3 +101,22 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], floatfm
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(v.rjust(w) for v, w in zip(b, widths, strict=True)) for b in body]
     return "\n".join(lines)
+
+
+def markdown_table(
+    rows: Sequence[dict[str, Any]], columns: Sequence[str], headers: Sequence[str] | None = None,
+    floatfmt: str = ".3g",
+) -> str:
+    """A GitHub-flavoured markdown table of ``columns`` from ``rows`` (missing values shown as '-')."""
+    headers = list(columns if headers is None else headers)
+    if len(headers) != len(columns):
+        raise ValueError(f"need one header per column: {len(columns)} columns, {len(headers)} headers")
+
+    def cell(v: Any) -> str:
+        if v is None:
+            return "-"
+        return format(v, floatfmt) if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
