@@ -1,0 +1,289 @@
+"""AdamW whose step is one Triton launch per parameter group and dtype.
+
+The update is torch.optim.AdamW's (Loshchilov & Hutter, "Decoupled Weight Decay Regularization", 2019):
+
+    p <- p * (1 - lr * wd)
+    m <- b1 * m + (1 - b1) * g,   v <- b2 * v + (1 - b2) * g^2
+    p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+
+A plain PyTorch step makes several passes over memory per tensor (one per elementwise op, or a few with
+``foreach``). Here every element of param, grad, exp_avg and exp_avg_sq is read once and param, exp_avg and
+exp_avg_sq are written once, for all tensors of a group in a single launch: a device table holds each tensor's
+addresses and size, and a block map says which tensor each program works on. The table is rebuilt only when an
+address changes (grads re-allocated, say). Step counts live on the device as the per-parameter float32 'step'
+tensors of torch.optim.AdamW's state layout, and bias correction is computed in the kernel from them (in
+float64), so a step never synchronizes with the host. Moments are float32 for float32, bfloat16 and float16
+parameters; the update is computed in float32 and rounded once to the parameter dtype.
+
+    opt = FusedAdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    loss.backward(); opt.step(); opt.zero_grad()
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+# Elements per program: 16 fp32 values per thread at 8 warps, i.e. four 16-byte loads per array in flight.
+_BLOCK = 4096
+_NUM_WARPS = 8
+# Columns of the per-tensor table: param, grad, exp_avg, exp_avg_sq and step addresses, numel, first block.
+_TABLE_COLUMNS = 7
+_PARAM_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _int_pow(base, exponent):
+    """base ** exponent for a float64 base and an int32 exponent in [0, 2**31), by repeated squaring."""
+    result = base * 0.0 + 1.0
+    for _ in range(31):
+        result = tl.where((exponent & 1) == 1, result * base, result)
+        base = base * base
+        exponent = exponent >> 1
+    return result
+
+
+@triton.jit
+def _adamw_update(p, g, m, v, decay, beta1, beta2, step_size, bias_correction2_sqrt, eps):
+    p = p.to(tl.float32) * decay
+    g = g.to(tl.float32)
+    m = beta1 * m + (1.0 - beta1) * g
+    v = beta2 * v + (1.0 - beta2) * g * g
+    denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
+    p = p - step_size * tl.div_rn(m, denom)
+    return p, m, v
+
+
+@triton.jit
+def _fused_adamw_kernel(
+    TABLE,  # int64 (num_tensors, 7): addresses of param, grad, exp_avg, exp_avg_sq, step; numel; first block
+    BLOCK_MAP,  # int64 (num_programs,): which tensor each program updates
+    HYPER,  # float64 (5,): lr, beta1, beta2, eps, weight_decay
+    PARAM_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,  # every address is a multiple of 16 bytes, so loads can be 16 bytes wide
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row = TABLE + tl.load(BLOCK_MAP + pid) * 7
+    p_addr = tl.load(row + 0)
+    g_addr = tl.load(row + 1)
+    m_addr = tl.load(row + 2)
+    v_addr = tl.load(row + 3)
+    step_addr = tl.load(row + 4)
+    numel = tl.load(row + 5)
+    start = (pid - tl.load(row + 6)) * BLOCK
+    P = p_addr.to(tl.pointer_type(PARAM_DTYPE))
+    G = g_addr.to(tl.pointer_type(PARAM_DTYPE))
+    M = m_addr.to(tl.pointer_type(tl.float32))
+    V = v_addr.to(tl.pointer_type(tl.float32))
+    if ALIGNED:
+        # Addresses read from memory carry no alignment facts; without these hints every access is 4 bytes.
+        P = tl.multiple_of(P, 16)
+        G = tl.multiple_of(G, 16)
+        M = tl.multiple_of(M, 16)
+        V = tl.multiple_of(V, 16)
+    STEP = step_addr.to(tl.pointer_type(tl.float32))
+
+    # Scalars in float64: 1 - b2^t at t = 1 is 1e-3, and float32 would keep only four digits of it.
+    lr = tl.load(HYPER + 0)
+    beta1 = tl.load(HYPER + 1)
+    beta2 = tl.load(HYPER + 2)
+    eps = tl.load(HYPER + 3)
+    weight_decay = tl.load(HYPER + 4)
+    step = tl.load(STEP).to(tl.int32)
+    bias_correction1 = 1.0 - _int_pow(beta1, step)
+    bias_correction2 = 1.0 - _int_pow(beta2, step)
+    step_size = (lr / bias_correction1).to(tl.float32)
+    bias_correction2_sqrt = tl.sqrt(bias_correction2).to(tl.float32)
+    decay = (1.0 - lr * weight_decay).to(tl.float32)
+    beta1 = beta1.to(tl.float32)
+    beta2 = beta2.to(tl.float32)
+    eps = eps.to(tl.float32)
+
+    offs = start + tl.arange(0, BLOCK)
+    if start + BLOCK <= numel:
+        # Full block: no mask, so the accesses vectorize.
+        p, m, v = _adamw_update(tl.load(P + offs), tl.load(G + offs), tl.load(M + offs), tl.load(V + offs),
+                                decay, beta1, beta2, step_size, bias_correction2_sqrt, eps)
+        tl.store(P + offs, p.to(PARAM_DTYPE))
+        tl.store(M + offs, m)
+        tl.store(V + offs, v)
+    else:
+        mask = offs < numel
+        p, m, v = _adamw_update(tl.load(P + offs, mask=mask), tl.load(G + offs, mask=mask),
+                                tl.load(M + offs, mask=mask), tl.load(V + offs, mask=mask),
+                                decay, beta1, beta2, step_size, bias_correction2_sqrt, eps)
+        tl.store(P + offs, p.to(PARAM_DTYPE), mask=mask)
+        tl.store(M + offs, m, mask=mask)
+        tl.store(V + offs, v, mask=mask)
+
+
+def _check_hyperparameters(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr >= 0.0:
+        raise ValueError(f"lr must be a non-negative Python number, got {lr!r}")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    for i, beta in enumerate(betas):
+        if not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
+            raise ValueError(f"betas[{i}] must be a number in [0, 1), got {beta!r}")
+    if not isinstance(eps, (int, float)) or not eps >= 0.0:
+        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+    if not isinstance(weight_decay, (int, float)) or not weight_decay >= 0.0:
+        raise ValueError(f"weight_decay must be a non-negative number, got {weight_decay!r}")
+
+
+class FusedAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay) with a fused Triton step; state layout of torch.optim.AdamW.
+
+    Args:
+        params: tensors or parameter groups (dicts), as for any torch optimizer. Each group's tensors must be
+            on one device, contiguous, and float32, bfloat16 or float16.
+        lr, betas, eps, weight_decay: as torch.optim.AdamW; each group may override them.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+    ) -> None:
+        _check_hyperparameters(lr, betas, eps, weight_decay)
+        # Device tables keyed by (group index, dtype); each holds the addresses it was built from.
+        self._tables: dict[tuple[int, torch.dtype], tuple[tuple[int, ...], torch.Tensor]] = {}
+        self._hypers: dict[tuple[int, torch.device], tuple[tuple[float, ...], torch.Tensor]] = {}
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        devices = {p.device for p in group["params"]}
+        if len(devices) > 1:
+            raise ValueError(f"FusedAdamW needs every tensor of a parameter group on one device, got {devices}")
+        for p in group["params"]:
+            if p.dtype not in _PARAM_DTYPES:
+                raise TypeError(
+                    f"FusedAdamW supports parameters of dtype {sorted(map(str, _PARAM_DTYPES))}, got {p.dtype}"
+                )
+            if not p.is_contiguous():
+                raise ValueError(f"FusedAdamW updates parameters in place and needs them contiguous, "
+                                 f"got shape {tuple(p.shape)} with strides {p.stride()}")
+
+    def _state_for(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        return state
+
+    def _device_table(self, key: tuple[int, torch.dtype], rows: list[tuple[int, ...]],
+                      device: torch.device) -> torch.Tensor:
+        """The int64 table and block map for these tensors, rebuilt only when an address or size changed."""
+        flat = tuple(x for r in rows for x in r)
+        cached = self._tables.get(key)
+        if cached is not None and cached[0] == flat and cached[1].device == device:
+            return cached[1]
+        numels = torch.tensor([r[5] for r in rows], dtype=torch.int64)
+        num_blocks = (numels + _BLOCK - 1) // _BLOCK
+        first_block = torch.cumsum(num_blocks, 0) - num_blocks
+        table = torch.tensor([r[:6] for r in rows], dtype=torch.int64)
+        table = torch.cat([table, first_block[:, None]], dim=1)  # (num_tensors, 7)
+        block_map = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int64), num_blocks)
+        # One host-to-device copy; from pageable memory it is staged, so the host does not wait for the GPU.
+        packed = torch.cat([table.reshape(-1), block_map]).to(device, non_blocking=True)
+        self._tables[key] = (flat, packed)
+        return packed
+
+    def _device_hyperparameters(self, index: int, group: dict[str, Any], device: torch.device) -> torch.Tensor:
+        values = (float(group["lr"]), float(group["betas"][0]), float(group["betas"][1]), float(group["eps"]),
+                  float(group["weight_decay"]))
+        cached = self._hypers.get((index, device))
+        if cached is not None and cached[0] == values:
+            return cached[1]
+        hyper = torch.tensor(values, dtype=torch.float64).to(device, non_blocking=True)
+        self._hypers[(index, device)] = (values, hyper)
+        return hyper
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """One AdamW step for every parameter that has a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for index, group in enumerate(self.param_groups):
+            _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            buckets: dict[torch.dtype, list[torch.Tensor]] = {}
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError("FusedAdamW does not support sparse gradients")
+                if p.grad.dtype != p.dtype or p.grad.device != p.device:
+                    raise TypeError(f"gradient must match its parameter's dtype and device: parameter "
+                                    f"{p.dtype} on {p.device}, gradient {p.grad.dtype} on {p.grad.device}")
+                buckets.setdefault(p.dtype, []).append(p)
+            for dtype, params in buckets.items():
+                self._step_bucket(index, group, dtype, params)
+        return loss
+
+    def _step_bucket(self, index: int, group: dict[str, Any], dtype: torch.dtype,
+                     params: list[torch.Tensor]) -> None:
+        device = params[0].device
+        # Kept alive until the launch is queued: non-contiguous grads are copied.
+        grads = [p.grad if p.grad.is_contiguous() else p.grad.contiguous() for p in params]
+        states = [self._state_for(p) for p in params]
+        steps = [s["step"] for s in states]
+        torch._foreach_add_(steps, 1.0)
+        rows = [
+            (p.data_ptr(), g.data_ptr(), s["exp_avg"].data_ptr(), s["exp_avg_sq"].data_ptr(), s["step"].data_ptr(),
+             p.numel())
+            for p, g, s in zip(params, grads, states, strict=True)
+        ]
+        packed = self._device_table((index, dtype), rows, device)
+        num_tensors = len(rows)
+        table = packed[: num_tensors * _TABLE_COLUMNS]
+        block_map = packed[num_tensors * _TABLE_COLUMNS :]
+        aligned = all(addr % 16 == 0 for r in rows for addr in r[:4])
+        hyper = self._device_hyperparameters(index, group, device)
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            _fused_adamw_kernel[(block_map.numel(),)](
+                table, block_map, hyper, PARAM_DTYPE=_PARAM_DTYPES[dtype], ALIGNED=aligned, BLOCK=_BLOCK,
+                num_warps=_NUM_WARPS,
+            )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a FusedAdamW or torch.optim.AdamW state dict, keeping moments in float32 on each param's device.
+
+        Optimizer.load_state_dict would cast the moments to the parameter dtype (bfloat16, say), so the groups
+        go through it and the per-parameter state is placed here.
+        """
+        for group in state_dict["param_groups"]:
+            for flag in ("amsgrad", "maximize"):
+                if group.get(flag, False):
+                    raise ValueError(f"FusedAdamW cannot continue a run with {flag}=True")
+        super().load_state_dict({**state_dict, "state": {}})
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(saved_ids, params, strict=True):
+            saved = state_dict["state"].get(i)
+            if not saved:
+                continue
+            missing = {"step", "exp_avg", "exp_avg_sq"} - set(saved)
+            if missing:
+                raise ValueError(f"state of parameter {i} lacks {sorted(missing)}; keys given: {sorted(saved)}")
+            self.state[p] = {
+                "step": torch.as_tensor(saved["step"], dtype=torch.float32).to(p.device, copy=True).reshape(()),
+                "exp_avg": saved["exp_avg"].to(p.device, torch.float32, copy=True).contiguous(),
+                "exp_avg_sq": saved["exp_avg_sq"].to(p.device, torch.float32, copy=True).contiguous(),
+            }
+        self._tables.clear()
+        self._hypers.clear()
