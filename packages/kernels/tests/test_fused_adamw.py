@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from cs336_kernels.fused_adamw import FusedAdamW
 
 # float32 against torch's float32 AdamW: the two differ only in rounding order (about 1 ulp per step).
