@@ -1,0 +1,392 @@
+"""End-to-end timing of a Transformer LM's forward, backward and optimizer step, with memory and profiles.
+
+:func:`run_bench` builds a ``BasicsTransformerLM`` with random weights, draws one random batch, runs
+``warmup`` untimed steps and then ``steps`` timed ones. The device is synchronised after every phase and
+each phase is timed with ``timeit.default_timer``; a row reports mean, standard deviation and median per
+phase (forward includes the loss), the peak memory allocated in each phase, and, on request, a
+torch.profiler trace with its kernel table and timeline figure (``profile_dir``) or a CUDA memory
+snapshot with its active-memory figure (``memory_dir``). Every step is inside an NVTX/record_function
+range (``warmup`` or ``step``), as is every phase.
+
+Run it as ``uv run cs336 bench`` (see ``--help``); :func:`run_configs` runs a list of configs with a
+progress bar and turns an out-of-memory error into a row with ``status == "oom"``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import itertools
+import statistics
+import timeit
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from cs336_basics.model import BasicsTransformerLM
+from cs336_basics.nn_utils import cross_entropy
+from cs336_basics.optimizer import AdamW
+
+from cs336_harness import memory, profiling
+from cs336_harness.attention_impls import ATTENTION_IMPLS, use_attention
+from cs336_harness.checkpointing import GROUP_SWEEP, apply_checkpointing, parse_policy
+from cs336_harness.presets import DEFAULT_BATCH_SIZE, DEFAULT_CONTEXT_LENGTH, DEFAULT_VOCAB_SIZE, MODEL_SIZES
+from cs336_harness.profiling import annotate
+from cs336_harness.results import append_rows
+
+MODES = ("forward", "forward-backward", "train")
+DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+OPTIMIZERS = ("adamw", "torch-adamw", "fused-adamw")
+LOSSES = ("standard", "fused")
+PHASE_NAMES = profiling.PHASES
+
+
+def default_size() -> str:
+    """``small`` with CUDA, ``tiny`` without, so a bare ``cs336 bench`` finishes in seconds on a CPU."""
+    return "small" if torch.cuda.is_available() else "tiny"
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark run. Model dimensions default to the ``size`` preset; any given one overrides it."""
+
+    size: str = field(default_factory=default_size)
+    d_model: int | None = None
+    d_ff: int | None = None
+    num_layers: int | None = None
+    num_heads: int | None = None
+    vocab_size: int = DEFAULT_VOCAB_SIZE
+    batch_size: int = DEFAULT_BATCH_SIZE
+    context_length: int = DEFAULT_CONTEXT_LENGTH
+    mode: str = "train"
+    warmup: int = 5
+    steps: int = 10
+    dtype: str = "fp32"
+    compile: bool = False
+    attention: str = "eager"
+    optimizer: str = "adamw"
+    loss: str = "standard"
+    checkpoint: str = "none"
+    device: str = field(default_factory=default_device)
+    profile_dir: str | None = None
+    memory_dir: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.size not in MODEL_SIZES:
+            raise ValueError(f"unknown size {self.size!r}; expected one of {', '.join(MODEL_SIZES)}")
+        for name in ("d_model", "d_ff", "num_layers", "num_heads"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        for name in ("vocab_size", "batch_size", "context_length", "steps"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.dims["d_model"] % self.dims["num_heads"] != 0:
+            dims = self.dims
+            raise ValueError(f"d_model ({dims['d_model']}) must be divisible by num_heads ({dims['num_heads']})")
+        choices = {"mode": MODES, "dtype": tuple(DTYPES), "attention": ATTENTION_IMPLS, "optimizer": OPTIMIZERS,
+                   "loss": LOSSES}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        parse_policy(self.checkpoint)
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} asked for, but CUDA is not available here")
+        if self.profile_dir is not None and not self.device.startswith("cuda"):
+            raise ValueError("--profile needs a CUDA device: its kernel table and timeline are built from GPU kernels")
+        if self.memory_dir is not None and not self.device.startswith("cuda"):
+            raise ValueError("--memory needs a CUDA device: it records the CUDA caching allocator")
+        if self.checkpoint != "none" and self.mode == "forward":
+            raise ValueError("--checkpoint only matters with a backward pass; use --mode forward-backward or train")
+
+    @property
+    def dims(self) -> dict[str, int]:
+        preset = asdict(MODEL_SIZES[self.size])
+        return {k: preset[k] if getattr(self, k) is None else getattr(self, k) for k in preset}
+
+    @property
+    def tag(self) -> str:
+        """A short file-name-safe label for outputs of this run."""
+        parts = [self.size, f"ctx{self.context_length}", self.mode, self.dtype]
+        if self.compile:
+            parts.append("compiled")
+        if self.attention != "eager":
+            parts.append(self.attention)
+        if self.checkpoint != "none":
+            parts.append("ckpt-" + self.checkpoint.replace(":", ""))
+        return "_".join(parts)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def hidden_states(model: BasicsTransformerLM, token_ids: torch.Tensor) -> torch.Tensor:
+    """The model's body up to and including the final norm: (batch, seq, d_model)."""
+    x = model.token_embeddings(token_ids)
+    for layer in model.layers:
+        x = layer(x)
+    return model.ln_final(x)
+
+
+def build_model(config: BenchConfig) -> BasicsTransformerLM:
+    torch.manual_seed(config.seed)
+    model = BasicsTransformerLM(
+        vocab_size=config.vocab_size, context_length=config.context_length, device=torch.device(config.device),
+        **config.dims,
+    )
+    return apply_checkpointing(model, config.checkpoint)
+
+
+def build_optimizer(config: BenchConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    params = list(model.parameters())
+    if config.optimizer == "adamw":
+        return AdamW(params, lr=1e-4, weight_decay=0.01)
+    if config.optimizer == "torch-adamw":
+        return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01)
+    from cs336_kernels.fused_adamw import FusedAdamW
+
+    return FusedAdamW(params, lr=1e-4, weight_decay=0.01)
+
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def build_loss_fn(config: BenchConfig, model: BasicsTransformerLM) -> LossFn:
+    """``loss(tokens, targets)`` under the config's loss, compile and autocast choices."""
+    if config.loss == "standard":
+        body = torch.compile(model) if config.compile else model
+
+        def head_loss(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return cross_entropy(out, targets)
+    else:
+        from cs336_kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+
+        def trunk(tokens: torch.Tensor) -> torch.Tensor:
+            return hidden_states(model, tokens)
+
+        body = torch.compile(trunk) if config.compile else trunk
+
+        def head_loss(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            # The fused kernel never materialises the (tokens, vocab) logits.
+            return fused_linear_cross_entropy(out.flatten(0, 1), model.lm_head.weight, targets.flatten())
+
+    dtype = DTYPES[config.dtype]
+    device_type = torch.device(config.device).type
+
+    def loss_fn(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        ctx = torch.autocast(device_type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+        with ctx:
+            return head_loss(body(tokens), targets)
+
+    return loss_fn
+
+
+@dataclass
+class _Recorder:
+    """Per-phase wall times (ms) and peak memory (bytes) of the measured steps."""
+
+    device: str
+    times: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in (*PHASE_NAMES, "step")})
+    peaks: dict[str, int] = field(default_factory=dict)
+    measuring: bool = False
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time ``name``; for the three phases also record the peak memory allocated inside it."""
+        track_peak = self.measuring and self.device.startswith("cuda") and name in PHASE_NAMES
+        if track_peak:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        with annotate(name):
+            t0 = timeit.default_timer()
+            yield
+            _sync(self.device)
+            elapsed = timeit.default_timer() - t0
+        if self.measuring:
+            self.times[name].append(elapsed * 1e3)
+        if track_peak:
+            self.peaks[name] = max(self.peaks.get(name, 0), torch.cuda.max_memory_allocated(self.device))
+
+
+def _summary(name: str, values: list[float]) -> dict[str, Any]:
+    if not values:
+        return {}
+    return {
+        f"{name}_ms_mean": statistics.fmean(values),
+        f"{name}_ms_std": statistics.stdev(values) if len(values) > 1 else 0.0,
+        f"{name}_ms_median": statistics.median(values),
+        f"{name}_ms_all": [round(v, 4) for v in values],
+    }
+
+
+def config_fields(config: BenchConfig) -> dict[str, Any]:
+    """The row fields that say what was run (model dims resolved, output folders left out)."""
+    row = {k: v for k, v in asdict(config).items() if k not in ("profile_dir", "memory_dir", "seed")}
+    row.update(config.dims)
+    return row
+
+
+def run_bench(config: BenchConfig) -> dict[str, Any]:
+    """Run one config and return its row (timings, peaks, parameters; no provenance)."""
+    model = build_model(config)
+    optimizer = build_optimizer(config, model) if config.mode == "train" else None
+    loss_fn = build_loss_fn(config, model)
+    gen = torch.Generator(device=config.device).manual_seed(config.seed)
+    shape = (config.batch_size, config.context_length)
+    tokens = torch.randint(0, config.vocab_size, shape, device=config.device, generator=gen)
+    targets = torch.randint(0, config.vocab_size, shape, device=config.device, generator=gen)
+    rec = _Recorder(config.device)
+
+    def one_step() -> None:
+        grad_ctx = torch.no_grad() if config.mode == "forward" else contextlib.nullcontext()
+        with rec.phase("forward"), grad_ctx:
+            loss = loss_fn(tokens, targets)
+        if config.mode == "forward":
+            return
+        with rec.phase("backward"):
+            loss.backward()
+        if optimizer is None:
+            model.zero_grad(set_to_none=True)
+            return
+        with rec.phase("optimizer"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    row: dict[str, Any] = {**config_fields(config), "params": sum(p.numel() for p in model.parameters())}
+    with use_attention(config.attention):
+        for _ in range(config.warmup):
+            with annotate("warmup"):
+                one_step()
+        _sync(config.device)
+        rec.measuring = True
+        with contextlib.ExitStack() as stack:
+            if config.memory_dir is not None:
+                snap = Path(config.memory_dir) / f"memory_{config.tag}.pickle"
+                stack.enter_context(memory.record_memory_history(snap))
+            prof = stack.enter_context(_profiler()) if config.profile_dir is not None else None
+            for _ in range(config.steps):
+                with rec.phase("step"):
+                    one_step()
+        if prof is not None:
+            row["profile"] = _write_profile(prof, config)
+        if config.memory_dir is not None:
+            row["memory"] = _write_memory(config)
+    row["status"] = "ok"
+    for name in (*PHASE_NAMES, "step"):
+        row.update(_summary(name, rec.times[name]))
+    for name, peak in rec.peaks.items():
+        row[f"peak_{name}_gib"] = peak / 2**30
+    if rec.peaks:
+        row["peak_step_gib"] = max(rec.peaks.values()) / 2**30
+    return row
+
+
+@contextlib.contextmanager
+def _profiler() -> Iterator[torch.profiler.profile]:
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        yield prof
+
+
+def _write_profile(prof: torch.profiler.profile, config: BenchConfig) -> dict[str, Any]:
+    out = Path(config.profile_dir or ".")
+    out.mkdir(parents=True, exist_ok=True)
+    trace = out / f"trace_{config.tag}.json.gz"
+    prof.export_chrome_trace(str(trace))
+    events = profiling.load_trace(trace)
+    kernels = profiling.kernel_table(events, num_steps=config.steps)
+    append_rows(out / "kernels.jsonl", [{**config_fields(config), **k} for k in kernels])
+    png = profiling.plot_timeline(events, out / f"timeline_{config.tag}.png", title=config.tag)
+    shares = {f"share_{k}": v for k, v in profiling.class_shares(events, "forward").items()}
+    return {"trace": str(trace), "timeline": str(png), "forward_kernel_classes": shares,
+            "step_kernel_classes": profiling.class_shares(events, "step")}
+
+
+def _write_memory(config: BenchConfig) -> dict[str, Any]:
+    snap_path = Path(config.memory_dir or ".") / f"memory_{config.tag}.pickle"
+    snapshot = memory.load_snapshot(snap_path)
+    png = memory.plot_active_memory(snapshot, snap_path.with_suffix(".png"), title=config.tag)
+    return {"snapshot": str(snap_path), "timeline": str(png), "largest": memory.largest_allocations(snapshot)}
+
+
+def _free_device_memory(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def run_one(config: BenchConfig) -> dict[str, Any]:
+    """:func:`run_bench`, with an out-of-memory error turned into a row instead of an exception."""
+    try:
+        return run_bench(config)
+    except torch.OutOfMemoryError:
+        pass
+    finally:
+        # After the handler: only then are the failed run's frames, and the tensors they hold, gone.
+        _free_device_memory(config.device)
+    row: dict[str, Any] = {**config_fields(config), "status": "oom"}
+    snap = Path(config.memory_dir or ".") / f"memory_{config.tag}.pickle"
+    if config.memory_dir is not None and snap.exists():
+        row["memory"] = _write_memory(config)
+    return row
+
+
+def run_configs(configs: Sequence[BenchConfig], progress: bool = True) -> list[dict[str, Any]]:
+    """Run each config in turn (a tqdm bar when there are several); OOM configs give ``status == 'oom'`` rows."""
+    from tqdm import tqdm
+
+    rows = []
+    bar = tqdm(configs, desc="bench", disable=not progress or len(configs) < 2, leave=False)
+    for config in bar:
+        bar.set_postfix_str(config.tag)
+        rows.append(run_one(config))
+    return rows
+
+
+TABLE_COLUMNS = (
+    "size", "context_length", "mode", "dtype", "checkpoint", "status",
+    "forward_ms_mean", "forward_ms_std", "backward_ms_mean", "backward_ms_std",
+    "optimizer_ms_mean", "optimizer_ms_std", "step_ms_median", "peak_step_gib",
+)
+
+SWEEP_SIZES = ("small", "medium", "large", "xl", "10B")
+SWEEP_CONTEXT_LENGTHS = (128, 256, 512, 1024)
+
+
+def expand_configs(
+    base: BenchConfig,
+    sizes: Sequence[str] = (),
+    context_lengths: Sequence[int] = (),
+    dtypes: Sequence[str] = (),
+    attentions: Sequence[str] = (),
+    checkpoints: Sequence[str] = (),
+) -> list[BenchConfig]:
+    """Every combination of the given values (an empty sequence keeps ``base``'s value).
+
+    A checkpoint value of ``groups`` stands for ``group:K`` for each K in
+    :data:`cs336_harness.checkpointing.GROUP_SWEEP` up to the model's number of layers.
+    """
+    configs = []
+    for size, ctx, dtype, attn, ckpt in itertools.product(
+        sizes or (base.size,), context_lengths or (base.context_length,), dtypes or (base.dtype,),
+        attentions or (base.attention,), checkpoints or (base.checkpoint,),
+    ):
+        config = replace(base, size=size, context_length=ctx, dtype=dtype, attention=attn)
+        if ckpt == "groups":
+            n = config.dims["num_layers"]
+            configs += [replace(config, checkpoint=f"group:{k}") for k in GROUP_SWEEP if k <= n]
+        else:
+            configs.append(replace(config, checkpoint=ckpt))
+    return configs

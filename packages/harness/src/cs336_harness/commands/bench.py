@@ -1,0 +1,104 @@
+"""``cs336 bench``: time forward, backward and optimizer phases of a Transformer LM; optional profile and memory.
+
+Examples::
+
+    uv run cs336 bench                                   # seconds on a CPU (size tiny), small on a GPU
+    uv run cs336 bench --size xl --mode train --dtype fp32,bf16 --out results.jsonl
+    uv run cs336 bench --sweep --steps 10 --warmup 5     # sizes small..10B x contexts 128..1024
+    uv run cs336 bench --size small --attention annotated --profile prof/
+    uv run cs336 bench --size xl --context-length 2048 --checkpoint groups --warmup 1 --steps 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from typing import Any
+
+from cs336_harness import bench
+from cs336_harness.attention_impls import ATTENTION_IMPLS
+from cs336_harness.presets import MODEL_SIZES
+from cs336_harness.results import append_rows, format_table
+
+HELP = "time forward/backward/optimizer of a Transformer LM (size tiny without CUDA, small with it)"
+
+
+def _csv(convert: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
+    def parse(text: str) -> tuple[Any, ...]:
+        items = tuple(convert(v) for v in text.split(",") if v.strip())
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+        return items
+
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = __doc__.split("Examples::", 1)[1]
+    g = parser.add_argument_group("model (a comma-separated list runs each value)")
+    g.add_argument("--size", type=_csv(str), default=(),
+                   help=f"preset(s): {', '.join(MODEL_SIZES)} (default: small with CUDA, tiny without)")
+    for name in ("d-model", "d-ff", "num-layers", "num-heads"):
+        g.add_argument(f"--{name}", type=int, default=None, help=f"override the preset's {name}")
+    g.add_argument("--vocab-size", type=int, default=bench.DEFAULT_VOCAB_SIZE, help="default 10000")
+    g.add_argument("--batch-size", type=int, default=bench.DEFAULT_BATCH_SIZE, help="default 4")
+    g.add_argument("--context-length", type=_csv(int), default=(), help="default 512")
+    r = parser.add_argument_group("run")
+    r.add_argument("--mode", default="train", help="forward (no grad) | forward-backward | train (default)")
+    r.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    r.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+    r.add_argument("--dtype", type=_csv(str), default=(), help="fp32 (default) | bf16 (autocast)")
+    r.add_argument("--compile", action="store_true", help="torch.compile the model")
+    r.add_argument("--attention", type=_csv(str), default=(), help=f"{' | '.join(ATTENTION_IMPLS)} (default eager)")
+    r.add_argument("--optimizer", default="adamw", help="adamw (ours, default) | torch-adamw | fused-adamw")
+    r.add_argument("--loss", default="standard", help="standard | fused (fused linear + cross-entropy kernel)")
+    r.add_argument("--checkpoint", type=_csv(str), default=(),
+                   help="none (default) | all | group:K | first:N | sqrt | nested[:B] | selective | groups "
+                        "(= group:K for K in 1,2,3,4,6,8,16,32 up to num_layers)")
+    r.add_argument("--sweep", action="store_true",
+                   help=f"sizes {','.join(bench.SWEEP_SIZES)} x contexts "
+                        f"{','.join(map(str, bench.SWEEP_CONTEXT_LENGTHS))} unless --size/--context-length given")
+    r.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+    o = parser.add_argument_group("outputs")
+    o.add_argument("--profile", metavar="DIR", default=None,
+                   help="CUDA only: torch.profiler trace, kernel table (kernels.jsonl) and timeline PNG in DIR")
+    o.add_argument("--memory", metavar="DIR", default=None,
+                   help="CUDA only: memory snapshot pickle (for pytorch.org/memory_viz) and its PNG in DIR")
+    o.add_argument("--out", metavar="FILE", default=None, help="append rows (with provenance) to this JSONL file")
+
+
+def configs_from_args(args: argparse.Namespace) -> list[bench.BenchConfig]:
+    """Turn parsed flags into validated configs (raises ValueError with a message on a bad value)."""
+    base = bench.BenchConfig(
+        d_model=args.d_model, d_ff=args.d_ff, num_layers=args.num_layers, num_heads=args.num_heads,
+        vocab_size=args.vocab_size, batch_size=args.batch_size, mode=args.mode, warmup=args.warmup,
+        steps=args.steps, compile=args.compile, optimizer=args.optimizer, loss=args.loss,
+        profile_dir=args.profile, memory_dir=args.memory,
+        **({"device": args.device} if args.device else {}),
+    )
+    sizes = args.size or (bench.SWEEP_SIZES if args.sweep else ())
+    contexts = args.context_length or (bench.SWEEP_CONTEXT_LENGTHS if args.sweep else ())
+    return bench.expand_configs(base, sizes, contexts, args.dtype, args.attention, args.checkpoint)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        configs = configs_from_args(args)
+    except ValueError as e:
+        raise SystemExit(f"cs336 bench: {e}") from None
+    rows = bench.run_configs(configs)
+    print(format_table(rows, [c for c in bench.TABLE_COLUMNS if any(c in r for r in rows)], floatfmt=".2f"))
+    for row in rows:
+        for key in ("profile", "memory"):
+            if row.get(key):
+                print(f"{row['size']} ctx {row['context_length']} {key}: {json.dumps(row[key], indent=None)}")
+    if len({r["checkpoint"] for r in rows}) > 1:
+        ok = [r for r in rows if r["status"] == "ok" and "peak_step_gib" in r]
+        if ok:
+            best = min(ok, key=lambda r: r["peak_step_gib"])
+            print(f"lowest peak: checkpoint {best['checkpoint']} at {best['peak_step_gib']:.2f} GiB")
+    if args.out:
+        append_rows(args.out, rows)
+    return 0

@@ -1,0 +1,109 @@
+"""``cs336 collectives``: all-reduce, reduce-scatter and all-gather time and bandwidth over sizes,
+world sizes and backends.
+
+Examples::
+
+    uv run cs336 collectives                              # gloo, world sizes 2,4,6, sizes 1,10,100 MiB
+    uv run cs336 collectives --backends nccl --world-sizes 1,2 --sizes-mb 1,10,100,1024 \\
+        --out writeup/results/collectives.jsonl --plot writeup/figures/collectives.png
+    torchrun --nproc-per-node 2 -m cs336_harness.cli collectives --backends nccl
+    uv run cs336 collectives --markdown writeup/results/collectives.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from cs336_comms.collectives import OPS, plot_collectives, run_collectives
+from cs336_comms.process_group import launched_by_torchrun
+
+from cs336_harness.ddp_bench import collectives_markdown
+from cs336_harness.results import append_rows, format_table, read_rows
+
+HELP = "benchmark all-reduce / reduce-scatter / all-gather over sizes, world sizes and backends"
+_HANDOUT_WORLD_SIZES = (2, 4, 6)
+
+
+@dataclass(frozen=True)
+class CollectivesConfig:
+    backends: tuple[str, ...]
+    world_sizes: tuple[int, ...]
+    sizes_mb: tuple[float, ...]
+    ops: tuple[str, ...] = OPS
+    warmup: int = 5
+    iters: int = 20
+
+    def __post_init__(self) -> None:
+        if not self.backends or any(b not in ("gloo", "nccl") for b in self.backends):
+            raise ValueError(f"backends must be gloo and/or nccl, got {self.backends}")
+        if "nccl" in self.backends and not torch.cuda.is_available():
+            raise ValueError("backend nccl needs CUDA GPUs; use --backends gloo on CPU")
+        if not self.world_sizes or any(n < 1 for n in self.world_sizes):
+            raise ValueError(f"world sizes must be positive, got {self.world_sizes}")
+        if "nccl" in self.backends and max(self.world_sizes) > torch.cuda.device_count():
+            raise ValueError(f"nccl world sizes {self.world_sizes} exceed the {torch.cuda.device_count()} GPUs")
+        if not self.sizes_mb or any(s <= 0 for s in self.sizes_mb):
+            raise ValueError(f"sizes must be positive MiB values, got {self.sizes_mb}")
+        if not self.ops or any(op not in OPS for op in self.ops):
+            raise ValueError(f"ops must be a subset of {OPS}, got {self.ops}")
+        if self.warmup < 0 or self.iters < 1:
+            raise ValueError(f"need warmup >= 0 and iters >= 1, got {self.warmup}, {self.iters}")
+
+
+def _csv(convert: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
+    return lambda text: tuple(convert(v) for v in text.split(",") if v.strip())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = __doc__.split("Examples::", 1)[1]
+    parser.add_argument("--backends", type=_csv(str), default=None,
+                        help="gloo,nccl (default: nccl with CUDA, else gloo)")
+    parser.add_argument("--world-sizes", type=_csv(int), default=None,
+                        help="default 2,4,6 (nccl: those the GPUs allow); under torchrun: its world size")
+    parser.add_argument("--sizes-mb", type=_csv(float), default=(1, 10, 100),
+                        help="float32 tensor sizes in MiB (default 1,10,100; the handout adds 1024)")
+    parser.add_argument("--ops", type=_csv(str), default=OPS, help=f"subset of {','.join(OPS)} (default all)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed calls per size (default 5)")
+    parser.add_argument("--iters", type=int, default=20, help="timed calls per size (default 20)")
+    parser.add_argument("--out", default=None, help="append rows (with provenance) to this JSONL file")
+    parser.add_argument("--plot", default=None, help="write bandwidth and time against size to this PNG")
+    parser.add_argument("--markdown", metavar="ROWS", default=None,
+                        help="print the all-reduce rows of this JSONL file as a markdown table and exit")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.markdown:
+        print(collectives_markdown(read_rows(args.markdown)))
+        return 0
+    backends = args.backends or (("nccl",) if torch.cuda.is_available() else ("gloo",))
+    if launched_by_torchrun():
+        world_sizes = (int(os.environ["WORLD_SIZE"]),)
+    elif args.world_sizes:
+        world_sizes = args.world_sizes
+    elif "nccl" in backends:
+        world_sizes = tuple(n for n in _HANDOUT_WORLD_SIZES if n <= torch.cuda.device_count()) or (1,)
+    else:
+        world_sizes = _HANDOUT_WORLD_SIZES
+    try:
+        config = CollectivesConfig(backends, world_sizes, args.sizes_mb, args.ops, args.warmup, args.iters)
+    except ValueError as e:
+        raise SystemExit(f"cs336 collectives: {e}") from None
+    sizes_bytes = [int(mb * 2**20) for mb in config.sizes_mb]
+    rows = []
+    for backend in config.backends:
+        for ws in config.world_sizes:
+            rows += run_collectives(ws, backend, sizes_bytes, config.ops, config.warmup, config.iters)
+    if not rows:  # a torchrun rank other than 0
+        return 0
+    print(format_table(rows, ["op", "backend", "world_size", "size_mb", "time_ms", "algbw_gbps", "busbw_gbps"]))
+    if args.plot:
+        print(f"plot: {plot_collectives(rows, args.plot)}")
+    if args.out:
+        append_rows(args.out, rows)
+    return 0

@@ -1,0 +1,387 @@
+"""Data-parallel training steps of the Transformer LM: our four DDP wrappers against torch's DDP.
+
+Every rank builds a ``BasicsTransformerLM`` of a preset size, wraps it (``naive``, ``flat``,
+``overlapped``, ``bucketed`` from :mod:`cs336_comms.ddp`, ``torch_ddp`` =
+``torch.nn.parallel.DistributedDataParallel`` with the same bucket size, or ``nocomm``: the bare model,
+no gradient exchange, the compute-only reference) and trains on a random batch of
+``global_batch / world_size`` sequences with our AdamW, in fp32 or under bf16 autocast.
+
+What is measured, per (dtype, variant):
+
+- ``step_ms``: median wall time of a whole step (forward, backward, gradient sync, optimizer), the
+  device synchronised around each step; the slowest rank's median.
+- ``overhead_ms``: ``step_ms`` minus the ``nocomm`` step of the same dtype in the same run. This is
+  the end-to-end price of data parallelism, including compute slowed by NCCL kernels sharing the GPU.
+- ``comm_ms`` and ``exposed_comm_ms`` from a ``torch.profiler`` trace of one more step on rank 0: the
+  time NCCL kernels run, and the part of it when no compute kernel runs. Only the exposed part can
+  lengthen the step; the trace measures it directly for every variant, torch's DDP included (whose
+  waits happen inside ``backward``, where timing ``finish_gradient_synchronization`` would miss them).
+
+The same trace renders the timeline figure (:func:`plot_timelines`): compute kernels coloured by the
+phase that launched them and NCCL kernels on their own row, one time axis per variant.
+
+Run it as ``uv run cs336 ddp`` (``--help``); on CPU it uses gloo and the ``tiny`` preset quickly. Under
+``torchrun --nproc-per-node N -m cs336_harness.cli ddp --world-size N`` the same code joins torchrun's
+group. Nsight users get the same labels: every phase is an NVTX range as well.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from cs336_basics.model import BasicsTransformerLM
+from cs336_basics.nn_utils import cross_entropy
+from cs336_basics.optimizer import AdamW
+from cs336_comms.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlappedDDP
+from cs336_comms.process_group import default_backend, run_ranks
+
+from cs336_harness import profiling
+from cs336_harness.presets import DEFAULT_CONTEXT_LENGTH, DEFAULT_VOCAB_SIZE, MODEL_SIZES
+from cs336_harness.results import markdown_table
+
+VARIANTS: tuple[str, ...] = ("nocomm", "naive", "flat", "overlapped", "bucketed", "torch_ddp")
+DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
+STEP_PHASES: tuple[str, ...] = ("forward", "backward", "grad_sync", "optimizer")
+
+
+@dataclass(frozen=True)
+class DDPBenchConfig:
+    size: str = "xl"
+    context_length: int = DEFAULT_CONTEXT_LENGTH
+    global_batch: int = 4
+    world_size: int = 2
+    backend: str | None = None  # nccl with GPUs, gloo without
+    dtypes: tuple[str, ...] = ("fp32",)
+    variants: tuple[str, ...] = VARIANTS
+    bucket_size_mb: float = 25.0
+    warmup: int = 2
+    steps: int = 5
+    vocab_size: int = DEFAULT_VOCAB_SIZE
+    trace_dir: str | None = None  # where rank 0's per-variant traces go; None: a temporary folder
+    lr: float = 1e-4
+
+    def __post_init__(self) -> None:
+        if self.size not in MODEL_SIZES:
+            raise ValueError(f"size must be one of {sorted(MODEL_SIZES)}, got {self.size!r}")
+        if self.world_size < 1 or self.global_batch % self.world_size != 0:
+            raise ValueError(
+                f"global_batch ({self.global_batch}) must be a positive multiple of world_size ({self.world_size})"
+            )
+        if self.global_batch < 1 or self.context_length < 1 or self.vocab_size < 2:
+            raise ValueError("global_batch and context_length must be positive and vocab_size at least 2, got "
+                             f"{self.global_batch}, {self.context_length}, {self.vocab_size}")
+        if self.backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo', 'nccl' or None, got {self.backend!r}")
+        if not self.dtypes or any(d not in DTYPES for d in self.dtypes):
+            raise ValueError(f"dtypes must be a non-empty subset of {list(DTYPES)}, got {self.dtypes}")
+        if not self.variants or any(v not in VARIANTS for v in self.variants):
+            raise ValueError(f"variants must be a non-empty subset of {list(VARIANTS)}, got {self.variants}")
+        if self.bucket_size_mb <= 0 or self.warmup < 0 or self.steps < 1:
+            raise ValueError(f"need bucket_size_mb > 0, warmup >= 0, steps >= 1; got {self.bucket_size_mb}, "
+                             f"{self.warmup}, {self.steps}")
+
+    @property
+    def resolved_backend(self) -> str:
+        return self.backend or default_backend()
+
+
+def _wrap(variant: str, model: nn.Module, device: torch.device, bucket_size_mb: float) -> nn.Module:
+    if variant == "nocomm":
+        return model
+    if variant == "torch_ddp":
+        device_ids = [device.index] if device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_size_mb)
+    if variant == "bucketed":
+        return BucketedDDP(model, bucket_size_mb=bucket_size_mb)
+    return {"naive": NaiveDDP, "flat": FlatDDP, "overlapped": OverlappedDDP}[variant](model)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _make_step(config: DDPBenchConfig, wrapped: nn.Module, optimizer: torch.optim.Optimizer, dtype: str,
+               device: torch.device, rank: int) -> Callable[[], None]:
+    local_batch = config.global_batch // config.world_size
+    g = torch.Generator().manual_seed(1000 + rank)  # each rank its own shard of the global batch
+    tokens = torch.randint(0, config.vocab_size, (local_batch, config.context_length + 1), generator=g).to(device)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B/n, T)
+    autocast_dtype = DTYPES[dtype]
+    finish = getattr(wrapped, "finish_gradient_synchronization", lambda: None)
+
+    def step() -> None:
+        with profiling.annotate("forward"), torch.autocast(
+            device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None
+        ):
+            loss = cross_entropy(wrapped(inputs), targets)
+        with profiling.annotate("backward"):
+            loss.backward()
+        with profiling.annotate("grad_sync"):
+            finish()
+        with profiling.annotate("optimizer"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _bench_variant(config: DDPBenchConfig, variant: str, dtype: str, rank: int, device: torch.device,
+                   trace_path: Path) -> dict[str, Any]:
+    size = MODEL_SIZES[config.size]
+    torch.manual_seed(rank)  # different weights per rank: the wrappers must broadcast rank 0's
+    model = BasicsTransformerLM(
+        config.vocab_size, config.context_length, size.d_model, size.num_layers, size.num_heads, size.d_ff,
+        device=device,
+    )
+    wrapped = _wrap(variant, model, device, config.bucket_size_mb)
+    optimizer = AdamW(model.parameters(), lr=config.lr)
+    step = _make_step(config, wrapped, optimizer, dtype, device, rank)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(config.warmup):
+        with profiling.annotate("warmup"):
+            step()
+    times = []
+    for _ in range(config.steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        with profiling.annotate("step"):
+            step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    _sync(device)
+    with torch.profiler.profile(activities=activities) as prof:
+        with profiling.annotate("step"):
+            step()
+        _sync(device)
+    if rank == 0:
+        prof.export_chrome_trace(str(trace_path))
+    slowest = torch.tensor([statistics.median(times), max(times)], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    del step, optimizer, wrapped, model, prof
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {
+        "variant": variant, "dtype": dtype, "step_ms": float(slowest[0]) * 1e3,
+        "step_max_ms": float(slowest[1]) * 1e3, "peak_mem_gib": peak, "trace": trace_path.name,
+    }
+
+
+def _rank_main(rank: int, world_size: int, config: DDPBenchConfig, trace_dir: str, out_path: str) -> None:
+    device = (torch.device("cuda", torch.cuda.current_device()) if config.resolved_backend == "nccl"
+              else torch.device("cpu"))
+    rows = []
+    for dtype in config.dtypes:
+        for variant in config.variants:
+            rows.append(_bench_variant(config, variant, dtype, rank, device,
+                                       Path(trace_dir) / f"{dtype}_{variant}.json"))
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(rows))
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _length(spans: list[tuple[float, float]]) -> float:
+    return sum(e - s for s, e in spans)
+
+
+def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Overlap of two sorted, disjoint span lists."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if lo < hi:
+            out.append((lo, hi))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def is_comm_kernel(name: str) -> bool:
+    return "nccl" in name.lower()
+
+
+def comm_overlap(events: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+    """NCCL kernel time and the part of it with no compute kernel running, in ms, from one step's trace.
+
+    Returns None values for a trace without GPU kernels (a CPU run).
+    """
+    acts = [a for a in profiling.gpu_activities(events) if a["dur"] > 0]
+    if not acts:
+        return {"comm_ms": None, "exposed_comm_ms": None, "gpu_span_ms": None}
+    comm = _union([(a["ts"], a["ts"] + a["dur"]) for a in acts if is_comm_kernel(a["name"])])
+    compute = _union([(a["ts"], a["ts"] + a["dur"]) for a in acts if not is_comm_kernel(a["name"])])
+    span = max(a["ts"] + a["dur"] for a in acts) - min(a["ts"] for a in acts)
+    return {
+        "comm_ms": _length(comm) / 1e3,
+        "exposed_comm_ms": (_length(comm) - _length(_intersection(comm, compute))) / 1e3,
+        "gpu_span_ms": span / 1e3,
+    }
+
+
+def run_ddp_bench(config: DDPBenchConfig) -> list[dict[str, Any]]:
+    """Benchmark every (dtype, variant) of ``config``; rows carry the config and the trace metrics.
+
+    Under torchrun only rank 0 returns rows (the others return []). Traces stay in ``config.trace_dir``
+    when it is given.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        trace_dir = Path(config.trace_dir or tmp)
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        out = Path(tmp) / "rows.json"
+        if not run_ranks(_rank_main, config.world_size, config, str(trace_dir), str(out),
+                         backend=config.resolved_backend, timeout_s=600):
+            return []
+        rows = json.loads(out.read_text())
+        for row in rows:
+            row.update(comm_overlap(profiling.load_trace(trace_dir / row["trace"])))
+    nocomm = {r["dtype"]: r["step_ms"] for r in rows if r["variant"] == "nocomm"}
+    fields = {k: v for k, v in asdict(config).items() if k not in ("dtypes", "variants", "trace_dir")}
+    fields["backend"] = config.resolved_backend
+    for row in rows:
+        base = nocomm.get(row["dtype"])
+        row["overhead_ms"] = None if base is None else row["step_ms"] - base
+        row["exposed_share"] = None if row["exposed_comm_ms"] is None else row["exposed_comm_ms"] / row["step_ms"]
+        row.update(fields)
+    return rows
+
+
+def _phase_spans(events: Sequence[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for e in events:
+        if e.get("cat") == "user_annotation" and e.get("ph") == "X" and e["name"] in STEP_PHASES:
+            spans.setdefault(e["name"], []).append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
+    return spans
+
+
+def plot_timelines(traces: dict[str, Sequence[dict[str, Any]]], path: str | Path, title: str = "") -> Path:
+    """One panel per trace (label -> events): CPU phase ranges, compute kernels coloured by the phase
+    that launched them, and NCCL kernels, all on one time axis from the step's first event.
+
+    On a CPU trace (no kernels) the panel shows the phases and the gloo collectives the CPU issued.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"forward": "tab:blue", "backward": "tab:orange", "grad_sync": "tab:red", "optimizer": "tab:green",
+              "other": "tab:gray", "comm": "tab:purple"}
+    fig, axes = plt.subplots(len(traces), 1, figsize=(13, 1.5 * len(traces) + 0.6), squeeze=False)
+    for ax, (label, events) in zip(axes[:, 0], traces.items(), strict=True):
+        phases = _phase_spans(events)
+        acts = [a for a in profiling.gpu_activities(events) if a["dur"] > 0]
+        if acts:
+            profiling.label_activities(acts, events)
+            compute = [a for a in acts if not is_comm_kernel(a["name"])]
+            comm = [(a["ts"], a["dur"]) for a in acts if is_comm_kernel(a["name"])]
+            rows = {"compute": compute}
+        else:  # CPU: the collectives are CPU ops named after c10d's functions
+            comm = [(float(e["ts"]), float(e["dur"])) for e in events if e.get("cat") == "cpu_op"
+                    and any(k in e["name"] for k in ("allreduce", "all_reduce"))]
+            rows = {}
+        t0 = min([s for spans in phases.values() for s, _ in spans] + [a["ts"] for a in acts] + [s for s, _ in comm])
+        for phase, spans in phases.items():
+            ax.broken_barh([((s - t0) / 1e3, (e - s) / 1e3) for s, e in spans], (0.6, 0.8), color=colors[phase])
+        for phase in (*STEP_PHASES, "other"):
+            mine = [((a["ts"] - t0) / 1e3, a["dur"] / 1e3) for a in rows.get("compute", [])
+                    if next((p for p in STEP_PHASES if p in a["ranges"]), "other") == phase]
+            ax.broken_barh(mine, (1.6, 0.8), color=colors[phase])
+        ax.broken_barh([((s - t0) / 1e3, d / 1e3) for s, d in comm], (2.6, 0.8), color=colors["comm"])
+        ax.set_yticks([1, 2, 3], ["CPU phases", "GPU compute" if acts else "", "NCCL" if acts else "gloo calls"])
+        ax.set_ylim(0.4, 3.6)
+        ax.invert_yaxis()
+        ax.set_title(label, fontsize=9, loc="left")
+        ax.grid(True, axis="x", alpha=0.3)
+    axes[-1, 0].set_xlabel("time since the step's first event (ms)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    fig.legend(handles, list(colors), loc="upper right", ncol=len(colors), fontsize=8)
+    if title:
+        fig.suptitle(title, x=0.01, ha="left", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+DDP_COLUMNS = ("dtype", "variant", "step_ms", "overhead_ms", "comm_ms", "exposed_comm_ms", "exposed_share",
+               "peak_mem_gib")
+DDP_HEADERS = ("dtype", "wrapper", "step (ms)", "vs no-comm step (ms)", "NCCL kernels (ms)",
+               "NCCL not overlapped (ms)", "not overlapped / step", "peak memory (GiB)")
+
+
+def ddp_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """The DDP rows as a markdown table, one line per (dtype, wrapper) in run order."""
+    return markdown_table(rows, DDP_COLUMNS, DDP_HEADERS, floatfmt=".3g")
+
+
+def collectives_markdown(rows: Sequence[dict[str, Any]], op: str = "all_reduce") -> str:
+    """Bus bandwidth (GB/s) and time (ms) of ``op``: one line per (backend, world size), one column per size."""
+    chosen = [r for r in rows if r["op"] == op]
+    sizes = sorted({r["bytes"] for r in chosen})
+    lines = []
+    for backend, ws in sorted({(r["backend"], r["world_size"]) for r in chosen}):
+        line: dict[str, Any] = {"backend": backend, "world_size": ws}
+        for r in chosen:
+            if (r["backend"], r["world_size"]) == (backend, ws):
+                line[r["bytes"]] = f"{r['busbw_gbps']:.3g} GB/s, {r['time_ms']:.3g} ms"
+        lines.append(line)
+    headers = ["backend", "ranks", *(_size_label(b) for b in sizes)]
+    return markdown_table(lines, ["backend", "world_size", *sizes], headers)
+
+
+def _size_label(nbytes: int) -> str:
+    mib = nbytes / 2**20
+    return f"{mib / 1024:.3g} GiB" if mib >= 1024 else f"{mib:.3g} MiB"
+
+
+def timeline_figure_from_rows(rows: Sequence[dict[str, Any]], trace_dir: str | Path, dtype: str,
+                              path: str | Path) -> Path:
+    """:func:`plot_timelines` of every variant of ``dtype`` in ``rows`` from the traces in ``trace_dir``."""
+    chosen = [r for r in rows if r["dtype"] == dtype]
+    if not chosen:
+        raise ValueError(f"no rows with dtype {dtype!r}; have {sorted({r['dtype'] for r in rows})}")
+    traces = {
+        f"{r['variant']}: step {r['step_ms']:.1f} ms" + (
+            f", NCCL {r['comm_ms']:.1f} ms of which {r['exposed_comm_ms']:.1f} ms not overlapped"
+            if r.get("comm_ms") is not None else ""
+        ): profiling.load_trace(Path(trace_dir) / r["trace"])
+        for r in chosen
+    }
+    r0 = chosen[0]
+    title = (f"{r0['size']}, context {r0['context_length']}, global batch {r0['global_batch']}, "
+             f"{r0['world_size']} ranks ({r0['backend']}), {dtype}: one profiled step on rank 0")
+    return plot_timelines(traces, path, title)
+
+
+__all__ = ["DDPBenchConfig", "VARIANTS", "run_ddp_bench", "comm_overlap", "plot_timelines", "ddp_markdown",
+           "collectives_markdown", "timeline_figure_from_rows"]

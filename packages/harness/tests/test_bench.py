@@ -1,0 +1,98 @@
+"""cs336 bench: flags become validated configs, and a tiny CPU run gives well-formed rows."""
+
+from __future__ import annotations
+
+import pytest
+from cs336_harness import bench, cli
+from cs336_harness.commands.bench import configs_from_args
+from cs336_harness.results import read_rows
+
+PROVENANCE_KEYS = ("command", "device", "torch", "triton", "python", "commit", "date")
+TINY = ["--size", "tiny", "--batch-size", "2", "--context-length", "17", "--warmup", "1", "--steps", "2"]
+
+
+def _configs(*argv: str) -> list[bench.BenchConfig]:
+    return configs_from_args(cli.build_parser().parse_args(["bench", *argv]))
+
+
+def test_flags_parse_into_configs() -> None:
+    configs = _configs("--size", "tiny,small", "--context-length", "33,64", "--dtype", "bf16", "--num-layers", "3",
+                       "--mode", "forward-backward", "--warmup", "0", "--steps", "7", "--attention", "sdpa",
+                       "--checkpoint", "group:2", "--vocab-size", "101", "--device", "cpu")
+    assert [(c.size, c.context_length) for c in configs] == [("tiny", 33), ("tiny", 64), ("small", 33), ("small", 64)]
+    c = configs[0]
+    assert (c.dtype, c.mode, c.warmup, c.steps, c.attention, c.checkpoint, c.vocab_size) == (
+        "bf16", "forward-backward", 0, 7, "sdpa", "group:2", 101)
+    assert c.dims == {"d_model": 64, "d_ff": 256, "num_layers": 3, "num_heads": 4}
+    assert configs[2].dims["d_model"] == 768 and configs[2].dims["num_layers"] == 3
+
+
+def test_groups_expand_to_single_level_sizes_up_to_depth() -> None:
+    configs = _configs("--size", "tiny", "--num-layers", "5", "--checkpoint", "none,groups")
+    assert [c.checkpoint for c in configs] == ["none", "group:1", "group:2", "group:3", "group:4"]
+
+
+def test_defaults_without_cuda_are_tiny_on_cpu() -> None:
+    config = bench.BenchConfig()
+    if not bench.torch.cuda.is_available():
+        assert (config.size, config.device) == ("tiny", "cpu")
+    assert (config.vocab_size, config.batch_size, config.context_length) == (10_000, 4, 512)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"size": "huge"}, "unknown size"),
+        ({"context_length": 0}, "context_length must be positive"),
+        ({"warmup": -1}, "warmup must be >= 0"),
+        ({"mode": "inference"}, "mode must be one of"),
+        ({"dtype": "fp8"}, "dtype must be one of"),
+        ({"attention": "magic"}, "attention must be one of"),
+        ({"optimizer": "sgd"}, "optimizer must be one of"),
+        ({"checkpoint": "group"}, "needs a count"),
+        ({"checkpoint": "group:0"}, "count >= 1"),
+        ({"checkpoint": "every"}, "unknown checkpoint policy"),
+        ({"num_heads": 3}, "divisible by num_heads"),
+        ({"checkpoint": "all", "mode": "forward"}, "backward pass"),
+    ],
+)
+def test_bad_values_are_rejected_with_a_message(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        bench.BenchConfig(size=kwargs.pop("size", "tiny"), device="cpu", **kwargs)
+
+
+def test_cli_reports_bad_flags_and_gpu_only_options(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit, match="mode must be one of"):
+        cli.main(["bench", *TINY, "--mode", "nope", "--device", "cpu"])
+    with pytest.raises(SystemExit, match="--memory needs a CUDA device"):
+        cli.main(["bench", *TINY, "--memory", "x", "--device", "cpu"])
+    with pytest.raises(SystemExit, match="--profile needs a CUDA device"):
+        cli.main(["bench", *TINY, "--profile", "x", "--device", "cpu"])
+
+
+@pytest.mark.parametrize("mode", ["forward", "forward-backward", "train"])
+def test_tiny_run_appends_well_formed_rows(tmp_path, mode: str, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "rows.jsonl"
+    assert cli.main(["bench", *TINY, "--mode", mode, "--device", "cpu", "--out", str(out)]) == 0
+    (row,) = read_rows(out)
+    assert all(row[k] for k in PROVENANCE_KEYS if k != "triton") and "triton" in row
+    assert row["status"] == "ok" and row["mode"] == mode and row["context_length"] == 17
+    phases = {"forward": ["forward"], "forward-backward": ["forward", "backward"],
+              "train": ["forward", "backward", "optimizer"]}[mode]
+    for phase in ("forward", "backward", "optimizer"):
+        present = f"{phase}_ms_mean" in row
+        assert present == (phase in phases)
+        if present:
+            assert len(row[f"{phase}_ms_all"]) == 2 and row[f"{phase}_ms_mean"] > 0 and row[f"{phase}_ms_std"] >= 0
+    assert "forward_ms_mean" in capsys.readouterr().out
+
+
+def test_sweep_mixes_attention_dtype_and_checkpointing(tmp_path) -> None:
+    base = bench.BenchConfig(size="tiny", batch_size=2, context_length=9, warmup=0, steps=1, device="cpu",
+                             num_layers=3)
+    configs = bench.expand_configs(base, dtypes=("fp32", "bf16"), attentions=("sdpa",),
+                                   checkpoints=("selective", "nested:2"))
+    rows = bench.run_configs(configs, progress=False)
+    assert [r["status"] for r in rows] == ["ok"] * 4
+    assert {(r["dtype"], r["checkpoint"]) for r in rows} == {
+        (d, c) for d in ("fp32", "bf16") for c in ("selective", "nested:2")}

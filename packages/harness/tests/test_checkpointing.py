@@ -1,0 +1,83 @@
+"""Every checkpointing policy gives the loss and gradients of the plain model, and saves less."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from cs336_basics.model import BasicsTransformerLM
+from cs336_basics.nn_utils import cross_entropy
+from cs336_harness.checkpointing import CheckpointedSegment, apply_checkpointing, parse_policy
+from cs336_harness.residuals import count_residuals
+
+POLICIES = ["all", "group:2", "group:3", "first:2", "sqrt", "nested", "nested:3", "selective"]
+
+
+def _model() -> BasicsTransformerLM:
+    torch.manual_seed(0)
+    return BasicsTransformerLM(vocab_size=37, context_length=11, d_model=24, num_layers=5, num_heads=3, d_ff=40)
+
+
+def _loss_and_grads(model: BasicsTransformerLM, tokens: torch.Tensor, targets: torch.Tensor):
+    loss = cross_entropy(model(tokens), targets)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_policy_matches_no_checkpointing(policy: str) -> None:
+    base = _model()
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 37, (3, 11), generator=gen)
+    targets = torch.randint(0, 37, (3, 11), generator=gen)
+    ref_loss, ref_grads = _loss_and_grads(copy.deepcopy(base), tokens, targets)
+    model = apply_checkpointing(copy.deepcopy(base), policy)
+    assert any(isinstance(m, CheckpointedSegment) for m in model.modules())
+    loss, grads = _loss_and_grads(model, tokens, targets)
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    assert len(grads) == len(ref_grads)
+    for g, ref in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, ref, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("policy", ["all", "group:2", "sqrt", "nested", "selective"])
+def test_policy_saves_less_for_backward(policy: str) -> None:
+    tokens = torch.randint(0, 37, (3, 11), generator=torch.Generator().manual_seed(2))
+    plain = _model()
+    _, full = count_residuals(plain, tokens, params=plain, track=False)
+    ckpt = apply_checkpointing(_model(), policy)
+    _, reduced = count_residuals(ckpt, tokens, params=ckpt, track=False)
+    assert reduced.total_bytes < full.total_bytes
+
+
+def test_segments_follow_the_policy() -> None:
+    layers = apply_checkpointing(_model(), "group:2").layers
+    assert [len(s.blocks) for s in layers] == [2, 2, 1]
+    layers = apply_checkpointing(_model(), "first:2").layers
+    assert [isinstance(m, CheckpointedSegment) for m in layers] == [True, True, False, False, False]
+    (root,) = apply_checkpointing(_model(), "nested:2").layers
+
+    def shape(m: torch.nn.Module):  # nested lengths of segments down to the blocks
+        return [shape(b) if isinstance(b, CheckpointedSegment) else 1 for b in m.blocks]
+
+    assert shape(root) == [[[[1], [1]], [1]], [[1], [1]]]
+    assert [len(s.blocks) for s in apply_checkpointing(_model(), "sqrt").layers] == [3, 2]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("group", "needs a count"), ("first:x", "integer after"), ("nested:1", ">= 2"), ("all:3", "takes no count"),
+     ("bogus", "unknown checkpoint policy")],
+)
+def test_bad_policies_are_rejected(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_policy(text)
+
+
+def test_double_application_and_non_modulelist_are_rejected() -> None:
+    model = apply_checkpointing(_model(), "all")
+    with pytest.raises(TypeError, match="already checkpointed"):
+        apply_checkpointing(model, "all")
+    with pytest.raises(TypeError, match="nn.ModuleList"):
+        apply_checkpointing(torch.nn.Linear(2, 2), "all")

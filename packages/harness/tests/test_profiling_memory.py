@@ -1,0 +1,54 @@
+"""Kernel attribution by range and the active-memory timeline, on hand-made traces and snapshots."""
+
+from __future__ import annotations
+
+import pytest
+from cs336_harness import memory, profiling
+
+
+def _span(name: str, ts: float, dur: float, cat: str = "user_annotation", **args) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": args, "tid": 1}
+
+
+def _trace() -> list[dict]:
+    events = [_span("step", 0, 1000), _span("forward", 10, 300), _span("backward", 320, 600),
+              _span("attention/softmax", 50, 20)]
+    # (name, launch time on the CPU, GPU start, GPU duration); GPU work runs later than its launch.
+    kernels = [("gemm_a", 20, 100, 40), ("softmax_k", 55, 140, 30), ("gemm_a", 200, 200, 40),
+               ("gemm_b", 400, 450, 120), ("elementwise_x", 500, 570, 10), ("gemm_a", 1500, 1500, 99)]
+    for corr, (name, launch, start, dur) in enumerate(kernels):
+        events.append(_span("cudaLaunchKernel", launch, 2, cat="cuda_runtime", correlation=corr))
+        events.append(_span(name, start, dur, cat="kernel", correlation=corr, stream=7))
+    return events
+
+
+def test_kernels_are_attributed_by_launch_time() -> None:
+    rows = profiling.kernel_table(_trace(), num_steps=1)
+    total = {r["range"]: r["total_ms_per_step"] for r in rows if r["kernel"] == "(total)"}
+    assert total == pytest.approx({"all": 0.24, "forward": 0.11, "backward": 0.13, "attention/softmax": 0.03})
+    fwd = {r["kernel"]: r for r in rows if r["range"] == "forward" and r["kernel"] != "(total)"}
+    assert fwd["gemm_a"]["calls_per_step"] == 2 and fwd["gemm_a"]["share_of_range"] == pytest.approx(80 / 110)
+    assert list(fwd) == ["gemm_a", "softmax_k"]  # ranked by time
+    assert fwd["softmax_k"]["share_of_step"] == pytest.approx(30 / 240)
+
+
+def test_class_shares_and_timeline(tmp_path) -> None:
+    shares = profiling.class_shares(_trace(), "backward")
+    assert shares == pytest.approx({"matmul": 120 / 130, "elementwise": 10 / 130})
+    png = profiling.plot_timeline(_trace(), tmp_path / "t.png")
+    assert png.stat().st_size > 1000
+    with pytest.raises(ValueError, match="no 'step' range"):
+        profiling.plot_timeline([], tmp_path / "u.png")
+
+
+def test_active_memory_timeline_adds_the_baseline(tmp_path) -> None:
+    trace = [{"action": "alloc", "size": 100, "time_us": 1}, {"action": "alloc", "size": 50, "time_us": 2},
+             {"action": "free_requested", "size": 100, "time_us": 3},
+             {"action": "free_completed", "size": 100, "time_us": 4}]
+    # Live at the end: the 50-byte block plus 1000 bytes allocated before recording began.
+    blocks = [{"size": 50, "state": "active_allocated"}, {"size": 1000, "state": "active_allocated"},
+              {"size": 7, "state": "inactive"}]
+    snapshot = {"device_traces": [trace], "segments": [{"device": 0, "blocks": blocks}]}
+    times, live = memory.active_memory_timeline(snapshot)
+    assert times.tolist() == [1, 2, 4] and live.tolist() == [1100, 1150, 1050]
+    assert memory.plot_active_memory(snapshot, tmp_path / "m.png").stat().st_size > 1000
