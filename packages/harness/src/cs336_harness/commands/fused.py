@@ -1,0 +1,56 @@
+"""``cs336 fused``: FusedAdamW and fused linear + cross-entropy against PyTorch on one GPU.
+
+Examples::
+
+    bash tools/gpu.sh python3 -m cs336_harness.cli fused --out writeup/results/fused.jsonl
+    uv run cs336 fused --bench linear-ce --tokens 8192 --vocab-size 32000
+    uv run cs336 fused --markdown writeup/results/fused.jsonl     # the writeup's tables from saved rows
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from cs336_harness.fused_bench import BENCHES, FusedBenchConfig, fused_markdown, run_fused_bench
+from cs336_harness.results import append_rows, format_table, read_rows
+
+HELP = "benchmark FusedAdamW and fused linear + cross-entropy against PyTorch (needs a CUDA GPU)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = __doc__.split("Examples::", 1)[1]
+    d = FusedBenchConfig  # the dataclass defaults, read off the class
+    parser.add_argument("--bench", choices=BENCHES, action="append", default=None,
+                        help="run only this benchmark (repeatable; default all)")
+    parser.add_argument("--adamw-params", type=int, default=d.adamw_params, help="default 1e9")
+    parser.add_argument("--adamw-tensors", type=int, default=d.adamw_tensors, help="default 16")
+    parser.add_argument("--tokens", type=int, default=d.tokens, help="default 32768")
+    parser.add_argument("--d-model", type=int, default=d.d_model, help="default 4096")
+    parser.add_argument("--vocab-size", type=int, default=d.vocab_size, help="default 151936")
+    parser.add_argument("--warmup-ms", type=int, default=d.warmup_ms, help="do_bench warm-up (default 200)")
+    parser.add_argument("--rep-ms", type=int, default=d.rep_ms, help="do_bench repetition time (default 1000)")
+    parser.add_argument("--out", default=None, help="append rows (with provenance) to this JSONL file")
+    parser.add_argument("--markdown", metavar="ROWS", default=None,
+                        help="print the tables of this JSONL file as markdown and exit")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.markdown:
+        print(fused_markdown(read_rows(args.markdown)))
+        return 0
+    try:
+        config = FusedBenchConfig(
+            benches=tuple(args.bench or FusedBenchConfig.benches), adamw_params=args.adamw_params,
+            adamw_tensors=args.adamw_tensors, tokens=args.tokens, d_model=args.d_model,
+            vocab_size=args.vocab_size, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
+        )
+    except ValueError as e:
+        raise SystemExit(f"cs336 fused: {e}") from None
+    rows = run_fused_bench(config)
+    for bench in config.benches:
+        picked = [r for r in rows if r["bench"] == bench.replace("-", "_")]
+        print(format_table(picked, [c for c in picked[0] if c not in ("bench",)], floatfmt=".3f"))
+    if args.out:
+        append_rows(args.out, rows)
+    return 0

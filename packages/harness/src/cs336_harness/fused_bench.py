@@ -1,0 +1,204 @@
+"""Benchmarks of the fused kernels in cs336_kernels against PyTorch (``cs336 fused``).
+
+(a) One AdamW step over ``adamw_params`` float32 parameters split into ``adamw_tensors`` tensors:
+    FusedAdamW vs torch.optim.AdamW(foreach=True) vs torch.optim.AdamW(fused=True), do_bench medians (L2
+    flushed between calls). The bytes floor: each parameter reads param, grad, exp_avg, exp_avg_sq and writes
+    param, exp_avg, exp_avg_sq, 7 x 4 = 28 bytes, so
+
+        floor_ms = 28 * num_params / 4.24e12 B/s * 1e3
+
+    with 4.24 TB/s the device-to-device copy bandwidth (bytes read + written) measured on an H200
+    (ANCHORS.md); the same run also measures its own copy bandwidth and reports it in ``copy_tbps``.
+(b) LM head + cross-entropy, forward and backward: fused_linear_cross_entropy vs plain PyTorch
+    (F.linear + F.cross_entropy, cs336_kernels' reference), in bfloat16. Median time, and peak memory above
+    the inputs and their gradients (max_memory_allocated during one fwd+bwd minus what was allocated before it,
+    minus the gradients' bytes). The matmul floor counts three (N x V x d) products, forward logits and the
+    two gradients, at 772 TFLOP/s (bf16 8192^3 on random data, ANCHORS.md):
+
+        matmul_floor_ms = 3 * 2 * N * V * d / 772e12 * 1e3
+
+    Each row also carries the relative error of our loss and gradients against plain PyTorch's.
+
+    from cs336_harness.fused_bench import FusedBenchConfig, run_fused_bench, fused_markdown
+    rows = run_fused_bench(FusedBenchConfig())
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from cs336_kernels.fused_adamw import FusedAdamW
+from cs336_kernels.fused_linear_cross_entropy import fused_linear_cross_entropy, linear_cross_entropy_reference
+from triton.testing import do_bench
+
+from cs336_harness.results import markdown_table
+
+BENCHES: tuple[str, ...] = ("adamw", "linear-ce")
+COPY_BYTES_PER_S = 4.24e12  # H200 device-to-device copy, bytes read + written (ANCHORS.md)
+BF16_MATMUL_FLOPS = 772e12  # H200 bf16 8192^3 matmul on random data (ANCHORS.md)
+ADAMW_BYTES_PER_PARAM = 28  # fp32: read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq
+_IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class FusedBenchConfig:
+    benches: tuple[str, ...] = BENCHES
+    adamw_params: int = 10**9
+    adamw_tensors: int = 16
+    tokens: int = 32768
+    d_model: int = 4096
+    vocab_size: int = 151936
+    warmup_ms: int = 200
+    rep_ms: int = 1000
+
+    def __post_init__(self) -> None:
+        if not torch.cuda.is_available():
+            raise ValueError("the fused-kernel benchmarks measure GPU kernels and need a CUDA GPU")
+        if not self.benches or any(b not in BENCHES for b in self.benches):
+            raise ValueError(f"benches must be a non-empty subset of {BENCHES}, got {self.benches}")
+        if self.adamw_tensors < 1 or self.adamw_params < self.adamw_tensors:
+            raise ValueError(f"need 1 <= adamw_tensors <= adamw_params, got {self.adamw_tensors} tensors "
+                             f"for {self.adamw_params} params")
+        for name in ("tokens", "d_model", "vocab_size", "warmup_ms", "rep_ms"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+def _median_ms(fn: Callable[[], Any], config: FusedBenchConfig, grad_to_none: Sequence[torch.Tensor] = ()) -> float:
+    return float(do_bench(fn, warmup=config.warmup_ms, rep=config.rep_ms, grad_to_none=list(grad_to_none) or None,
+                          return_mode="median"))
+
+
+def measure_copy_tbps(config: FusedBenchConfig, num_bytes: int = 2**32) -> float:
+    """Device-to-device copy bandwidth in TB/s, counting bytes read plus bytes written."""
+    src = torch.empty(num_bytes // 4, dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    ms = _median_ms(lambda: dst.copy_(src), config)
+    return 2 * num_bytes / (ms * 1e-3) / 1e12
+
+
+def bench_adamw(config: FusedBenchConfig) -> list[dict[str, Any]]:
+    """One step of each AdamW implementation over the same float32 parameters and gradients."""
+    sizes = [config.adamw_params // config.adamw_tensors] * config.adamw_tensors
+    sizes[-1] += config.adamw_params - sum(sizes)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    params = [torch.randn(n, device="cuda", generator=gen).requires_grad_() for n in sizes]
+    for p in params:
+        p.grad = torch.randn(p.shape, device="cuda", generator=gen)
+    floor_ms = ADAMW_BYTES_PER_PARAM * config.adamw_params / COPY_BYTES_PER_S * 1e3
+    copy_tbps = measure_copy_tbps(config)
+    impls: dict[str, Callable[[], torch.optim.Optimizer]] = {
+        "FusedAdamW (ours)": lambda: FusedAdamW(params, lr=1e-4, weight_decay=0.01),
+        "torch AdamW foreach": lambda: torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, foreach=True),
+        "torch AdamW fused": lambda: torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True),
+    }
+    rows = []
+    for name, make in impls.items():
+        opt = make()
+        ms = _median_ms(opt.step, config)
+        rows.append({
+            "bench": "adamw", "impl": name, "num_params": config.adamw_params, "num_tensors": config.adamw_tensors,
+            "median_ms": ms, "floor_ms": floor_ms, "floor_fraction": floor_ms / ms,
+            "achieved_tbps": ADAMW_BYTES_PER_PARAM * config.adamw_params / (ms * 1e-3) / 1e12,
+            "copy_tbps": copy_tbps,
+        })
+        del opt
+        torch.cuda.empty_cache()
+    fused_ms = next(r["median_ms"] for r in rows if r["impl"] == "torch AdamW fused")
+    for r in rows:
+        r["speedup_vs_torch_fused"] = fused_ms / r["median_ms"]
+    return rows
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.float(), ref.float()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def bench_linear_ce(config: FusedBenchConfig) -> list[dict[str, Any]]:
+    """Forward + backward of the LM head and loss, fused vs plain PyTorch, in bfloat16."""
+    n, d, v = config.tokens, config.d_model, config.vocab_size
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(n, d, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+    weight = (torch.randn(v, d, device="cuda", generator=gen) / d**0.5).bfloat16().requires_grad_()
+    targets = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    grads_bytes = hidden.nbytes + weight.nbytes
+    matmul_floor_ms = 3 * 2 * n * v * d / BF16_MATMUL_FLOPS * 1e3
+    impls = {
+        "fused (ours)": fused_linear_cross_entropy,
+        "plain torch": linear_cross_entropy_reference,
+    }
+    rows, results = [], {}
+    for name, loss_fn in impls.items():
+        def step(loss_fn=loss_fn) -> torch.Tensor:
+            loss = loss_fn(hidden, weight, targets, "mean", _IGNORE_INDEX)
+            loss.backward()
+            return loss.detach()
+
+        hidden.grad = weight.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        loss = step()
+        torch.cuda.synchronize()
+        extra_gib = (torch.cuda.max_memory_allocated() - before - grads_bytes) / 2**30
+        results[name] = (loss, hidden.grad, weight.grad)
+        hidden.grad = weight.grad = None
+        ms = _median_ms(step, config, grad_to_none=(hidden, weight))
+        rows.append({
+            "bench": "linear_ce", "impl": name, "tokens": n, "d_model": d, "vocab_size": v, "dtype": "bf16",
+            "median_ms": ms, "matmul_floor_ms": matmul_floor_ms, "floor_fraction": matmul_floor_ms / ms,
+            "extra_gib": extra_gib, "loss": loss.item(),
+        })
+    ours, ref = results["fused (ours)"], results["plain torch"]
+    for r in rows:
+        r["speedup_vs_torch"] = rows[-1]["median_ms"] / r["median_ms"]
+        if r["impl"] == "fused (ours)":
+            r.update(loss_rel_err=_rel_err(ours[0], ref[0]), grad_hidden_rel_err=_rel_err(ours[1], ref[1]),
+                     grad_weight_rel_err=_rel_err(ours[2], ref[2]))
+    return rows
+
+
+def run_fused_bench(config: FusedBenchConfig) -> list[dict[str, Any]]:
+    """Rows of every benchmark in ``config.benches``."""
+    rows: list[dict[str, Any]] = []
+    if "adamw" in config.benches:
+        rows += bench_adamw(config)
+        torch.cuda.empty_cache()
+    if "linear-ce" in config.benches:
+        rows += bench_linear_ce(config)
+    return rows
+
+
+def fused_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """The writeup's tables: AdamW rows, then linear + cross-entropy rows (each present kind of row)."""
+    parts = []
+    adamw = [r for r in rows if r.get("bench") == "adamw"]
+    if adamw:
+        p = adamw[0]
+        parts.append(
+            f"AdamW step, {p['num_params'] / 1e9:g}e9 fp32 params in {p['num_tensors']} tensors, {p['device']}; "
+            f"bytes floor {p['floor_ms']:.2f} ms (28 B/param at 4.24 TB/s); copy measured in the same run at "
+            f"{p['copy_tbps']:.2f} TB/s.\n\n"
+            + markdown_table(adamw, ["impl", "median_ms", "speedup_vs_torch_fused", "floor_fraction",
+                                     "achieved_tbps"],
+                             ["implementation", "median (ms)", "vs torch fused", "floor / time", "TB/s moved"])
+        )
+    ce = [r for r in rows if r.get("bench") == "linear_ce"]
+    if ce:
+        p = ce[0]
+        parts.append(
+            f"LM head + cross-entropy fwd+bwd, {p['tokens']} tokens x d {p['d_model']} x vocab {p['vocab_size']}, "
+            f"{p['dtype']}, {p['device']}; matmul floor {p['matmul_floor_ms']:.0f} ms (3 products at 772 TFLOP/s)."
+            "\n\n"
+            + markdown_table(ce, ["impl", "median_ms", "speedup_vs_torch", "floor_fraction", "extra_gib",
+                                  "loss_rel_err", "grad_hidden_rel_err", "grad_weight_rel_err"],
+                             ["implementation", "median (ms)", "vs plain torch", "floor / time",
+                              "peak above inputs+grads (GiB)", "loss rel. err", "grad h rel. err",
+                              "grad W rel. err"])
+        )
+    return "\n\n".join(parts)

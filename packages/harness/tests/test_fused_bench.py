@@ -1,0 +1,42 @@
+"""cs336 fused: config validation and the writeup tables built from rows (the timing itself needs a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cs336_harness.fused_bench import FusedBenchConfig, fused_markdown
+
+
+def _rows() -> list[dict]:
+    # Made-up rows with the fields the benchmark writes; only the table layout is under test.
+    meta = {"device": "GPU-X", "commit": "abc"}
+    adamw = [{"bench": "adamw", "impl": impl, "num_params": 10**9, "num_tensors": 16, "median_ms": ms,
+              "floor_ms": 6.6, "floor_fraction": 6.6 / ms, "achieved_tbps": 28 / ms, "copy_tbps": 4.2,
+              "speedup_vs_torch_fused": 8.0 / ms, **meta}
+             for impl, ms in (("ours", 7.0), ("torch fused", 8.0))]
+    ce = [{"bench": "linear_ce", "impl": "ours", "tokens": 32768, "d_model": 4096, "vocab_size": 151936,
+           "dtype": "bf16", "median_ms": 190.0, "matmul_floor_ms": 158.0, "floor_fraction": 0.83,
+           "extra_gib": 1.2, "speedup_vs_torch": 1.25, "loss_rel_err": 1e-4, **meta}]
+    return adamw + ce
+
+
+def test_markdown_has_one_row_per_result_and_the_floors():
+    text = fused_markdown(_rows())
+    table_rows = [line for line in text.splitlines() if line.startswith("| ") and "implementation" not in line]
+    assert len(table_rows) == 3
+    assert "bytes floor 6.60 ms" in text and "matmul floor 158 ms" in text
+    assert "| ours | 7 | 1.14 |" in text
+    assert fused_markdown([]) == ""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without CUDA")
+def test_config_needs_cuda():
+    with pytest.raises(ValueError, match="CUDA"):
+        FusedBenchConfig()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("change", [{"benches": ("lm",)}, {"adamw_tensors": 0}, {"tokens": 0}])
+def test_config_rejects_bad_values(change):
+    with pytest.raises(ValueError):
+        FusedBenchConfig(**change)

@@ -1,0 +1,278 @@
+"""Linear layer + cross-entropy without materializing the (tokens x vocab) logits.
+
+For an LM head, ``F.cross_entropy(hidden @ weight.T, targets)`` keeps the full logits, its softmax and their
+gradient alive: at 32,768 tokens and a 151,936-word vocabulary that is tens of GiB. Here tokens are processed in
+chunks whose logits fit a fixed budget (about 1.25 GiB). For each chunk:
+
+    logits = h_chunk @ weight.T                        (torch matmul, input dtype, fp32 accumulation)
+    Triton kernel, one program per row, in place:      max and sum of exp in fp32, loss = logsumexp - logit[target],
+                                                       logits <- scale * (softmax - onehot(target))
+    grad_hidden[chunk] = dlogits @ weight;  grad_weight += dlogits.T @ h_chunk
+
+so the gradients exist when the forward returns and the backward only multiplies them by grad_output
+(the approach of Liger-Kernel's fused linear cross-entropy). With reduction="none" the per-token weights of
+the backward are unknown in the forward, so the forward only computes the losses and the backward recomputes the
+logits chunk by chunk (one matmul more). grad_weight is accumulated in the weight dtype across chunks, as a
+plain bf16 matmul over all tokens would not need to; with about ten chunks the extra rounding is small.
+
+    loss = fused_linear_cross_entropy(hidden, lm_head.weight, targets)  # hidden (N, d), weight (V, d)
+    loss.backward()
+
+``linear_cross_entropy_reference`` is the plain PyTorch computation that tests and benchmarks compare against.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+# Bytes of one chunk of logits: bounds the memory above inputs and gradients (4,096 x 151,936 bf16 fits).
+_CHUNK_BYTES = 5 * 2**28
+_MAX_BLOCK_V = 8192
+_REDUCTIONS = ("mean", "sum", "none")
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@triton.jit
+def _softmax_grad_kernel(
+    LOGITS,  # (rows, V), in place: logits in, scale * (softmax - onehot) out when WRITE_GRAD
+    TARGETS,  # (rows,) integer
+    LOSS,  # (rows,) float32 (float64 for float64 logits): logsumexp - logit[target], 0 where ignored
+    SCALE,  # gradient scale of each row, read at SCALE + row * scale_stride
+    stride_row,
+    scale_stride,
+    V,
+    ignore_index,
+    WRITE_GRAD: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    X = LOGITS + row * stride_row
+    target = tl.load(TARGETS + row)
+    cols = tl.arange(0, BLOCK_V)
+    if target == ignore_index:
+        tl.store(LOSS + row, tl.zeros((), ACC))
+        if WRITE_GRAD:
+            for start in range(0, V, BLOCK_V):
+                tl.store(X + start + cols, tl.zeros((BLOCK_V,), X.dtype.element_ty), mask=start + cols < V)
+    else:
+        # Online logsumexp over the row, one tile at a time.
+        row_max = tl.full((), float("-inf"), ACC)
+        row_sum = tl.zeros((), ACC)
+        for start in range(0, V, BLOCK_V):
+            x = tl.load(X + start + cols, mask=start + cols < V, other=float("-inf")).to(ACC)
+            new_max = tl.maximum(row_max, tl.max(x, axis=0))
+            row_sum = row_sum * tl.exp(row_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+            row_max = new_max
+        lse = row_max + tl.log(row_sum)
+        tl.store(LOSS + row, lse - tl.load(X + target).to(ACC))
+        if WRITE_GRAD:
+            scale = tl.load(SCALE + row * scale_stride).to(ACC)
+            for start in range(0, V, BLOCK_V):
+                offs = start + cols
+                x = tl.load(X + offs, mask=offs < V, other=0.0).to(ACC)
+                grad = tl.exp(x - lse) - tl.where(offs == target, 1.0, 0.0)
+                tl.store(X + offs, (grad * scale).to(X.dtype.element_ty), mask=offs < V)
+
+
+def _softmax_grad(logits: torch.Tensor, targets: torch.Tensor, losses: torch.Tensor, scale: torch.Tensor,
+                  scale_stride: int, ignore_index: int, write_grad: bool) -> None:
+    """Run the kernel over a contiguous (rows, V) chunk of logits."""
+    rows, vocab = logits.shape
+    block_v = min(_MAX_BLOCK_V, triton.next_power_of_2(vocab))
+    acc = tl.float64 if logits.dtype == torch.float64 else tl.float32
+    with torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext():
+        _softmax_grad_kernel[(rows,)](
+            logits, targets, losses, scale, logits.stride(0), scale_stride, vocab, ignore_index,
+            WRITE_GRAD=write_grad, ACC=acc, BLOCK_V=block_v, num_warps=8 if block_v >= 4096 else 4,
+        )
+
+
+def _chunk_rows(num_tokens: int, vocab: int, element_size: int, chunk_size: int | None) -> int:
+    """Tokens per chunk: the budget split into equal chunks (a multiple of 128 rows when that fits)."""
+    if chunk_size is not None:
+        return max(1, min(chunk_size, num_tokens))
+    budget_rows = max(1, _CHUNK_BYTES // (vocab * element_size))
+    num_chunks = -(-num_tokens // budget_rows)
+    rows = -(-num_tokens // max(1, num_chunks))
+    rounded = -(-rows // 128) * 128
+    return max(1, min(rounded if rounded <= budget_rows else rows, num_tokens))
+
+
+def _loss_and_grads(
+    hidden: torch.Tensor,  # (N, d)
+    weight: torch.Tensor,  # (V, d)
+    targets: torch.Tensor,  # (N,)
+    ignore_index: int,
+    scale: torch.Tensor | None,
+    scale_stride: int,
+    need_grad_hidden: bool,
+    need_grad_weight: bool,
+    chunk_size: int | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Per-token losses and, if asked, the gradients of sum_i scale_i * loss_i, chunk by chunk."""
+    num_tokens, vocab = hidden.shape[0], weight.shape[0]
+    acc_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    losses = torch.empty(num_tokens, dtype=acc_dtype, device=hidden.device)
+    write_grad = need_grad_hidden or need_grad_weight
+    grad_hidden = torch.empty_like(hidden) if need_grad_hidden else None
+    grad_weight = torch.zeros_like(weight) if need_grad_weight else None
+    if scale is None:
+        scale = losses  # never read: the kernel only reads SCALE when it writes gradients
+    rows = _chunk_rows(num_tokens, vocab, hidden.element_size(), chunk_size)
+    buffer = hidden.new_empty(rows, vocab) if num_tokens else None
+    for start in range(0, num_tokens, rows):
+        end = min(start + rows, num_tokens)
+        h = hidden[start:end]  # (c, d)
+        logits = buffer[: end - start]  # (c, V)
+        torch.mm(h, weight.t(), out=logits)
+        _softmax_grad(logits, targets[start:end], losses[start:end], scale[start:] if scale_stride else scale,
+                      scale_stride, ignore_index, write_grad)
+        if need_grad_hidden:
+            torch.mm(logits, weight, out=grad_hidden[start:end])
+        if need_grad_weight:
+            grad_weight.addmm_(logits.t(), h)
+    return losses, grad_hidden, grad_weight
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str,
+                ignore_index: int, chunk_size: int | None, grad_enabled: bool) -> torch.Tensor:
+        # needs_input_grad says True under torch.no_grad() too; skip the gradient work there.
+        need_h, need_w = (grad_enabled and needed for needed in ctx.needs_input_grad[:2])
+        ctx.reduction, ctx.ignore_index, ctx.chunk_size = reduction, ignore_index, chunk_size
+        if reduction == "none":
+            losses, _, _ = _loss_and_grads(hidden, weight, targets, ignore_index, None, 0, False, False,
+                                           chunk_size)
+            ctx.save_for_backward(hidden, weight, targets)
+            return losses.to(hidden.dtype)
+        acc_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        if reduction == "mean":
+            # 0/0 = nan when every target is ignored, as F.cross_entropy gives.
+            scale = 1.0 / (targets != ignore_index).sum().to(acc_dtype)
+        else:
+            scale = torch.ones((), dtype=acc_dtype, device=hidden.device)
+        losses, grad_hidden, grad_weight = _loss_and_grads(hidden, weight, targets, ignore_index, scale, 0,
+                                                           need_h, need_w, chunk_size)
+        ctx.grads = (grad_hidden, grad_weight)
+        return (losses.sum() * scale).to(hidden.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        if ctx.reduction == "none":
+            hidden, weight, targets = ctx.saved_tensors
+            weights = grad_output.reshape(-1)
+            _, grad_hidden, grad_weight = _loss_and_grads(
+                hidden, weight, targets, ctx.ignore_index, weights, weights.stride(0), ctx.needs_input_grad[0],
+                ctx.needs_input_grad[1], ctx.chunk_size,
+            )
+            return grad_hidden, grad_weight, None, None, None, None, None
+        if ctx.grads is None:
+            raise RuntimeError("fused_linear_cross_entropy computes its gradients in the forward and supports "
+                               "one backward per forward (retain_graph=True cannot be used with it)")
+        grad_hidden, grad_weight = ctx.grads
+        # Dropping ctx's references lets autograd take these tensors as .grad without a copy.
+        ctx.grads = None
+        if grad_hidden is not None:
+            grad_hidden.mul_(grad_output)
+        if grad_weight is not None:
+            grad_weight.mul_(grad_output)
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str,
+                  chunk_size: int | None) -> None:
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be (vocab, d_model), got shape {tuple(weight.shape)}")
+    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden must be (..., d_model={weight.shape[1]}) to match weight "
+                         f"{tuple(weight.shape)}, got shape {tuple(hidden.shape)}")
+    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"targets must have shape {tuple(hidden.shape[:-1])} (hidden without its last dim), "
+                         f"got {tuple(targets.shape)}")
+    if hidden.dtype not in _FLOAT_DTYPES or weight.dtype != hidden.dtype:
+        raise TypeError(f"hidden and weight must share a floating dtype (one of {_FLOAT_DTYPES}), got "
+                        f"{hidden.dtype} and {weight.dtype}")
+    if targets.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"targets must be int64 or int32, got {targets.dtype}")
+    if not hidden.device == weight.device == targets.device:
+        raise ValueError(f"hidden, weight and targets must be on one device, got {hidden.device}, "
+                         f"{weight.device}, {targets.device}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    *,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Cross-entropy of ``hidden @ weight.T`` against ``targets``, as F.cross_entropy(F.linear(...)).
+
+    Args:
+        hidden: (..., d_model) activations.
+        weight: (vocab, d_model) output projection, same dtype and device as hidden.
+        targets: (...) class indices in [0, vocab), or ignore_index for tokens that do not count.
+        reduction: "mean" over non-ignored tokens, "sum", or "none" (per-token losses, ignored ones 0).
+        ignore_index: target value that contributes no loss and no gradient.
+        chunk_size: tokens per chunk; default from a fixed logits-memory budget.
+
+    Returns:
+        The loss in hidden's dtype: a scalar, or shaped like targets for reduction="none".
+    """
+    _check_inputs(hidden, weight, targets, reduction, chunk_size)
+    vocab = weight.shape[0]
+    flat_targets = targets.reshape(-1).contiguous()
+    out_of_range = ((flat_targets < 0) | (flat_targets >= vocab)) & (flat_targets != ignore_index)
+    if out_of_range.any():
+        bad = flat_targets[out_of_range]
+        raise ValueError(f"targets must lie in [0, {vocab}) or equal ignore_index={ignore_index}; got "
+                         f"{bad.numel()} outside, e.g. {bad[:5].tolist()}")
+    loss = _FusedLinearCrossEntropy.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, flat_targets, reduction, ignore_index, chunk_size,
+        torch.is_grad_enabled(),
+    )
+    return loss.reshape(targets.shape) if reduction == "none" else loss
+
+
+class FusedLinearCrossEntropy(torch.nn.Module):
+    """Module form of :func:`fused_linear_cross_entropy`: ``loss = module(hidden, weight, targets)``."""
+
+    def __init__(self, reduction: str = "mean", ignore_index: int = -100, chunk_size: int | None = None) -> None:
+        super().__init__()
+        if reduction not in _REDUCTIONS:
+            raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+        self.reduction, self.ignore_index, self.chunk_size = reduction, ignore_index, chunk_size
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return fused_linear_cross_entropy(hidden, weight, targets, self.reduction, self.ignore_index,
+                                          chunk_size=self.chunk_size)
+
+    def extra_repr(self) -> str:
+        return f"reduction={self.reduction!r}, ignore_index={self.ignore_index}, chunk_size={self.chunk_size}"
+
+
+def linear_cross_entropy_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Plain PyTorch: F.linear then F.cross_entropy, holding the full logits (the baseline and the oracle)."""
+    logits = F.linear(hidden, weight)  # (..., V)
+    loss = F.cross_entropy(logits.reshape(-1, weight.shape[0]), targets.reshape(-1).long(),
+                           reduction=reduction, ignore_index=ignore_index)
+    return loss.reshape(targets.shape) if reduction == "none" else loss
