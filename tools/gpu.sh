@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run a command on the GPU machine with the image's python3 and our packages on PYTHONPATH.
 # Nothing can be installed there, so we never `uv sync`; the packages are imported from source.
+# Run tools/install-hooks.sh once per checkout so results rows made there still name the commit.
 #   bash tools/gpu.sh python3 -m pytest -m gpu packages/kernels
 #   bash tools/gpu.sh python3 -m cs336_harness.cli bench --size xl
 set -euo pipefail

@@ -19,27 +19,31 @@ from typing import Any
 
 import torch
 
+_REPO_ROOT = Path(__file__).resolve().parents[4]
+# The GPU machine receives a copy of the working tree without .git; a post-commit hook
+# (tools/install-hooks.sh) keeps the current commit in this untracked file so rows there still say it.
+_COMMIT_FILE = _REPO_ROOT / ".commit"
 
-def _git_commit() -> str:
+
+def _git(*args: str) -> str | None:
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=5,
-            cwd=Path(__file__).resolve().parent,
-        )
-        return out.stdout.strip() or "unknown"
+        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=5, cwd=_REPO_ROOT)
     except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
 
 
-def _git_dirty() -> bool:
-    try:
-        out = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=5,
-            cwd=Path(__file__).resolve().parent,
-        )
-        return bool(out.stdout.strip())
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+def git_commit() -> str:
+    """The commit the code ran from, with ``+dirty`` if tracked files were modified.
+
+    Without git (the GPU machine) it is read from ``.commit`` and marked ``+unchecked``.
+    """
+    commit = _git("rev-parse", "--short=12", "HEAD")
+    if commit:
+        return commit + ("+dirty" if _git("status", "--porcelain", "--untracked-files=no") else "")
+    if _COMMIT_FILE.exists():
+        return _COMMIT_FILE.read_text().strip() + "+unchecked"
+    return "unknown"
 
 
 def device_name() -> str:
@@ -64,7 +68,7 @@ def provenance(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "torch": torch.__version__,
         "triton": triton_version,
         "python": platform.python_version(),
-        "commit": _git_commit() + ("+dirty" if _git_dirty() else ""),
+        "commit": git_commit(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
 
