@@ -17,13 +17,19 @@ def _rows() -> list[dict]:
     ce = [{"bench": "linear_ce", "impl": "ours", "tokens": 32768, "d_model": 4096, "vocab_size": 151936,
            "dtype": "bf16", "median_ms": 190.0, "matmul_floor_ms": 158.0, "floor_fraction": 0.83,
            "extra_gib": 1.2, "speedup_vs_torch": 1.25, "loss_rel_err": 1e-4, **meta}]
-    return adamw + ce
+    parts = {"bench": "linear_ce_parts", "impl": "ours", "chunk_rows": 4096, "num_chunks": 8,
+             "logits_mm_ms": 50.0, "logits_mm_tflops": 700.0, "softmax_grad_kernel_ms": 8.0,
+             "softmax_grad_kernel_tbps": 3.9, "grad_hidden_mm_ms": 55.0, "grad_hidden_mm_tflops": 650.0,
+             "grad_weight_addmm_ms": 60.0, "grad_weight_addmm_tflops": 600.0, **meta}
+    return adamw + ce + [parts]
 
 
 def test_markdown_has_one_row_per_result_and_the_floors():
     text = fused_markdown(_rows())
-    table_rows = [line for line in text.splitlines() if line.startswith("| ") and "implementation" not in line]
-    assert len(table_rows) == 3
+    headers = ("| implementation", "| stage")
+    table_rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith(headers)]
+    assert len(table_rows) == 3 + 4
+    assert "| softmax grad kernel | 8 | 3.90 TB/s |" in text
     assert "bytes floor 6.60 ms" in text and "matmul floor 158 ms" in text
     assert "| ours | 7 | 1.14 |" in text
     assert fused_markdown([]) == ""

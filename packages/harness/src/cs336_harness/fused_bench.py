@@ -25,13 +25,19 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from cs336_kernels.fused_adamw import FusedAdamW
-from cs336_kernels.fused_linear_cross_entropy import fused_linear_cross_entropy, linear_cross_entropy_reference
+from cs336_kernels.fused_linear_cross_entropy import (
+    chunk_rows,
+    fused_linear_cross_entropy,
+    linear_cross_entropy_reference,
+    softmax_grad_inplace,
+)
 from triton.testing import do_bench
 
 from cs336_harness.results import markdown_table
@@ -53,6 +59,8 @@ class FusedBenchConfig:
     vocab_size: int = 151936
     warmup_ms: int = 200
     rep_ms: int = 1000
+    # Fused variants with these token chunk sizes are timed besides the default (which fits the memory budget).
+    extra_chunk_sizes: tuple[int, ...] = (2048, 8192)
 
     def __post_init__(self) -> None:
         if not torch.cuda.is_available():
@@ -65,6 +73,8 @@ class FusedBenchConfig:
         for name in ("tokens", "d_model", "vocab_size", "warmup_ms", "rep_ms"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if any(c < 1 for c in self.extra_chunk_sizes):
+            raise ValueError(f"extra chunk sizes must be positive, got {self.extra_chunk_sizes}")
 
 
 def _median_ms(fn: Callable[[], Any], config: FusedBenchConfig, grad_to_none: Sequence[torch.Tensor] = ()) -> float:
@@ -127,10 +137,12 @@ def bench_linear_ce(config: FusedBenchConfig) -> list[dict[str, Any]]:
     targets = torch.randint(0, v, (n,), device="cuda", generator=gen)
     grads_bytes = hidden.nbytes + weight.nbytes
     matmul_floor_ms = 3 * 2 * n * v * d / BF16_MATMUL_FLOPS * 1e3
-    impls = {
-        "fused (ours)": fused_linear_cross_entropy,
-        "plain torch": linear_cross_entropy_reference,
-    }
+    default_rows = chunk_rows(n, v, hidden.element_size(), None)
+    impls: dict[str, Callable[..., torch.Tensor]] = {f"fused (ours), chunk {default_rows}": fused_linear_cross_entropy}
+    for rows_per_chunk in config.extra_chunk_sizes:
+        impls[f"fused, chunk {rows_per_chunk}"] = functools.partial(fused_linear_cross_entropy,
+                                                                    chunk_size=rows_per_chunk)
+    impls["plain torch"] = linear_cross_entropy_reference
     rows, results = [], {}
     for name, loss_fn in impls.items():
         def step(loss_fn=loss_fn) -> torch.Tensor:
@@ -154,13 +166,48 @@ def bench_linear_ce(config: FusedBenchConfig) -> list[dict[str, Any]]:
             "median_ms": ms, "matmul_floor_ms": matmul_floor_ms, "floor_fraction": matmul_floor_ms / ms,
             "extra_gib": extra_gib, "loss": loss.item(),
         })
-    ours, ref = results["fused (ours)"], results["plain torch"]
+    ref = results["plain torch"]
     for r in rows:
         r["speedup_vs_torch"] = rows[-1]["median_ms"] / r["median_ms"]
-        if r["impl"] == "fused (ours)":
+        if r["impl"] != "plain torch":
+            ours = results[r["impl"]]
             r.update(loss_rel_err=_rel_err(ours[0], ref[0]), grad_hidden_rel_err=_rel_err(ours[1], ref[1]),
                      grad_weight_rel_err=_rel_err(ours[2], ref[2]))
-    return rows
+    del results
+    return rows + [_linear_ce_parts(hidden.detach(), weight.detach(), targets, default_rows, config)]
+
+
+def _linear_ce_parts(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows_per_chunk: int,
+                     config: FusedBenchConfig) -> dict[str, Any]:
+    """Where the fused time goes: each stage on one chunk, times the number of chunks."""
+    n, v = hidden.shape[0], weight.shape[0]
+    h = hidden[:rows_per_chunk]
+    logits = hidden.new_empty(rows_per_chunk, v)
+    grad_hidden = torch.empty_like(h)
+    grad_weight = torch.zeros_like(weight)
+    losses = torch.empty(rows_per_chunk, dtype=torch.float32, device=hidden.device)
+    scale = torch.full((), 1.0 / n, device=hidden.device)
+    stages = {
+        "logits_mm": lambda: torch.mm(h, weight.t(), out=logits),
+        "softmax_grad_kernel": lambda: softmax_grad_inplace(logits, targets[:rows_per_chunk], losses, scale, 0,
+                                                            _IGNORE_INDEX, True),
+        "grad_hidden_mm": lambda: torch.mm(logits, weight, out=grad_hidden),
+        "grad_weight_addmm": lambda: grad_weight.addmm_(logits.t(), h),
+    }
+    num_chunks = -(-n // rows_per_chunk)
+    row: dict[str, Any] = {"bench": "linear_ce_parts", "impl": f"fused, chunk {rows_per_chunk}",
+                           "chunk_rows": rows_per_chunk, "num_chunks": num_chunks}
+    chunk_flops = 2 * rows_per_chunk * v * hidden.shape[1]
+    for name, fn in stages.items():
+        fn()  # the kernel turns logits into dlogits first, so every stage sees the data it sees in a real step
+        ms = _median_ms(fn, config)
+        row[f"{name}_ms"] = ms * num_chunks
+        if name.endswith("mm"):
+            row[f"{name}_tflops"] = chunk_flops / (ms * 1e-3) / 1e12
+    # The kernel reads each logit twice (statistics, then gradient) and writes it once.
+    row["softmax_grad_kernel_tbps"] = 3 * rows_per_chunk * v * hidden.element_size() / (
+        row["softmax_grad_kernel_ms"] / num_chunks * 1e-3) / 1e12
+    return row
 
 
 def run_fused_bench(config: FusedBenchConfig) -> list[dict[str, Any]]:
@@ -200,5 +247,16 @@ def fused_markdown(rows: Sequence[dict[str, Any]]) -> str:
                              ["implementation", "median (ms)", "vs plain torch", "floor / time",
                               "peak above inputs+grads (GiB)", "loss rel. err", "grad h rel. err",
                               "grad W rel. err"])
+        )
+    for p in (r for r in rows if r.get("bench") == "linear_ce_parts"):
+        stages = [
+            {"stage": name.replace("_", " "), "ms": p[f"{name}_ms"],
+             "rate": f"{p[name + '_tflops']:.0f} TFLOP/s" if name.endswith("mm")
+             else f"{p['softmax_grad_kernel_tbps']:.2f} TB/s"}
+            for name in ("logits_mm", "softmax_grad_kernel", "grad_hidden_mm", "grad_weight_addmm")
+        ]
+        parts.append(
+            f"Fused stages, {p['num_chunks']} chunks of {p['chunk_rows']} tokens (one chunk timed, times the count)."
+            "\n\n" + markdown_table(stages, ["stage", "ms", "rate"], ["stage", "total (ms)", "rate"])
         )
     return "\n\n".join(parts)

@@ -80,9 +80,10 @@ def _softmax_grad_kernel(
                 tl.store(X + offs, (grad * scale).to(X.dtype.element_ty), mask=offs < V)
 
 
-def _softmax_grad(logits: torch.Tensor, targets: torch.Tensor, losses: torch.Tensor, scale: torch.Tensor,
-                  scale_stride: int, ignore_index: int, write_grad: bool) -> None:
-    """Run the kernel over a contiguous (rows, V) chunk of logits."""
+def softmax_grad_inplace(logits: torch.Tensor, targets: torch.Tensor, losses: torch.Tensor, scale: torch.Tensor,
+                         scale_stride: int, ignore_index: int, write_grad: bool) -> None:
+    """The kernel over a contiguous (rows, V) chunk: per-row losses, and the logits turned into
+    scale * (softmax - onehot) when ``write_grad`` (row i's scale at ``scale[i * scale_stride]``)."""
     rows, vocab = logits.shape
     block_v = min(_MAX_BLOCK_V, triton.next_power_of_2(vocab))
     acc = tl.float64 if logits.dtype == torch.float64 else tl.float32
@@ -93,7 +94,7 @@ def _softmax_grad(logits: torch.Tensor, targets: torch.Tensor, losses: torch.Ten
         )
 
 
-def _chunk_rows(num_tokens: int, vocab: int, element_size: int, chunk_size: int | None) -> int:
+def chunk_rows(num_tokens: int, vocab: int, element_size: int, chunk_size: int | None) -> int:
     """Tokens per chunk: the budget split into equal chunks (a multiple of 128 rows when that fits)."""
     if chunk_size is not None:
         return max(1, min(chunk_size, num_tokens))
@@ -124,15 +125,16 @@ def _loss_and_grads(
     grad_weight = torch.zeros_like(weight) if need_grad_weight else None
     if scale is None:
         scale = losses  # never read: the kernel only reads SCALE when it writes gradients
-    rows = _chunk_rows(num_tokens, vocab, hidden.element_size(), chunk_size)
+    rows = chunk_rows(num_tokens, vocab, hidden.element_size(), chunk_size)
     buffer = hidden.new_empty(rows, vocab) if num_tokens else None
     for start in range(0, num_tokens, rows):
         end = min(start + rows, num_tokens)
         h = hidden[start:end]  # (c, d)
         logits = buffer[: end - start]  # (c, V)
         torch.mm(h, weight.t(), out=logits)
-        _softmax_grad(logits, targets[start:end], losses[start:end], scale[start:] if scale_stride else scale,
-                      scale_stride, ignore_index, write_grad)
+        row_scale = scale[start:] if scale_stride else scale
+        softmax_grad_inplace(logits, targets[start:end], losses[start:end], row_scale, scale_stride, ignore_index,
+                             write_grad)
         if need_grad_hidden:
             torch.mm(logits, weight, out=grad_hidden[start:end])
         if need_grad_weight:

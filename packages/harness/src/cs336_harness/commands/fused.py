@@ -48,9 +48,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"cs336 fused: {e}") from None
     rows = run_fused_bench(config)
-    for bench in config.benches:
-        picked = [r for r in rows if r["bench"] == bench.replace("-", "_")]
-        print(format_table(picked, [c for c in picked[0] if c not in ("bench",)], floatfmt=".3f"))
+    for bench in dict.fromkeys(r["bench"] for r in rows):
+        picked = [r for r in rows if r["bench"] == bench]
+        print(format_table(picked, [c for c in picked[0] if c != "bench"], floatfmt=".3f"))
     if args.out:
         append_rows(args.out, rows)
     return 0
