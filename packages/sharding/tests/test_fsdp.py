@@ -1,0 +1,125 @@
+"""FSDP on two gloo ranks against single-process training, plus single-process and input checks.
+
+The distributed checks run once per session (conftest.py, sharding_spawn_checks.py).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from cs336_sharding.fsdp import FSDP, gather_full_params
+from sharding_spawn_checks import FP16_RUNS, OPTIMIZERS, WORLD_SIZE, batches, loss_of, new_model
+
+FULL_BATCH_ATOL = {"fp32": 1e-5, "fp16": 1e-4}  # mirrored reference vs one full-batch backward
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize("kind", ["toy", "transformer"])
+def test_fp32_matches_single_process_exactly(records: list[dict], kind: str, optimizer: str) -> None:
+    for rank, record in enumerate(records):
+        run = record["fsdp"][kind, optimizer, "fp32"]
+        for step, (got, want) in enumerate(zip(run["fsdp"], run["reference"], strict=True)):
+            assert got.keys() == want.keys()
+            for name in want:
+                assert got[name].dtype == torch.float32
+                assert torch.equal(got[name], want[name]), f"rank {rank} step {step}: {name} differs"
+
+
+@pytest.mark.parametrize(("kind", "optimizer"), FP16_RUNS)
+def test_fp16_compute_matches_single_process_that_casts_the_same_way(
+    records: list[dict], kind: str, optimizer: str
+) -> None:
+    for rank, record in enumerate(records):
+        run = record["fsdp"][kind, optimizer, "fp16"]
+        for step, (got, want) in enumerate(zip(run["fsdp"], run["reference"], strict=True)):
+            for name in want:
+                assert got[name].dtype == torch.float32, "master weights must stay fp32"
+                assert torch.equal(got[name], want[name]), f"rank {rank} step {step}: {name} differs"
+
+
+@pytest.mark.parametrize("run", [(k, o, "fp32") for k in ("toy", "transformer") for o in OPTIMIZERS]
+                         + [(k, o, "fp16") for k, o in FP16_RUNS if o == "sgd"])
+def test_reference_is_full_batch_training(records: list[dict], run: tuple[str, str, str]) -> None:
+    out = records[0]["fsdp"][run]
+    for ref, full in zip(out["reference"], out["full_batch"], strict=True):
+        for name in ref:
+            torch.testing.assert_close(ref[name], full[name], rtol=0, atol=FULL_BATCH_ATOL[run[2]])
+
+
+@pytest.mark.parametrize("dtype", ["None", "torch.float16"])
+def test_grads_after_sync_are_fp32_and_shaped_like_params(records: list[dict], dtype: str) -> None:
+    for record in records:
+        grads = record["grads"][dtype]
+        assert sum(g["sharded"] for g in grads.values()) == 2 + 2 * 7  # embedding, head, 7 per block
+        for name, g in grads.items():
+            assert g["grad_shape"] == g["shape"], name
+            assert g["grad_dtype"] == g["dtype"] == torch.float32, name
+            assert torch.isfinite(g["grad"]).all(), name
+    for name, g in records[0]["grads"][dtype].items():
+        if not g["sharded"]:
+            assert torch.equal(g["grad"], records[1]["grads"][dtype][name]["grad"]), f"replicated {name} differs"
+        else:  # different data on each rank: each rank holds a different piece
+            assert g["grad"].shape == records[1]["grads"][dtype][name]["grad"].shape
+
+
+def test_uneven_shards_are_padded(records: list[dict]) -> None:
+    # The toy model's embedding and head have 37 x 15 = 555 elements: shards of 278, the last one padded.
+    shapes = {n: g["shape"] for n, g in records[0]["grads"]["None"].items()}
+    assert shapes["token_embeddings.weight"] == ((37 * 16 + WORLD_SIZE - 1) // WORLD_SIZE,)
+    assert records[0]["fsdp"]["toy", "sgd", "fp32"]["fsdp"][0]["embedding.weight"].shape == (37, 15)
+
+
+def test_gathers_are_bounded_and_freed(records: list[dict]) -> None:
+    for record in records:
+        g = record["gathered"]
+        assert len(g["counts"]) == 2 * g["num_units"]
+        # At a module's forward: its own weight and at most the next one in flight.
+        assert min(g["counts"]) >= 1 and max(g["counts"]) <= 2
+        assert max(g["counts"][g["num_units"] :]) == 2, "the recorded order should drive a prefetch"
+        assert g["left"] == [0, 0, 0, 0], "gathered weights must be freed after forward and after sync"
+
+
+@pytest.mark.parametrize("optimizer", ["torch_adamw", "basics_adamw"])
+def test_checkpoint_resume_equals_uninterrupted_run(records: list[dict], optimizer: str) -> None:
+    for rank, record in enumerate(records):
+        run = record["checkpoint"][optimizer]
+        for name, want in run["uninterrupted"].items():
+            assert torch.equal(run["resumed"][name], want), f"rank {rank}: {name} differs after resume"
+
+
+def test_without_process_group_equals_plain_training() -> None:
+    plain = new_model("transformer", seed=0)
+    fsdp = FSDP(copy.deepcopy(plain))
+    opts = [OPTIMIZERS["torch_adamw"](m.parameters()) for m in (plain, fsdp)]
+    for step in batches(3):
+        for model, opt in zip((plain, fsdp), opts, strict=True):
+            opt.zero_grad()
+            loss_of(model, *step[0]).backward()
+            if model is fsdp:
+                fsdp.finish_gradient_synchronization()
+            opt.step()
+    full = gather_full_params(fsdp)
+    for name, p in plain.named_parameters():
+        assert torch.equal(full[name], p.detach()), name
+
+
+def test_no_grad_forward_matches_and_keeps_nothing_gathered() -> None:
+    plain = new_model("toy", seed=0)
+    fsdp = FSDP(copy.deepcopy(plain), compute_dtype=torch.float16)
+    x = batches(1)[0][0][0]
+    with torch.no_grad():
+        out = fsdp(x)
+    assert out.dtype == torch.float16
+    assert all(u.full is None for u in fsdp._units)
+    torch.testing.assert_close(out.float(), plain(x), rtol=1e-2, atol=1e-2)
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        FSDP("model")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="compute_dtype"):
+        FSDP(new_model("toy", seed=0), compute_dtype=torch.int32)
+    with pytest.raises(TypeError, match="FSDP"):
+        gather_full_params(new_model("toy", seed=0))  # type: ignore[arg-type]
