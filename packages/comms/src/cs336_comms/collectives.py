@@ -18,7 +18,7 @@ since a collective is done only when every rank is done.
     rows = run_collectives(world_size=2, backend="gloo", sizes_bytes=[2**20])   # spawns the ranks
     plot_collectives(rows, "collectives.png")
 
-Under torchrun, call :func:`benchmark_collectives` in every rank after ``init_from_env()``.
+The same call works under torchrun (``torchrun --nproc-per-node 2 script.py``): rank 0 gets the rows.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cs336_comms.process_group import spawn
+from cs336_comms.process_group import run_ranks
 
 OPS: tuple[str, ...] = ("all_reduce", "reduce_scatter", "all_gather")
 DEFAULT_SIZES_BYTES: tuple[int, ...] = (2**20, 10 * 2**20, 100 * 2**20, 2**30)
@@ -128,7 +128,7 @@ def benchmark_collectives(
     return rows
 
 
-def _spawned(rank: int, world_size: int, out_path: str, sizes: list[int], ops: list[str], warmup: int,
+def _rank_main(rank: int, world_size: int, out_path: str, sizes: list[int], ops: list[str], warmup: int,
              iters: int) -> None:
     rows = benchmark_collectives(sizes, ops, warmup, iters)
     if rank == 0:
@@ -144,12 +144,13 @@ def run_collectives(
     iters: int = 20,
     timeout_s: float = 600.0,
 ) -> list[dict[str, Any]]:
-    """Spawn ``world_size`` local ranks on ``backend`` and return :func:`benchmark_collectives`' rows."""
+    """:func:`benchmark_collectives`' rows from ``world_size`` ranks on ``backend``: spawned locally, or
+    torchrun's ranks when torchrun started this process (then only rank 0 returns rows, the others [])."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
-        spawn(_spawned, world_size, str(out), list(sizes_bytes), list(ops), warmup, iters,
-              backend=backend, timeout_s=timeout_s)
-        return json.loads(out.read_text())
+        reporter = run_ranks(_rank_main, world_size, str(out), list(sizes_bytes), list(ops), warmup, iters,
+                             backend=backend, timeout_s=timeout_s)
+        return json.loads(out.read_text()) if reporter else []
 
 
 def plot_collectives(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:

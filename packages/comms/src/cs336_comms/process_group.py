@@ -5,7 +5,9 @@ instead of hanging, and always torn down.
     from cs336_comms.process_group import spawn
     spawn(train, world_size=2)            # train(rank, world_size, *args) runs in each rank
 
-Under torchrun (any number of nodes) call :func:`init_from_env` at the top of the script instead.
+Under torchrun (any number of nodes) call :func:`init_from_env` at the top of the script instead, or
+use :func:`run_ranks`, which spawns when run as a plain script and joins torchrun's group otherwise,
+so one command works both ways.
 """
 
 from __future__ import annotations
@@ -99,3 +101,35 @@ def spawn(
     if backend == "nccl" and world_size > torch.cuda.device_count():
         raise ValueError(f"world_size {world_size} exceeds the {torch.cuda.device_count()} visible GPUs")
     mp.spawn(_spawned, args=(fn, world_size, free_port(), backend, timeout_s, args), nprocs=world_size, join=True)
+
+
+def launched_by_torchrun() -> bool:
+    """Whether this process is one of torchrun's ranks (its environment names a rank and a world size)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> bool:
+    """Run ``fn(rank, world_size, *args)`` in every rank: spawned here, or in this process under torchrun.
+
+    Returns:
+        True in the one process that should report results: the spawning parent, or rank 0 under
+        torchrun (where every rank runs the caller's code).
+    """
+    if not launched_by_torchrun():
+        spawn(fn, world_size, *args, backend=backend, timeout_s=timeout_s)
+        return True
+    if int(os.environ["WORLD_SIZE"]) != world_size:
+        raise ValueError(f"asked for world size {world_size}, but torchrun started {os.environ['WORLD_SIZE']} ranks")
+    init_from_env(backend, timeout_s)
+    rank = dist.get_rank()
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+    return rank == 0

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -173,6 +174,7 @@ def _bench_variant(config: DDPBenchConfig, variant: str, dtype: str, rank: int, 
         prof.export_chrome_trace(str(trace_path))
     slowest = torch.tensor([statistics.median(times), max(times)], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    in_sync = _params_in_sync(model)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     del step, optimizer, wrapped, model, prof
     gc.collect()
@@ -181,12 +183,29 @@ def _bench_variant(config: DDPBenchConfig, variant: str, dtype: str, rank: int, 
     return {
         "variant": variant, "dtype": dtype, "step_ms": float(slowest[0]) * 1e3,
         "step_max_ms": float(slowest[1]) * 1e3, "peak_mem_gib": peak, "trace": trace_path.name,
+        "params_in_sync": in_sync,
     }
+
+
+def _params_in_sync(model: nn.Module) -> bool:
+    """Whether every rank holds bit-identical parameters (per-tensor fp64 sums agree on all ranks).
+
+    A check that the wrappers really keep the replicas together after several steps; ``nocomm``
+    replicas start and stay different, so it is False there by design.
+    """
+    sums = torch.stack([p.detach().sum(dtype=torch.float64) for p in model.parameters()])
+    lo, hi = sums.clone(), sums.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    return bool(torch.equal(lo, hi))
 
 
 def _rank_main(rank: int, world_size: int, config: DDPBenchConfig, trace_dir: str, out_path: str) -> None:
     device = (torch.device("cuda", torch.cuda.current_device()) if config.resolved_backend == "nccl"
               else torch.device("cpu"))
+    if device.type == "cpu":
+        # Ranks share the cores; more threads than cores makes OpenMP's spinning workers fight.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     rows = []
     for dtype in config.dtypes:
         for variant in config.variants:
@@ -294,7 +313,7 @@ def plot_timelines(traces: dict[str, Sequence[dict[str, Any]]], path: str | Path
 
     colors = {"forward": "tab:blue", "backward": "tab:orange", "grad_sync": "tab:red", "optimizer": "tab:green",
               "other": "tab:gray", "comm": "tab:purple"}
-    fig, axes = plt.subplots(len(traces), 1, figsize=(13, 1.5 * len(traces) + 0.6), squeeze=False)
+    fig, axes = plt.subplots(len(traces), 1, figsize=(13, 1.5 * len(traces) + 0.6), squeeze=False, sharex=True)
     for ax, (label, events) in zip(axes[:, 0], traces.items(), strict=True):
         phases = _phase_spans(events)
         acts = [a for a in profiling.gpu_activities(events) if a["dur"] > 0]
@@ -334,9 +353,9 @@ def plot_timelines(traces: dict[str, Sequence[dict[str, Any]]], path: str | Path
 
 
 DDP_COLUMNS = ("dtype", "variant", "step_ms", "overhead_ms", "comm_ms", "exposed_comm_ms", "exposed_share",
-               "peak_mem_gib")
+               "peak_mem_gib", "params_in_sync")
 DDP_HEADERS = ("dtype", "wrapper", "step (ms)", "vs no-comm step (ms)", "NCCL kernels (ms)",
-               "NCCL not overlapped (ms)", "not overlapped / step", "peak memory (GiB)")
+               "NCCL not overlapped (ms)", "not overlapped / step", "peak memory (GiB)", "replicas equal")
 
 
 def ddp_markdown(rows: Sequence[dict[str, Any]]) -> str:

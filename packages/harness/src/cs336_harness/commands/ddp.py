@@ -22,6 +22,7 @@ from cs336_harness import ddp_bench
 from cs336_harness.presets import DEFAULT_CONTEXT_LENGTH, MODEL_SIZES
 from cs336_harness.results import append_rows, format_table, read_rows
 
+CPU_CONTEXT_LENGTH = 128  # keeps the CPU try-out to seconds per variant
 HELP = "time DDP training steps (naive, flat, overlapped, bucketed, torch DDP) with timelines"
 
 
@@ -33,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("Examples::", 1)[1]
     parser.add_argument("--size", default=None, help=f"{', '.join(MODEL_SIZES)} (default xl with CUDA, tiny without)")
-    parser.add_argument("--context-length", type=int, default=DEFAULT_CONTEXT_LENGTH, help="default 512")
+    parser.add_argument("--context-length", type=int, default=None,
+                        help=f"default {DEFAULT_CONTEXT_LENGTH} with CUDA, {CPU_CONTEXT_LENGTH} without")
     parser.add_argument("--global-batch", type=int, default=4, help="sequences per step over all ranks (default 4)")
     parser.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
     parser.add_argument("--backend", default=None, help="nccl | gloo (default: nccl with CUDA, gloo without)")
@@ -54,10 +56,12 @@ def run(args: argparse.Namespace) -> int:
     if args.markdown:
         print(ddp_bench.ddp_markdown(read_rows(args.markdown)))
         return 0
+    cuda = torch.cuda.is_available()
     try:
         config = ddp_bench.DDPBenchConfig(
-            size=args.size or ("xl" if torch.cuda.is_available() else "tiny"),
-            context_length=args.context_length, global_batch=args.global_batch, world_size=args.world_size,
+            size=args.size or ("xl" if cuda else "tiny"),
+            context_length=args.context_length or (DEFAULT_CONTEXT_LENGTH if cuda else CPU_CONTEXT_LENGTH),
+            global_batch=args.global_batch, world_size=args.world_size,
             backend=args.backend, dtypes=args.dtypes, variants=args.variants, bucket_size_mb=args.bucket_size_mb,
             warmup=args.warmup, steps=args.steps, trace_dir=args.trace_dir,
         )

@@ -1,0 +1,60 @@
+"""``cs336 ddp`` and ``cs336 collectives`` on CPU: well-formed rows, tables and figures; overlap arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+from cs336_harness import cli, ddp_bench
+from cs336_harness.results import read_rows
+
+
+def _kernel(name: str, ts: float, dur: float, stream: int) -> dict:
+    return {"cat": "kernel", "ph": "X", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+
+def test_comm_overlap_counts_only_uncovered_nccl_time() -> None:
+    events = [
+        _kernel("gemm", 0.0, 100.0, 7),
+        _kernel("elementwise", 150.0, 50.0, 7),
+        _kernel("ncclDevKernel_AllReduce", 80.0, 40.0, 21),
+        _kernel("ncclDevKernel_AllReduce", 110.0, 20.0, 21),  # overlaps the previous: union 80..130
+        _kernel("ncclDevKernel_AllReduce", 190.0, 30.0, 21),
+    ]
+    got = ddp_bench.comm_overlap(events)
+    assert got["comm_ms"] == pytest.approx(0.080)
+    assert got["exposed_comm_ms"] == pytest.approx(0.050)  # 100..130 and 200..220 have no compute
+    assert got["gpu_span_ms"] == pytest.approx(0.220)
+    assert ddp_bench.comm_overlap([])["comm_ms"] is None
+
+
+def test_config_rejects_bad_values() -> None:
+    with pytest.raises(ValueError, match="multiple of world_size"):
+        ddp_bench.DDPBenchConfig(size="tiny", global_batch=3, world_size=2)
+    with pytest.raises(ValueError, match="variants"):
+        ddp_bench.DDPBenchConfig(size="tiny", variants=("fsdp",))
+    with pytest.raises(ValueError, match="size"):
+        ddp_bench.DDPBenchConfig(size="huge")
+
+
+def test_ddp_command_on_cpu(tmp_path, capsys) -> None:
+    out, figs = tmp_path / "ddp.jsonl", tmp_path / "figs"
+    assert cli.main(["ddp", "--size", "tiny", "--context-length", "16", "--warmup", "0", "--steps", "1",
+                     "--variants", "nocomm,naive,bucketed,torch_ddp", "--bucket-size-mb", "0.05",
+                     "--out", str(out), "--figure-dir", str(figs)]) == 0
+    rows = read_rows(out)
+    assert [r["variant"] for r in rows] == ["nocomm", "naive", "bucketed", "torch_ddp"]
+    for r in rows:
+        assert r["backend"] == "gloo" and r["world_size"] == 2 and r["step_ms"] > 0 and "commit" in r
+        assert r["params_in_sync"] == (r["variant"] != "nocomm")
+    assert (figs / "ddp_timeline_fp32.png").stat().st_size > 0
+    table = ddp_bench.ddp_markdown(rows)
+    assert table.count("\n") == len(rows) + 1 and "| fp32 | bucketed |" in table
+
+
+def test_collectives_command_on_cpu(tmp_path) -> None:
+    out, plot = tmp_path / "coll.jsonl", tmp_path / "coll.png"
+    assert cli.main(["collectives", "--backends", "gloo", "--world-sizes", "2", "--sizes-mb", "0.01,0.1",
+                     "--warmup", "1", "--iters", "2", "--out", str(out), "--plot", str(plot)]) == 0
+    rows = read_rows(out)
+    assert len(rows) == 6 and plot.stat().st_size > 0
+    table = ddp_bench.collectives_markdown(rows)
+    assert "| gloo | 2 |" in table and "0.1 MiB" in table
