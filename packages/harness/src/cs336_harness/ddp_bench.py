@@ -124,7 +124,7 @@ def _make_step(config: DDPBenchConfig, wrapped: nn.Module, optimizer: torch.opti
 
     def step() -> None:
         with profiling.annotate("forward"), torch.autocast(
-            device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None
+            device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None
         ):
             loss = cross_entropy(wrapped(inputs), targets)
         with profiling.annotate("backward"):
