@@ -72,12 +72,13 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
 def batches(num_steps: int, seed: int = 1234) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     """batches[step][rank] = (tokens, targets), identical on every rank."""
     g = torch.Generator().manual_seed(seed)
-    tokens = lambda: torch.randint(0, VOCAB, (PER_RANK, SEQ), generator=g)  # noqa: E731
+    tokens = lambda: torch.randint(0, VOCAB, (PER_RANK, SEQ), generator=g, device="cpu")  # noqa: E731
     return [[(tokens(), tokens()) for _ in range(WORLD_SIZE)] for _ in range(num_steps)]
 
 
 def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return cross_entropy(model(x).float(), y)
+    device = next(model.parameters()).device  # batches are made on the CPU, models may live on a GPU
+    return cross_entropy(model(x.to(device)).float(), y.to(device))
 
 
 def cast_weights_like_fsdp(model: nn.Module, dtype: torch.dtype) -> None:
@@ -91,7 +92,7 @@ def cast_weights_like_fsdp(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.named_parameters()}
+    return {k: v.detach().cpu().clone() for k, v in model.named_parameters()}
 
 
 def reference_step(model: nn.Module, opt: torch.optim.Optimizer, step: list) -> None:
@@ -136,7 +137,7 @@ def fsdp_training(rank: int, kind: str, optimizer: str, compute_dtype: torch.dty
         reference_step(ref, ref_opt, step)
         full_batch_step(full, full_opt, step)
         fsdp_step(fsdp, fsdp_opt, step, rank)
-        out["fsdp"].append(gather_full_params(fsdp))
+        out["fsdp"].append({k: v.cpu() for k, v in gather_full_params(fsdp).items()})
         out["reference"].append(params_of(ref))
         out["full_batch"].append(params_of(full))
     return out
@@ -329,5 +330,18 @@ def all_checks(rank: int, world_size: int, out_dir: str) -> None:
         for consolidated in (False, True):
             record["resume"][name, consolidated] = sharded_optimizer_resume(rank, name, consolidated)
     with open(f"{out_dir}/rank{rank}.pkl", "wb") as f:
+        pickle.dump(record, f)
+    dist.barrier()
+
+
+def gpu_checks(rank: int, world_size: int, out_dir: str) -> None:
+    """The same training checks on NCCL with the models on each rank's GPU."""
+    torch.set_default_device(torch.device("cuda", rank))
+    record = {
+        "fsdp_fp32": fsdp_training(rank, "transformer", "torch_adamw_fused", None),
+        "fsdp_bf16": fsdp_training(rank, "transformer", "torch_adamw_fused", torch.bfloat16),
+        "sharded": sharded_optimizer_training(rank, "torch_adamw")["steps"],
+    }
+    with open(f"{out_dir}/gpu_rank{rank}.pkl", "wb") as f:
         pickle.dump(record, f)
     dist.barrier()

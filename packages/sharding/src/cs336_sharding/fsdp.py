@@ -215,9 +215,10 @@ class FSDP(nn.Module):
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         unit = self._unit_of_module[module]
+        self._use(unit, self._forward_order, self._forward_seen)
+        # Opened once the weight is ready, so the range holds exactly the layer's own compute.
         profile_range = torch.profiler.record_function(f"fsdp.forward.{unit.name}")
         profile_range.__enter__()
-        self._use(unit, self._forward_order, self._forward_seen)
         contexts: list[Any] = [profile_range]
         if torch.is_grad_enabled() and unit.param.requires_grad:
             module._parameters["weight"] = _UseFullWeight.apply(unit.param, self, unit)
