@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
+import re
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -156,6 +157,29 @@ def kernel_class(name: str) -> str:
     if any(k in n for k in ("elementwise", "vectorized", "unrolled", "foreach", "triton_poi", "fill")):
         return "elementwise"
     return "other"
+
+
+_OP_PATTERNS = (  # tried in order: the first match names the op of an ATen kernel
+    r"at::native::(?:\(anonymous namespace\)::)?(\w+?)(?:_kernel)?(?:_cuda)?\(",
+    r"binary_internal::(\w+?)Functor",
+    r"CUDAFunctor(?:OnSelf)?_(\w+)",
+    r"func_wrapper_t<\w+, at::native::(\w+?)_?[Ff]unctor",
+)
+
+
+def short_kernel_name(name: str, width: int = 60) -> str:
+    """A readable label for a (often 300+ character) kernel name, e.g. ``elementwise: mul``."""
+    if "at::native::" in name:
+        family = "reduce" if "reduce_kernel" in name else "elementwise"
+        match = next((m for m in (re.search(p, name) for p in _OP_PATTERNS) if m), None)
+        return f"{family}: {match.group(1).lower() if match else '?'}"
+    gemm = re.search(r"gemm_(\w+?)_.*?_(nn|nt|tn|tt)_.*?tilesize(\d+x\d+)", name) or re.search(
+        r"_(\w*gemm)_(\d+x\d+)_\w+?_(nn|nt|tn|tt)_", name
+    )
+    if gemm:
+        return "gemm " + " ".join(gemm.groups())
+    short = re.sub(r"^void ", "", name).split("(")[0]
+    return short if len(short) <= width else short[: width - 3] + "..."
 
 
 def class_shares(events: Sequence[dict[str, Any]], within: str) -> dict[str, float]:

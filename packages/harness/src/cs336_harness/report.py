@@ -1,0 +1,50 @@
+"""Markdown tables from result rows, and filling them into a writeup between marker comments.
+
+A writeup section holds ``<!-- table:NAME -->`` ... ``<!-- /table:NAME -->``; :func:`fill_tables`
+replaces what lies between with a freshly generated table, so numbers in the text are never typed
+by hand. ``tools/harness_tables.py`` builds the tables of sections 2 and 3 this way.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+def _cell(value: Any, floatfmt: str) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return format(value, floatfmt)
+    return str(value).replace("|", "\\|")
+
+
+def markdown_table(
+    rows: Sequence[Mapping[str, Any]], columns: Sequence[str | tuple[str, str]], floatfmt: str = ".1f"
+) -> str:
+    """A GitHub-markdown table; a column is a key or a ``(key, header)`` pair; missing values show '-'."""
+    if not columns:
+        raise ValueError("markdown_table needs at least one column")
+    keys = [c if isinstance(c, str) else c[0] for c in columns]
+    headers = [c if isinstance(c, str) else c[1] for c in columns]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(_cell(row.get(k), floatfmt) for k in keys) + " |")
+    return "\n".join(lines)
+
+
+def fill_tables(text: str, tables: Mapping[str, str]) -> str:
+    """Replace the body of every ``<!-- table:NAME -->`` block in ``text`` whose NAME is in ``tables``.
+
+    Raises:
+        ValueError: if a NAME in ``tables`` has no marker pair in ``text``.
+    """
+    for name, table in tables.items():
+        pattern = re.compile(rf"(<!-- table:{re.escape(name)} -->\n).*?(<!-- /table:{re.escape(name)} -->)", re.S)
+        if not pattern.search(text):
+            raise ValueError(f"no '<!-- table:{name} -->' ... '<!-- /table:{name} -->' block in the text")
+        text = pattern.sub(lambda m, t=table: m.group(1) + t + "\n" + m.group(2), text)
+    return text
