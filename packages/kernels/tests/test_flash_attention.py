@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from cs336_kernels.flash_attention import (
     FlashAttentionPytorch,
     FlashAttentionTriton,

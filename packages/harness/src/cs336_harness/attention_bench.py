@@ -1,0 +1,341 @@
+"""Attention benchmarks (``cs336 attention``): plain PyTorch, torch.compile, FlashAttention-2, SDPA.
+
+Parts (handout section 4):
+
+- ``pytorch`` (pytorch_attention): the model's own ``scaled_dot_product_attention`` with a causal mask,
+  batch 8, no head dimension, d x seq over ``head_dims`` x ``seq_lens``, fp32. ``passes`` forward passes are
+  timed one by one (synchronising after each); then, after one more forward, the memory in use before the
+  backward pass; then ``passes`` backward passes, each on a fresh forward graph and timed alone. A
+  configuration that runs out of memory is recorded as a row with ``status = "oom"``.
+- ``compiled`` (torch_compile a): the same with ``torch.compile(dynamic=True)`` of that function.
+- ``flash`` (flash_benchmarking): ``triton.testing.do_bench`` medians, batch 1, one head, causal, every
+  (dtype, d, seq) of ``flash_dtypes`` x ``flash_head_dims`` x ``flash_seq_lens``: forward, backward and
+  forward+backward of our Triton FlashAttention-2, the plain PyTorch attention and torch SDPA.
+- ``anchors``: the two targets of ANCHORS.md, (1, 32, 32768, 128) and (1, 16, 16384, 64), bf16, causal,
+  ours against SDPA measured in the same run.
+
+FLOPs of causal attention, counted as in ANCHORS.md (two matmuls of 2*s*s*d FLOPs per head, half of the
+score matrix kept by the mask; the backward pass has five such matmuls, so 2.5x the forward)::
+
+    fwd = 4 * b * h * s^2 * d / 2        bwd = 2.5 * fwd        fwd+bwd = 3.5 * fwd
+
+Usage::
+
+    from cs336_harness.attention_bench import AttentionBenchConfig, run_attention_bench
+    rows = run_attention_bench(AttentionBenchConfig(parts=("anchors",)))
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from cs336_basics.model import scaled_dot_product_attention
+from cs336_kernels.flash_attention import flash_attention
+from triton.testing import do_bench
+
+from cs336_harness.results import markdown_table
+
+PARTS: tuple[str, ...] = ("pytorch", "compiled", "flash", "anchors")
+DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+BF16_MATMUL_FLOPS = 772e12  # H200 bf16 8192^3 matmul on random data (ANCHORS.md)
+ANCHOR_SHAPES: tuple[tuple[int, int, int, int], ...] = ((1, 32, 32768, 128), (1, 16, 16384, 64))
+ANCHOR_TARGET_MS = {(1, 16, 16384, 64): 4.0}  # fwd+bwd; the other shape's target is SDPA's own time
+
+
+@dataclass(frozen=True)
+class AttentionBenchConfig:
+    parts: tuple[str, ...] = PARTS
+    head_dims: tuple[int, ...] = (16, 32, 64, 128)
+    seq_lens: tuple[int, ...] = (256, 1024, 4096, 8192, 16384)
+    batch: int = 8
+    passes: int = 100
+    flash_dtypes: tuple[str, ...] = ("bf16", "fp32")
+    flash_head_dims: tuple[int, ...] = (16, 32, 64, 128)
+    flash_seq_lens: tuple[int, ...] = tuple(2**i for i in range(7, 17))
+    warmup_ms: int = 10
+    rep_ms: int = 50
+    anchor_rep_ms: int = 1000
+    precompile_jobs: int = 0
+
+    def __post_init__(self) -> None:
+        unknown = set(self.parts) - set(PARTS)
+        if not self.parts or unknown:
+            raise ValueError(f"parts must be a non-empty subset of {PARTS}, got {self.parts}")
+        bad_dtypes = set(self.flash_dtypes) - set(DTYPES)
+        if not self.flash_dtypes or bad_dtypes:
+            raise ValueError(f"flash dtypes must be a non-empty subset of {tuple(DTYPES)}, got {self.flash_dtypes}")
+        for name in ("head_dims", "seq_lens", "flash_head_dims", "flash_seq_lens"):
+            values = getattr(self, name)
+            if not values or min(values) <= 0:
+                raise ValueError(f"{name} must be non-empty and positive, got {values}")
+        if min(self.flash_head_dims) < 16 or max(self.flash_head_dims) > 256:
+            raise ValueError(f"flash head dims must lie in [16, 256], got {self.flash_head_dims}")
+        for name in ("batch", "passes", "warmup_ms", "rep_ms", "anchor_rep_ms"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.precompile_jobs < 0:
+            raise ValueError(f"precompile_jobs must be >= 0, got {self.precompile_jobs}")
+
+
+def causal_attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> dict[str, float]:
+    """FLOPs of causal attention: fwd = 4*b*h*s^2*d/2, bwd = 2.5x fwd, fwd+bwd = 3.5x fwd."""
+    fwd = 4 * batch * heads * seq**2 * head_dim / 2
+    return {"fwd": fwd, "bwd": 2.5 * fwd, "fwd_bwd": 3.5 * fwd}
+
+
+# ---------------------------------------------------------------------------- attention implementations
+
+
+def _causal_mask(seq: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(seq, seq, dtype=torch.bool, device=device).tril()  # True = may attend
+
+
+def _plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return scaled_dot_product_attention(q, k, v, mask)
+
+
+def _impls(mask: torch.Tensor) -> dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]]:
+    return {
+        "triton": lambda q, k, v: flash_attention(q, k, v, is_causal=True),
+        "pytorch": lambda q, k, v: _plain(q, k, v, mask),
+        "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+    }
+
+
+# ------------------------------------------------------------------------ pytorch_attention, torch_compile
+
+
+def _timed_ms(fn: Callable[[], Any]) -> float:
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def _pytorch_attention_row(attn: Callable, batch: int, seq: int, head_dim: int, passes: int) -> dict[str, Any]:
+    device = torch.device("cuda")
+    q, k, v = (torch.randn(batch, seq, head_dim, device=device, requires_grad=True) for _ in range(3))
+    grad = torch.randn(batch, seq, head_dim, device=device)
+    mask = _causal_mask(seq, device)
+    for _ in range(3):  # warm-up (and compilation for the compiled variant)
+        attn(q, k, v, mask).backward(grad)
+    fwd_ms = [_timed_ms(lambda: attn(q, k, v, mask)) for _ in range(passes)]
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    out = attn(q, k, v, mask)
+    torch.cuda.synchronize()
+    saved_bytes = torch.cuda.memory_allocated() - base
+    before_backward = torch.cuda.memory_allocated()
+    out.backward(grad)
+    del out
+    bwd_ms = []
+    for _ in range(passes):
+        out = attn(q, k, v, mask)
+        bwd_ms.append(_timed_ms(lambda out=out: out.backward(grad)))
+        del out
+    return {
+        "fwd_ms": sum(fwd_ms) / passes, "bwd_ms": sum(bwd_ms) / passes,
+        "mem_before_bwd_gib": before_backward / 2**30, "saved_for_bwd_gib": saved_bytes / 2**30,
+    }
+
+
+def _pytorch_sweep(cfg: AttentionBenchConfig, compiled: bool) -> Iterator[dict[str, Any]]:
+    attn = torch.compile(_plain, dynamic=True) if compiled else _plain
+    for head_dim in cfg.head_dims:
+        for seq in cfg.seq_lens:
+            row = {"bench": "compiled" if compiled else "pytorch", "batch": cfg.batch, "seq": seq,
+                   "d": head_dim, "dtype": "fp32", "passes": cfg.passes}
+            try:
+                row |= _pytorch_attention_row(attn, cfg.batch, seq, head_dim, cfg.passes) | {"status": "ok"}
+            except torch.OutOfMemoryError:
+                row["status"] = "oom"
+            torch.cuda.empty_cache()
+            yield row
+
+
+# ---------------------------------------------------------------------------------- flash_benchmarking
+
+
+def _bench_ms(fn: Callable[[], Any], warmup_ms: int, rep_ms: int, grad_to_none: Sequence[torch.Tensor]) -> float:
+    return do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=list(grad_to_none), return_mode="median")
+
+
+def _measure(impl: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rep_ms: int,
+             cfg: AttentionBenchConfig) -> dict[str, Any]:
+    """Forward, backward (on one retained graph) and forward+backward medians in ms; None where out of memory."""
+    do = torch.randn_like(q)
+    inputs = (q, k, v)
+
+    def backward_only() -> float:
+        out = impl(q, k, v)
+        return _bench_ms(lambda: out.backward(do, retain_graph=True), cfg.warmup_ms, rep_ms, inputs)
+
+    result: dict[str, Any] = {}
+    for mode, bench in (
+        ("fwd", lambda: _bench_ms(lambda: impl(q, k, v), cfg.warmup_ms, rep_ms, inputs)),
+        ("bwd", backward_only),
+        ("fwd_bwd", lambda: _bench_ms(lambda: impl(q, k, v).backward(do), cfg.warmup_ms, rep_ms, inputs)),
+    ):
+        try:
+            result[f"{mode}_ms"] = bench()
+        except torch.OutOfMemoryError:
+            result[f"{mode}_ms"] = None
+        for t in inputs:
+            t.grad = None
+        torch.cuda.empty_cache()
+    return result
+
+
+def _flash_rows(
+    shape: tuple[int, int, int, int], dtype_name: str, impl_names: Sequence[str], rep_ms: int,
+    cfg: AttentionBenchConfig, bench: str,
+) -> Iterator[dict[str, Any]]:
+    batch, heads, seq, head_dim = shape
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(seq * 1000 + head_dim)
+    q, k, v = (torch.randn(shape, device=device, dtype=DTYPES[dtype_name], generator=gen).requires_grad_()
+               for _ in range(3))
+    impls = _impls(_causal_mask(seq, device) if "pytorch" in impl_names else None)
+    flops = causal_attention_flops(batch, heads, seq, head_dim)
+    for name in impl_names:
+        row = {"bench": bench, "impl": name, "dtype": dtype_name, "batch": batch, "heads": heads, "seq": seq,
+               "d": head_dim, "causal": True, "rep_ms": rep_ms}
+        row |= _measure(impls[name], q, k, v, rep_ms, cfg)
+        for mode in ("fwd", "bwd", "fwd_bwd"):
+            ms = row[f"{mode}_ms"]
+            row[f"{mode}_tflops"] = None if ms is None else flops[mode] / (ms * 1e-3) / 1e12
+        row["status"] = "ok" if all(row[f"{m}_ms"] is not None for m in ("fwd", "bwd", "fwd_bwd")) else "oom"
+        yield row
+
+
+def _warm_one(shape: tuple[int, int, int, int], dtype_name: str) -> None:
+    q, k, v = (torch.randn(*shape, device="cuda", dtype=DTYPES[dtype_name], requires_grad=True) for _ in range(3))
+    flash_attention(q, k, v, is_causal=True).sum().backward()
+    torch.cuda.synchronize()
+
+
+def precompile(jobs: Sequence[tuple[tuple[int, int, int, int], str]], processes: int) -> None:
+    """Compile every autotuning candidate of our kernels in parallel processes to fill Triton's disk cache.
+
+    Each (shape, dtype) must share the launch specialisation (dtype, head dim, divisibility of sizes and
+    strides by 16) of the shapes timed later, so that their compilation is a cache hit.
+    """
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        pool.starmap(_warm_one, jobs)
+
+
+def run_attention_bench(
+    cfg: AttentionBenchConfig, on_row: Callable[[dict[str, Any]], None] | None = None
+) -> list[dict[str, Any]]:
+    """Run the configured parts; every row is also passed to ``on_row`` as soon as it is measured."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("cs336 attention needs a CUDA GPU")
+    if cfg.precompile_jobs:
+        jobs = []
+        if "flash" in cfg.parts:
+            jobs += [((1, 1, 256, d), dt) for dt in cfg.flash_dtypes for d in cfg.flash_head_dims]
+        if "anchors" in cfg.parts:
+            jobs += [((b, h, 256, d), "bf16") for b, h, _, d in ANCHOR_SHAPES]
+        precompile(jobs, cfg.precompile_jobs)
+    rows: list[dict[str, Any]] = []
+
+    def emit(row: dict[str, Any]) -> None:
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
+
+    if "anchors" in cfg.parts:
+        for shape in ANCHOR_SHAPES:
+            for row in _flash_rows(shape, "bf16", ("triton", "sdpa"), cfg.anchor_rep_ms, cfg, "anchors"):
+                row["target_fwd_bwd_ms"] = ANCHOR_TARGET_MS.get(shape)
+                if row["fwd_bwd_tflops"] is not None:
+                    row["fraction_of_772_tflops"] = row["fwd_bwd_tflops"] * 1e12 / BF16_MATMUL_FLOPS
+                emit(row)
+    if "flash" in cfg.parts:
+        for dtype_name in cfg.flash_dtypes:
+            for head_dim in cfg.flash_head_dims:
+                for seq in cfg.flash_seq_lens:
+                    for row in _flash_rows((1, 1, seq, head_dim), dtype_name, ("triton", "pytorch", "sdpa"),
+                                           cfg.rep_ms, cfg, "flash"):
+                        emit(row)
+    if "pytorch" in cfg.parts:
+        for row in _pytorch_sweep(cfg, compiled=False):
+            emit(row)
+    if "compiled" in cfg.parts:
+        for row in _pytorch_sweep(cfg, compiled=True):
+            emit(row)
+    return rows
+
+
+# --------------------------------------------------------------------------------------- markdown tables
+
+
+def _ms(row: dict[str, Any] | None, key: str) -> str:
+    if row is None:
+        return "-"
+    value = row.get(key)
+    if value is None:
+        return "OOM" if row.get("status") == "oom" else "-"
+    return f"{value:.3g}"
+
+
+def attention_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """The writeup's tables from saved rows: each part present, in the order of :data:`PARTS`."""
+    parts = []
+    eager = {(r["d"], r["seq"]): r for r in rows if r.get("bench") == "pytorch"}
+    compiled = {(r["d"], r["seq"]): r for r in rows if r.get("bench") == "compiled"}
+    if eager:
+        table = []
+        for (d, seq), r in sorted(eager.items()):
+            c = compiled.get((d, seq))
+            table.append({
+                "d": d, "seq": seq, "fwd": _ms(r, "fwd_ms"), "bwd": _ms(r, "bwd_ms"),
+                "mem": _ms(r, "mem_before_bwd_gib"), "saved": _ms(r, "saved_for_bwd_gib"),
+                "cfwd": _ms(c, "fwd_ms"), "cbwd": _ms(c, "bwd_ms"),
+            })
+        first = next(iter(eager.values()))
+        parts.append(
+            f"Plain PyTorch attention (batch {first['batch']}, fp32, causal mask, mean of {first['passes']} "
+            f"passes), {first['device']}:\n\n"
+            + markdown_table(table, ["d", "seq", "fwd", "bwd", "mem", "saved", "cfwd", "cbwd"],
+                             ["d", "seq", "fwd (ms)", "bwd (ms)", "memory before bwd (GiB)",
+                              "saved by one fwd (GiB)", "compiled fwd (ms)", "compiled bwd (ms)"])
+        )
+    anchors = [r for r in rows if r.get("bench") == "anchors"]
+    if anchors:
+        table = [{**r, "shape": f"({r['batch']}, {r['heads']}, {r['seq']}, {r['d']})",
+                  "fwd": _ms(r, "fwd_ms"), "bwd": _ms(r, "bwd_ms"), "fb": _ms(r, "fwd_bwd_ms")} for r in anchors]
+        parts.append(
+            f"Anchor shapes, bf16, causal, do_bench medians, {anchors[0]['device']}:\n\n"
+            + markdown_table(table, ["shape", "impl", "fwd", "bwd", "fb", "fwd_bwd_tflops", "target_fwd_bwd_ms"],
+                             ["(b, h, s, d)", "impl", "fwd (ms)", "bwd (ms)", "fwd+bwd (ms)",
+                              "fwd+bwd TFLOP/s", "target (ms)"])
+        )
+    flash = [r for r in rows if r.get("bench") == "flash"]
+    for dtype_name in dict.fromkeys(r["dtype"] for r in flash):
+        by_key = {(r["d"], r["seq"], r["impl"]): r for r in flash if r["dtype"] == dtype_name}
+        table = []
+        for d, seq in sorted({(d, s) for d, s, _ in by_key}):
+            ours, plain, sdpa = (by_key.get((d, seq, name)) for name in ("triton", "pytorch", "sdpa"))
+            entry = {"d": d, "seq": seq}
+            for prefix, r in (("t", ours), ("p", plain), ("s", sdpa)):
+                for mode in ("fwd", "bwd", "fwd_bwd"):
+                    entry[f"{prefix}_{mode}"] = _ms(r, f"{mode}_ms")
+            entry["t_tflops"] = _ms(ours, "fwd_bwd_tflops")
+            table.append(entry)
+        columns = ["d", "seq"] + [f"{p}_{m}" for p in "tps" for m in ("fwd", "bwd", "fwd_bwd")] + ["t_tflops"]
+        headers = ["d", "seq"] + [f"{name} {m}" for name in ("ours", "plain", "SDPA")
+                                  for m in ("fwd", "bwd", "fwd+bwd")] + ["ours TFLOP/s (fwd+bwd)"]
+        parts.append(
+            f"FlashAttention-2 benchmark, {dtype_name}, batch 1, one head, causal, do_bench medians in ms, "
+            f"{flash[0]['device']}:\n\n" + markdown_table(table, columns, headers)
+        )
+    return "\n\n".join(parts)

@@ -1,0 +1,86 @@
+"""``cs336 attention``: plain / compiled PyTorch attention, FlashAttention-2 vs PyTorch and SDPA, anchors.
+
+Examples::
+
+    bash tools/gpu.sh python3 -m cs336_harness.cli attention --out writeup/results/attention.jsonl
+    bash tools/gpu.sh python3 -m cs336_harness.cli attention --part anchors
+    uv run cs336 attention --quick --part flash            # a few sizes only, within a minute or two
+    uv run cs336 attention --markdown writeup/results/attention_flash.jsonl   # tables from saved rows
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from cs336_harness.attention_bench import PARTS, AttentionBenchConfig, attention_markdown, run_attention_bench
+from cs336_harness.results import append_rows, provenance, read_rows
+
+HELP = "benchmark attention: plain and compiled PyTorch, our FlashAttention-2 vs SDPA (needs a CUDA GPU)"
+
+# --quick: a handful of sizes from each sweep, enough to see the trends within minutes.
+_QUICK = {
+    "head_dims": (16, 128), "seq_lens": (256, 4096), "passes": 10,
+    "flash_head_dims": (64, 128), "flash_seq_lens": (1024, 8192, 32768),
+}
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = __doc__.split("Examples::", 1)[1]
+    d = AttentionBenchConfig  # the dataclass defaults, read off the class
+    parser.add_argument("--part", choices=PARTS, action="append", default=None,
+                        help="run only this part (repeatable; default all)")
+    parser.add_argument("--quick", action="store_true", help="a few sizes of each sweep, 10 passes")
+    parser.add_argument("--head-dims", type=_ints, default=d.head_dims, help="pytorch/compiled parts: d list")
+    parser.add_argument("--seq-lens", type=_ints, default=d.seq_lens, help="pytorch/compiled parts: seq list")
+    parser.add_argument("--batch", type=int, default=d.batch, help="pytorch/compiled parts (default 8)")
+    parser.add_argument("--passes", type=int, default=d.passes, help="timed passes each way (default 100)")
+    parser.add_argument("--flash-dtypes", type=lambda s: tuple(s.split(",")), default=d.flash_dtypes,
+                        help="flash part: dtypes (default bf16,fp32)")
+    parser.add_argument("--flash-head-dims", type=_ints, default=d.flash_head_dims, help="flash part: d list")
+    parser.add_argument("--flash-seq-lens", type=_ints, default=d.flash_seq_lens,
+                        help="flash part: seq list (default 128..65536, powers of 2)")
+    parser.add_argument("--warmup-ms", type=int, default=d.warmup_ms, help="do_bench warm-up (default 10)")
+    parser.add_argument("--rep-ms", type=int, default=d.rep_ms, help="do_bench repetition (default 50)")
+    parser.add_argument("--anchor-rep-ms", type=int, default=d.anchor_rep_ms, help="anchors part (default 1000)")
+    parser.add_argument("--precompile-jobs", type=int, default=d.precompile_jobs,
+                        help="compile our kernels' autotuning candidates in this many processes first")
+    parser.add_argument("--out", default=None, help="append each row (with provenance) to this JSONL file")
+    parser.add_argument("--markdown", metavar="ROWS", default=None,
+                        help="print the tables of this JSONL file as markdown and exit")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.markdown:
+        print(attention_markdown(read_rows(args.markdown)))
+        return 0
+    sizes = {
+        "head_dims": args.head_dims, "seq_lens": args.seq_lens, "passes": args.passes,
+        "flash_head_dims": args.flash_head_dims, "flash_seq_lens": args.flash_seq_lens,
+    }
+    if args.quick:
+        sizes |= _QUICK
+    try:
+        config = AttentionBenchConfig(
+            parts=tuple(args.part or PARTS), batch=args.batch, flash_dtypes=args.flash_dtypes,
+            warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, anchor_rep_ms=args.anchor_rep_ms,
+            precompile_jobs=args.precompile_jobs, **sizes,
+        )
+    except ValueError as e:
+        raise SystemExit(f"cs336 attention: {e}") from None
+    meta = provenance()
+
+    def on_row(row: dict) -> None:
+        # Rows are written as they come, so a run stopped part-way keeps what it measured.
+        shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()}
+        print(" ".join(f"{k}={v}" for k, v in shown.items()), file=sys.stdout, flush=True)
+        if args.out:
+            append_rows(args.out, [row], meta)
+
+    run_attention_bench(config, on_row)
+    return 0

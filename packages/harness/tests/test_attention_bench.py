@@ -1,0 +1,55 @@
+"""The attention benchmark's pure pieces: config validation, FLOP formula, markdown tables, CLI flags."""
+
+from __future__ import annotations
+
+import pytest
+from cs336_harness.attention_bench import AttentionBenchConfig, attention_markdown, causal_attention_flops
+from cs336_harness.cli import build_parser
+
+
+def test_flops_follow_the_anchor_convention():
+    flops = causal_attention_flops(1, 32, 32768, 128)
+    assert flops["fwd"] == 4 * 32 * 32768**2 * 128 / 2
+    assert flops["fwd_bwd"] == pytest.approx(3.5 * flops["fwd"])
+    assert flops["bwd"] == pytest.approx(2.5 * flops["fwd"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"parts": ("nope",)}, "parts"),
+        ({"parts": ()}, "parts"),
+        ({"flash_dtypes": ("fp64",)}, "dtypes"),
+        ({"seq_lens": (0, 256)}, "seq_lens"),
+        ({"flash_head_dims": (8,)}, "head dims"),
+        ({"passes": 0}, "passes"),
+        ({"precompile_jobs": -1}, "precompile_jobs"),
+    ],
+)
+def test_config_rejects_bad_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AttentionBenchConfig(**kwargs)
+
+
+def test_markdown_pivots_rows_and_marks_oom():
+    device = {"device": "test-gpu"}
+    rows = [
+        {"bench": "pytorch", "batch": 8, "seq": 256, "d": 16, "passes": 3, "status": "ok", "fwd_ms": 0.5,
+         "bwd_ms": 1.25, "mem_before_bwd_gib": 0.1, "saved_for_bwd_gib": 0.05, **device},
+        {"bench": "pytorch", "batch": 8, "seq": 65536, "d": 16, "passes": 3, "status": "oom", **device},
+        {"bench": "compiled", "batch": 8, "seq": 256, "d": 16, "passes": 3, "status": "ok", "fwd_ms": 0.25,
+         "bwd_ms": 0.75, **device},
+        {"bench": "flash", "impl": "triton", "dtype": "bf16", "seq": 128, "d": 64, "status": "ok", "fwd_ms": 0.01,
+         "bwd_ms": 0.02, "fwd_bwd_ms": 0.03, "fwd_bwd_tflops": 1.5, **device},
+        {"bench": "flash", "impl": "pytorch", "dtype": "bf16", "seq": 128, "d": 64, "status": "oom",
+         "fwd_ms": 0.04, "bwd_ms": None, "fwd_bwd_ms": None, **device},
+    ]
+    text = attention_markdown(rows)
+    assert "| 16 | 256 | 0.5 | 1.25 | 0.1 | 0.05 | 0.25 | 0.75 |" in text
+    assert "| 16 | 65536 | OOM | OOM | OOM | OOM | - | - |" in text
+    assert "| 64 | 128 | 0.01 | 0.02 | 0.03 | 0.04 | OOM | OOM | - | - | - | 1.5 |" in text
+
+
+def test_cli_quick_flag_parses():
+    args = build_parser().parse_args(["attention", "--quick", "--part", "flash", "--flash-dtypes", "bf16"])
+    assert args.quick and args.part == ["flash"] and args.flash_dtypes == ("bf16",)
