@@ -352,10 +352,11 @@ def plot_timelines(traces: dict[str, Sequence[dict[str, Any]]], path: str | Path
     return path
 
 
-DDP_COLUMNS = ("dtype", "variant", "step_ms", "overhead_ms", "comm_ms", "exposed_comm_ms", "exposed_share",
-               "peak_mem_gib", "params_in_sync")
-DDP_HEADERS = ("dtype", "wrapper", "step (ms)", "vs no-comm step (ms)", "NCCL kernels (ms)",
-               "NCCL not overlapped (ms)", "not overlapped / step", "peak memory (GiB)", "replicas equal")
+DDP_COLUMNS = ("dtype", "variant", "step_ms", "step_max_ms", "overhead_ms", "comm_ms", "exposed_comm_ms",
+               "exposed_share", "peak_mem_gib", "params_in_sync")
+DDP_HEADERS = ("dtype", "wrapper", "median step (ms)", "slowest step (ms)", "vs no-comm step (ms)",
+               "NCCL kernels (ms)", "NCCL not overlapped (ms)", "not overlapped / step", "peak memory (GiB)",
+               "replicas equal")
 
 
 def ddp_markdown(rows: Sequence[dict[str, Any]]) -> str:
@@ -364,18 +365,21 @@ def ddp_markdown(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def collectives_markdown(rows: Sequence[dict[str, Any]], op: str = "all_reduce") -> str:
-    """Bus bandwidth (GB/s) and time (ms) of ``op``: one line per (backend, world size), one column per size."""
-    chosen = [r for r in rows if r["op"] == op]
-    sizes = sorted({r["bytes"] for r in chosen})
+    """Bus bandwidth (GB/s) and time (ms) of ``op``: one line per (backend, world size), one column per size.
+
+    Sizes are matched by their label (3 significant digits), since each run rounds the size down to a
+    multiple of its world size.
+    """
+    chosen = sorted((r for r in rows if r["op"] == op), key=lambda r: r["bytes"])
+    labels = list(dict.fromkeys(_size_label(r["bytes"]) for r in chosen))
     lines = []
     for backend, ws in sorted({(r["backend"], r["world_size"]) for r in chosen}):
         line: dict[str, Any] = {"backend": backend, "world_size": ws}
         for r in chosen:
             if (r["backend"], r["world_size"]) == (backend, ws):
-                line[r["bytes"]] = f"{r['busbw_gbps']:.3g} GB/s, {r['time_ms']:.3g} ms"
+                line[_size_label(r["bytes"])] = f"{r['busbw_gbps']:.3g} GB/s, {r['time_ms']:.3g} ms"
         lines.append(line)
-    headers = ["backend", "ranks", *(_size_label(b) for b in sizes)]
-    return markdown_table(lines, ["backend", "world_size", *sizes], headers)
+    return markdown_table(lines, ["backend", "world_size", *labels], ["backend", "ranks", *labels])
 
 
 def _size_label(nbytes: int) -> str:
