@@ -33,6 +33,9 @@ def test_markdown_has_one_row_per_result_and_the_floors():
     assert "bytes floor 6.60 ms" in text and "matmul floor 158 ms" in text
     assert "| ours | 7 | 1.14 |" in text
     assert fused_markdown([]) == ""
+    older = [{**r, "date": "2026-01-01", "median_ms": 99.0} for r in _rows()]
+    newer = [{**r, "date": "2026-01-02"} for r in _rows()]
+    assert fused_markdown(older + newer) == fused_markdown(newer)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without CUDA")

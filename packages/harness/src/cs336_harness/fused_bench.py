@@ -59,6 +59,8 @@ class FusedBenchConfig:
     vocab_size: int = 151936
     warmup_ms: int = 200
     rep_ms: int = 1000
+    # FusedAdamW launch granularities timed besides the default.
+    adamw_elements_per_program: tuple[int, ...] = (2048, 262144)
     # Fused variants with these token chunk sizes are timed besides the default (which fits the memory budget).
     extra_chunk_sizes: tuple[int, ...] = (2048, 8192)
 
@@ -73,6 +75,9 @@ class FusedBenchConfig:
         for name in ("tokens", "d_model", "vocab_size", "warmup_ms", "rep_ms"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if any(n < 1 or n % 2048 for n in self.adamw_elements_per_program):
+            raise ValueError(f"adamw elements per program must be positive multiples of 2048, "
+                             f"got {self.adamw_elements_per_program}")
         if any(c < 1 for c in self.extra_chunk_sizes):
             raise ValueError(f"extra chunk sizes must be positive, got {self.extra_chunk_sizes}")
 
@@ -102,6 +107,11 @@ def bench_adamw(config: FusedBenchConfig) -> list[dict[str, Any]]:
     copy_tbps = measure_copy_tbps(config)
     impls: dict[str, Callable[[], torch.optim.Optimizer]] = {
         "FusedAdamW (ours)": lambda: FusedAdamW(params, lr=1e-4, weight_decay=0.01),
+        **{
+            f"FusedAdamW, {n} elements/program": functools.partial(FusedAdamW, params, lr=1e-4, weight_decay=0.01,
+                                                                   elements_per_program=n)
+            for n in config.adamw_elements_per_program
+        },
         "torch AdamW foreach": lambda: torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, foreach=True),
         "torch AdamW fused": lambda: torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True),
     }
@@ -221,10 +231,17 @@ def run_fused_bench(config: FusedBenchConfig) -> list[dict[str, Any]]:
     return rows
 
 
+def _latest_run(rows: Sequence[dict[str, Any]], bench: str) -> list[dict[str, Any]]:
+    """Rows of ``bench`` from its most recent run (rows of one run share their provenance date)."""
+    picked = [r for r in rows if r.get("bench") == bench]
+    latest = max((r.get("date", "") for r in picked), default="")
+    return [r for r in picked if r.get("date", "") == latest]
+
+
 def fused_markdown(rows: Sequence[dict[str, Any]]) -> str:
-    """The writeup's tables: AdamW rows, then linear + cross-entropy rows (each present kind of row)."""
+    """The writeup's tables from the latest run of each benchmark: AdamW, linear + cross-entropy, its stages."""
     parts = []
-    adamw = [r for r in rows if r.get("bench") == "adamw"]
+    adamw = _latest_run(rows, "adamw")
     if adamw:
         p = adamw[0]
         parts.append(
@@ -235,7 +252,7 @@ def fused_markdown(rows: Sequence[dict[str, Any]]) -> str:
                                      "achieved_tbps"],
                              ["implementation", "median (ms)", "vs torch fused", "floor / time", "TB/s moved"])
         )
-    ce = [r for r in rows if r.get("bench") == "linear_ce"]
+    ce = _latest_run(rows, "linear_ce")
     if ce:
         p = ce[0]
         parts.append(
@@ -248,7 +265,7 @@ def fused_markdown(rows: Sequence[dict[str, Any]]) -> str:
                               "peak above inputs+grads (GiB)", "loss rel. err", "grad h rel. err",
                               "grad W rel. err"])
         )
-    for p in (r for r in rows if r.get("bench") == "linear_ce_parts"):
+    for p in _latest_run(rows, "linear_ce_parts"):
         stages = [
             {"stage": name.replace("_", " "), "ms": p[f"{name}_ms"],
              "rate": f"{p[name + '_tflops']:.0f} TFLOP/s" if name.endswith("mm")

@@ -9,7 +9,9 @@ The update is torch.optim.AdamW's (Loshchilov & Hutter, "Decoupled Weight Decay 
 A plain PyTorch step makes several passes over memory per tensor (one per elementwise op, or a few with
 ``foreach``). Here every element of param, grad, exp_avg and exp_avg_sq is read once and param, exp_avg and
 exp_avg_sq are written once, for all tensors of a group in a single launch: a device table holds each tensor's
-addresses and size, and a block map says which tensor each program works on. The table is rebuilt only when an
+addresses and size, and a program map says which tensor each program works on; a program walks
+``elements_per_program`` consecutive elements of its tensor in blocks of 2048, so the table lookups and the
+bias-correction arithmetic are paid once per chunk, not once per block. The table is rebuilt only when an
 address changes (grads re-allocated, say). Step counts live on the device as the per-parameter float32 'step'
 tensors of torch.optim.AdamW's state layout, and bias correction is computed in the kernel from them (in
 float64), so a step never synchronizes with the host. Moments are float32 for float32, bfloat16 and float16
@@ -29,10 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
-# Elements per program: 16 fp32 values per thread at 8 warps, i.e. four 16-byte loads per array in flight.
-_BLOCK = 4096
+# Elements per loop iteration: 8 values per thread at 8 warps, two 16-byte fp32 loads per array. At 16 per thread
+# the compiler needs over 200 registers and one program fills an SM; at 8 it needs 64 (ptxas -v, sm_90a), so four
+# programs share an SM and one's table lookups and arithmetic hide behind the others' memory traffic.
+_BLOCK = 2048
 _NUM_WARPS = 8
-# Columns of the per-tensor table: param, grad, exp_avg, exp_avg_sq and step addresses, numel, first block.
+# Columns of the per-tensor table: param, grad, exp_avg, exp_avg_sq and step addresses, numel, first program.
 _TABLE_COLUMNS = 7
 _PARAM_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -61,22 +65,24 @@ def _adamw_update(p, g, m, v, decay, beta1, beta2, step_size, bias_correction2_s
 
 @triton.jit
 def _fused_adamw_kernel(
-    TABLE,  # int64 (num_tensors, 7): addresses of param, grad, exp_avg, exp_avg_sq, step; numel; first block
-    BLOCK_MAP,  # int64 (num_programs,): which tensor each program updates
+    TABLE,  # int64 (num_tensors, 7): addresses of param, grad, exp_avg, exp_avg_sq, step; numel; first program
+    PROGRAM_MAP,  # int64 (num_programs,): which tensor each program updates
     HYPER,  # float64 (5,): lr, beta1, beta2, eps, weight_decay
     PARAM_DTYPE: tl.constexpr,
     ALIGNED: tl.constexpr,  # every address is a multiple of 16 bytes, so loads can be 16 bytes wide
     BLOCK: tl.constexpr,
+    BLOCKS_PER_PROGRAM: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    row = TABLE + tl.load(BLOCK_MAP + pid) * 7
+    row = TABLE + tl.load(PROGRAM_MAP + pid) * 7
     p_addr = tl.load(row + 0)
     g_addr = tl.load(row + 1)
     m_addr = tl.load(row + 2)
     v_addr = tl.load(row + 3)
     step_addr = tl.load(row + 4)
     numel = tl.load(row + 5)
-    start = (pid - tl.load(row + 6)) * BLOCK
+    start = (pid - tl.load(row + 6)) * (BLOCK * BLOCKS_PER_PROGRAM)
+    end = tl.minimum(start + BLOCK * BLOCKS_PER_PROGRAM, numel)
     P = p_addr.to(tl.pointer_type(PARAM_DTYPE))
     G = g_addr.to(tl.pointer_type(PARAM_DTYPE))
     M = m_addr.to(tl.pointer_type(tl.float32))
@@ -105,22 +111,23 @@ def _fused_adamw_kernel(
     beta2 = beta2.to(tl.float32)
     eps = eps.to(tl.float32)
 
-    offs = start + tl.arange(0, BLOCK)
-    if start + BLOCK <= numel:
-        # Full block: no mask, so the accesses vectorize.
-        p, m, v = _adamw_update(tl.load(P + offs), tl.load(G + offs), tl.load(M + offs), tl.load(V + offs),
-                                decay, beta1, beta2, step_size, bias_correction2_sqrt, eps)
-        tl.store(P + offs, p.to(PARAM_DTYPE))
-        tl.store(M + offs, m)
-        tl.store(V + offs, v)
-    else:
-        mask = offs < numel
-        p, m, v = _adamw_update(tl.load(P + offs, mask=mask), tl.load(G + offs, mask=mask),
-                                tl.load(M + offs, mask=mask), tl.load(V + offs, mask=mask),
-                                decay, beta1, beta2, step_size, bias_correction2_sqrt, eps)
-        tl.store(P + offs, p.to(PARAM_DTYPE), mask=mask)
-        tl.store(M + offs, m, mask=mask)
-        tl.store(V + offs, v, mask=mask)
+    for block_start in range(start, end, BLOCK):
+        offs = block_start + tl.arange(0, BLOCK)
+        if block_start + BLOCK <= numel:
+            # Full block: no mask, so the accesses vectorize.
+            p, m, v = _adamw_update(tl.load(P + offs), tl.load(G + offs), tl.load(M + offs), tl.load(V + offs),
+                                    decay, beta1, beta2, step_size, bias_correction2_sqrt, eps)
+            tl.store(P + offs, p.to(PARAM_DTYPE))
+            tl.store(M + offs, m)
+            tl.store(V + offs, v)
+        else:
+            mask = offs < numel
+            p, m, v = _adamw_update(tl.load(P + offs, mask=mask), tl.load(G + offs, mask=mask),
+                                    tl.load(M + offs, mask=mask), tl.load(V + offs, mask=mask),
+                                    decay, beta1, beta2, step_size, bias_correction2_sqrt, eps)
+            tl.store(P + offs, p.to(PARAM_DTYPE), mask=mask)
+            tl.store(M + offs, m, mask=mask)
+            tl.store(V + offs, v, mask=mask)
 
 
 def _check_hyperparameters(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
@@ -144,6 +151,8 @@ class FusedAdamW(torch.optim.Optimizer):
         params: tensors or parameter groups (dicts), as for any torch optimizer. Each group's tensors must be
             on one device, contiguous, and float32, bfloat16 or float16.
         lr, betas, eps, weight_decay: as torch.optim.AdamW; each group may override them.
+        elements_per_program: launch granularity, a multiple of 2048. Larger spreads the per-program table
+            lookups over more elements; smaller gives small tensors more programs.
     """
 
     def __init__(
@@ -153,8 +162,14 @@ class FusedAdamW(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.01,
+        *,
+        elements_per_program: int = 16 * _BLOCK,
     ) -> None:
         _check_hyperparameters(lr, betas, eps, weight_decay)
+        if not isinstance(elements_per_program, int) or elements_per_program < 1 or elements_per_program % _BLOCK:
+            raise ValueError(f"elements_per_program must be a positive multiple of {_BLOCK}, "
+                             f"got {elements_per_program!r}")
+        self._blocks_per_program = elements_per_program // _BLOCK
         # Device tables keyed by (group index, dtype); each holds the addresses it was built from.
         self._tables: dict[tuple[int, torch.dtype], tuple[tuple[int, ...], torch.Tensor]] = {}
         self._hypers: dict[tuple[int, torch.device], tuple[tuple[float, ...], torch.Tensor]] = {}
@@ -186,19 +201,20 @@ class FusedAdamW(torch.optim.Optimizer):
 
     def _device_table(self, key: tuple[int, torch.dtype], rows: list[tuple[int, ...]],
                       device: torch.device) -> torch.Tensor:
-        """The int64 table and block map for these tensors, rebuilt only when an address or size changed."""
+        """The int64 table and program map for these tensors, rebuilt only when an address or size changed."""
         flat = tuple(x for r in rows for x in r)
         cached = self._tables.get(key)
         if cached is not None and cached[0] == flat and cached[1].device == device:
             return cached[1]
         numels = torch.tensor([r[5] for r in rows], dtype=torch.int64)
-        num_blocks = (numels + _BLOCK - 1) // _BLOCK
-        first_block = torch.cumsum(num_blocks, 0) - num_blocks
+        chunk = _BLOCK * self._blocks_per_program
+        num_programs = (numels + chunk - 1) // chunk
+        first_program = torch.cumsum(num_programs, 0) - num_programs
         table = torch.tensor([r[:6] for r in rows], dtype=torch.int64)
-        table = torch.cat([table, first_block[:, None]], dim=1)  # (num_tensors, 7)
-        block_map = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int64), num_blocks)
+        table = torch.cat([table, first_program[:, None]], dim=1)  # (num_tensors, 7)
+        program_map = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int64), num_programs)
         # One host-to-device copy; from pageable memory it is staged, so the host does not wait for the GPU.
-        packed = torch.cat([table.reshape(-1), block_map]).to(device, non_blocking=True)
+        packed = torch.cat([table.reshape(-1), program_map]).to(device, non_blocking=True)
         self._tables[key] = (flat, packed)
         return packed
 
@@ -251,13 +267,13 @@ class FusedAdamW(torch.optim.Optimizer):
         packed = self._device_table((index, dtype), rows, device)
         num_tensors = len(rows)
         table = packed[: num_tensors * _TABLE_COLUMNS]
-        block_map = packed[num_tensors * _TABLE_COLUMNS :]
+        program_map = packed[num_tensors * _TABLE_COLUMNS :]
         aligned = all(addr % 16 == 0 for r in rows for addr in r[:4])
         hyper = self._device_hyperparameters(index, group, device)
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            _fused_adamw_kernel[(block_map.numel(),)](
-                table, block_map, hyper, PARAM_DTYPE=_PARAM_DTYPES[dtype], ALIGNED=aligned, BLOCK=_BLOCK,
-                num_warps=_NUM_WARPS,
+            _fused_adamw_kernel[(program_map.numel(),)](
+                table, program_map, hyper, PARAM_DTYPE=_PARAM_DTYPES[dtype], ALIGNED=aligned, BLOCK=_BLOCK,
+                BLOCKS_PER_PROGRAM=self._blocks_per_program, num_warps=_NUM_WARPS,
             )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
