@@ -102,9 +102,9 @@ class _GradientSync(nn.Module):
         self._next_launch = 0
         self._zero_filled: list[nn.Parameter] = []
         self._sync = True
-        self._hooks = []
         if self.overlap:
-            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in trainable]
+            for p in trainable:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def _bucket_params(self, params: list[nn.Parameter]) -> Sequence[list[nn.Parameter]]:
         raise NotImplementedError
