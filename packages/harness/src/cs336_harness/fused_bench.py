@@ -245,7 +245,8 @@ def fused_markdown(rows: Sequence[dict[str, Any]]) -> str:
     if adamw:
         p = adamw[0]
         parts.append(
-            f"AdamW step, {p['num_params'] / 1e9:g}e9 fp32 params in {p['num_tensors']} tensors, {p['device']}; "
+            f"AdamW step, {p['num_params'] / 1e9:g}e9 fp32 params in {p['num_tensors']} tensors, one GPU of "
+            f"{p['device']}; "
             f"bytes floor {p['floor_ms']:.2f} ms (28 B/param at 4.24 TB/s); copy measured in the same run at "
             f"{p['copy_tbps']:.2f} TB/s.\n\n"
             + markdown_table(adamw, ["impl", "median_ms", "speedup_vs_torch_fused", "floor_fraction",
@@ -257,8 +258,8 @@ def fused_markdown(rows: Sequence[dict[str, Any]]) -> str:
         p = ce[0]
         parts.append(
             f"LM head + cross-entropy fwd+bwd, {p['tokens']} tokens x d {p['d_model']} x vocab {p['vocab_size']}, "
-            f"{p['dtype']}, {p['device']}; matmul floor {p['matmul_floor_ms']:.0f} ms (3 products at 772 TFLOP/s)."
-            "\n\n"
+            f"{p['dtype']}, one GPU of {p['device']}; matmul floor {p['matmul_floor_ms']:.0f} ms "
+            "(3 products at 772 TFLOP/s).\n\n"
             + markdown_table(ce, ["impl", "median_ms", "speedup_vs_torch", "floor_fraction", "extra_gib",
                                   "loss_rel_err", "grad_hidden_rel_err", "grad_weight_rel_err"],
                              ["implementation", "median (ms)", "vs plain torch", "floor / time",
