@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cs336_harness import memory
 from cs336_harness.profiling import kernel_class, short_kernel_name
 from cs336_harness.report import fill_tables, markdown_table
 from cs336_harness.results import read_rows
@@ -46,12 +47,14 @@ def by_size(rs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def table_sizes() -> str:
     out = []
-    for r in by_size([r for r in rows("bench_sizes") if r["dtype"] == "fp32"]):
-        out.append({"size": r["size"], "params (M)": r.get("params", 0) / 1e6, "mode": r["mode"],
+    # fp32 throughout, plus the 10B rows in bf16 (its fp32 training state does not fit in 141 GB).
+    for r in by_size([r for r in rows("bench_sizes") if r["dtype"] == "fp32" or r["size"] == "10B"]):
+        out.append({"size": r["size"], "params (M)": r.get("params", 0) / 1e6, "mode": r["mode"], "dtype": r["dtype"],
                     "fwd": pm(r, "forward"), "bwd": pm(r, "backward"), "opt": pm(r, "optimizer"),
                     "step median": r.get("step_ms_median"), "status": r["status"]})
-    return markdown_table(out, ["size", "params (M)", "mode", ("fwd", "forward (ms)"), ("bwd", "backward (ms)"),
-                                ("opt", "optimizer (ms)"), ("step median", "step median (ms)"), "status"])
+    return markdown_table(out, ["size", "params (M)", "mode", "dtype", ("fwd", "forward (ms)"),
+                                ("bwd", "backward (ms)"), ("opt", "optimizer (ms)"),
+                                ("step median", "step median (ms)"), "status"])
 
 
 def table_warmup() -> str:
@@ -134,7 +137,8 @@ def table_profile() -> str:
             "size": r["size"], "ctx": r["context_length"], "timer fwd": r["forward_ms_mean"],
             "kernels fwd": _total(ks, "forward"), "timer step": r["step_ms_mean"], "kernels step": _total(ks, "all"),
             "top fwd": f"{short_kernel_name(top_f['kernel'])} ({top_f['calls_per_step']:.0f}x)" if top_f else None,
-            "top step": f"{short_kernel_name(top_all['kernel'])} ({top_all['calls_per_step']:.0f}x)" if top_all else None,
+            "top step": f"{short_kernel_name(top_all['kernel'])} ({top_all['calls_per_step']:.0f}x)"
+            if top_all else None,
             "mm fwd": _matmul_share(ks, "forward"), "mm step": _matmul_share(ks, "all"),
         })
     return markdown_table(out, ["size", "ctx", ("timer fwd", "fwd timer (ms)"), ("kernels fwd", "fwd GPU kernels (ms)"),
@@ -190,14 +194,14 @@ def table_layernorm() -> str:
 
 def table_memory() -> str:
     out = []
-    for r in sorted(rows("bench_memory"), key=lambda r: (r["context_length"], r["mode"], r["dtype"])):
-        if r["checkpoint"] != "none":
-            continue
+    for r in sorted(rows("bench_memory"), key=lambda r: (r["context_length"], r["mode"], r["checkpoint"], r["dtype"])):
         out.append({"ctx": r["context_length"], "mode": r["mode"], "dtype": r["dtype"], "status": r["status"],
+                    "checkpoint": r["checkpoint"], "warm-up": r["warmup"],
                     "fwd": r.get("peak_forward_gib"), "bwd": r.get("peak_backward_gib"),
                     "opt": r.get("peak_optimizer_gib"), "peak": r.get("peak_step_gib")})
-    return markdown_table(out, ["ctx", "mode", "dtype", "status", ("fwd", "peak in forward (GiB)"),
-                                ("bwd", "in backward"), ("opt", "in optimizer"), ("peak", "peak (GiB)")])
+    return markdown_table(out, ["ctx", "mode", "dtype", "checkpoint", "warm-up", "status",
+                                ("fwd", "peak in forward (GiB)"), ("bwd", "in backward"),
+                                ("opt", "in optimizer"), ("peak", "peak (GiB)")])
 
 
 def table_largest(ctx: int = 2048, dtype: str = "fp32") -> str:
@@ -243,13 +247,24 @@ def table_checkpoint() -> str:
                                 ("step", "step (ms)")])
 
 
+def table_gradients() -> str:
+    path = RESULTS / "snapshots" / "memory_xl_ctx2048_train_fp32_ckpt-group1.pickle"
+    if not path.exists():
+        return "(snapshot missing)"
+    sizes = memory.gradient_allocations(memory.load_snapshot(path))
+    out = [{"size": size / 2**20, "count": n, "total": size * n / 2**20} for size, n in sizes.items()]
+    out.append({"size": None, "count": sum(sizes.values()), "total": sum(s * n for s, n in sizes.items()) / 2**20})
+    return markdown_table(out, [("size", "allocation (MiB)"), ("count", "count"), ("total", "total (MiB)")],
+                          floatfmt=".2f")
+
+
 TABLES: dict[str, dict[str, Callable[[], str]]] = {
     "02": {"sizes": table_sizes, "warmup": table_warmup, "profile": table_profile,
            "kernels_forward": table_kernels_forward, "attention": table_attention, "sums": table_precision_sums,
            "toy_dtypes": table_toy_dtypes, "layernorm": table_layernorm, "bf16": table_bf16,
            "compile": table_compile},
     "03": {"memory": table_memory, "largest": table_largest, "residuals": table_residuals,
-           "residual_top5": table_residual_top5, "checkpoint": table_checkpoint},
+           "residual_top5": table_residual_top5, "checkpoint": table_checkpoint, "gradients": table_gradients},
 }
 
 

@@ -52,3 +52,20 @@ def test_active_memory_timeline_adds_the_baseline(tmp_path) -> None:
     times, live = memory.active_memory_timeline(snapshot)
     assert times.tolist() == [1, 2, 4] and live.tolist() == [1100, 1150, 1050]
     assert memory.plot_active_memory(snapshot, tmp_path / "m.png").stat().st_size > 1000
+
+
+def test_gradient_allocations_are_backward_survivors() -> None:
+    ours = [{"filename": "/x/cs336_basics/model.py", "line": 1, "name": "forward"}]
+    opt = [{"filename": "/x/cs336_basics/optimizer.py", "line": 2, "name": "step"}]
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 64, "frames": ours},  # an activation, freed in backward
+        {"action": "alloc", "addr": 2, "size": 8, "frames": []},  # a gradient
+        {"action": "alloc", "addr": 3, "size": 16, "frames": []},  # a backward temporary
+        {"action": "free_completed", "addr": 3, "size": 16},
+        {"action": "free_completed", "addr": 1, "size": 64},
+        {"action": "alloc", "addr": 4, "size": 8, "frames": []},  # another gradient
+        {"action": "alloc", "addr": 5, "size": 8, "frames": opt},
+    ]
+    assert memory.gradient_allocations({"device_traces": [trace]}) == {8: 2}
+    with pytest.raises(ValueError, match="optimizer"):
+        memory.gradient_allocations({"device_traces": [trace[:-1]]})

@@ -121,3 +121,30 @@ def plot_active_memory(snapshot: dict[str, Any], path: str | Path, title: str = 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def gradient_allocations(
+    snapshot: dict[str, Any], optimizer_file: str = "optimizer.py", device: int = 0
+) -> dict[int, int]:
+    """Sizes (bytes -> count) of the tensors the backward pass leaves alive for the optimizer.
+
+    Backward allocations come from autograd's engine thread, so their stacks hold no Python frame of
+    ours; those still alive when the first allocation from ``optimizer_file`` happens are the
+    gradients, plus any workspace a library keeps for that thread (cuBLAS: one block).
+    """
+    trace = snapshot["device_traces"][device]
+    start = next((i for i, e in enumerate(trace) if e["action"] == "alloc"
+                  and any(optimizer_file in f["filename"] for f in e.get("frames", []))), None)
+    if start is None:
+        raise ValueError(f"no allocation from {optimizer_file!r} in the trace; was an optimizer step recorded?")
+    live: dict[int, dict[str, Any]] = {}
+    for e in trace[:start]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+        elif e["action"] == "free_completed":
+            live.pop(e["addr"], None)
+    sizes: dict[int, int] = {}
+    for e in live.values():
+        if not any("cs336" in f["filename"] for f in e.get("frames", [])):
+            sizes[e["size"]] = sizes.get(e["size"], 0) + 1
+    return dict(sorted(sizes.items(), reverse=True))
