@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
+import torch
 from cs336_harness import bench, cli
+from cs336_harness.attention_impls import use_attention
 from cs336_harness.commands.bench import configs_from_args
 from cs336_harness.results import read_rows
 
@@ -34,7 +38,7 @@ def test_groups_expand_to_single_level_sizes_up_to_depth() -> None:
 
 def test_defaults_without_cuda_are_tiny_on_cpu() -> None:
     config = bench.BenchConfig()
-    if not bench.torch.cuda.is_available():
+    if not torch.cuda.is_available():
         assert (config.size, config.device) == ("tiny", "cpu")
     assert (config.vocab_size, config.batch_size, config.context_length) == (10_000, 4, 512)
 
@@ -96,3 +100,41 @@ def test_sweep_mixes_attention_dtype_and_checkpointing(tmp_path) -> None:
     assert [r["status"] for r in rows] == ["ok"] * 4
     assert {(r["dtype"], r["checkpoint"]) for r in rows} == {
         (d, c) for d in ("fp32", "bf16") for c in ("selective", "nested:2")}
+
+
+def test_fused_loss_triton_attention_and_fused_adamw_match_the_plain_path() -> None:
+    config = bench.BenchConfig(size="tiny", context_length=17, batch_size=2, device="cpu")
+    gen = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, config.vocab_size, (2, 17), generator=gen)
+    targets = torch.randint(0, config.vocab_size, (2, 17), generator=gen)
+
+    def loss_grads_and_step(cfg: bench.BenchConfig) -> tuple[torch.Tensor, list, list]:
+        model = bench.build_model(cfg)
+        with use_attention(cfg.attention):
+            loss = bench.build_loss_fn(cfg, model)(tokens, targets)
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        bench.build_optimizer(cfg, model).step()
+        return loss.detach(), grads, [p.detach() for p in model.parameters()]
+
+    ref = loss_grads_and_step(config)
+    fused = loss_grads_and_step(replace(config, loss="fused", attention="triton", optimizer="fused-adamw"))
+    torch.testing.assert_close(fused[0], ref[0], rtol=1e-5, atol=1e-5)
+    for got, want in zip(fused[1] + fused[2], ref[1] + ref[2], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_profile_and_memory_outputs_on_gpu(tmp_path) -> None:
+    config = bench.BenchConfig(size="tiny", context_length=33, warmup=1, steps=2, device="cuda",
+                               attention="annotated", profile_dir=str(tmp_path / "p"), memory_dir=str(tmp_path / "m"))
+    row = bench.run_bench(config)
+    assert row["status"] == "ok" and row["peak_forward_gib"] > 0 and row["peak_step_gib"] >= row["peak_forward_gib"]
+    kernels = read_rows(tmp_path / "p" / "kernels.jsonl")
+    ranges = {k["range"] for k in kernels}
+    assert {"all", "forward", "backward", "optimizer", "attention/softmax"} <= ranges
+    assert all(k["calls_per_step"] > 0 for k in kernels)
+    for key in ("trace", "timeline"):
+        assert (tmp_path / "p" / row["profile"][key].split("/")[-1]).stat().st_size > 0
+    assert (tmp_path / "m" / f"memory_{config.tag}.pickle").stat().st_size > 0
+    assert row["memory"]["largest"] and (tmp_path / "m" / f"memory_{config.tag}.png").exists()
