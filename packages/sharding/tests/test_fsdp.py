@@ -6,6 +6,8 @@ The distributed checks run once per session (conftest.py, sharding_spawn_checks.
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -123,3 +125,13 @@ def test_bad_arguments() -> None:
         FSDP(new_model("toy", seed=0), compute_dtype=torch.int32)
     with pytest.raises(TypeError, match="FSDP"):
         gather_full_params(new_model("toy", seed=0))  # type: ignore[arg-type]
+
+
+def test_wrapper_is_freed_after_use() -> None:
+    fsdp = FSDP(new_model("toy", seed=0))
+    loss_of(fsdp, *batches(1)[0][0]).backward()
+    fsdp.finish_gradient_synchronization()
+    alive = weakref.ref(fsdp), weakref.ref(next(fsdp.parameters()))
+    del fsdp
+    gc.collect()
+    assert alive[0]() is None and alive[1]() is None, "hooks must not keep the wrapper and its shards alive"

@@ -478,6 +478,23 @@ MEMORY_COLUMNS = ("dtype", "variant", "peak_init_gib", "peak_before_step_gib", "
                   "grads_gib", "optim_state_gib", "activations_gib")
 MEMORY_HEADERS = ("dtype", "wrapper", "peak at init", "peak fwd+bwd (before step)", "peak in step",
                   "params", "grads", "optimizer state", "activations")
+NET_COLUMNS = ("dtype", "variant", "carried_gib", "net_peak_before_step_gib", "net_peak_step_gib")
+NET_HEADERS = ("dtype", "wrapper", "allocated beyond own state at init", "net peak fwd+bwd", "net peak in step")
+
+
+def _net(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Peaks less what was allocated before the run started: ``alloc_init_gib`` minus what the wrapper itself
+    keeps after init (its parameters, and for torch DDP its gradient buckets, one more copy of them)."""
+    out = []
+    for r in rows:
+        r = dict(r)
+        own = r["params_gib"] * (2 if r["variant"] in ("ddp", "zero1") else 1)
+        if r.get("alloc_init_gib") is not None:
+            r["carried_gib"] = r["alloc_init_gib"] - own
+            r["net_peak_before_step_gib"] = r["peak_before_step_gib"] - r["carried_gib"]
+            r["net_peak_step_gib"] = r["peak_step_gib"] - r["carried_gib"]
+        out.append(r)
+    return out
 TIME_COLUMNS = ("dtype", "variant", "step_ms", "vs_fsdp2", "comm_ms", "exposed_comm_ms", "fwd_gathers_in_time",
                 "fwd_gather_wait_ms")
 TIME_HEADERS = ("dtype", "wrapper", "step (ms)", "step / FSDP2 step", "NCCL kernels (ms)",
@@ -502,10 +519,15 @@ def memory_markdown(rows: Sequence[dict[str, Any]]) -> str:
     return markdown_table(rows, MEMORY_COLUMNS, MEMORY_HEADERS, floatfmt=".2f")
 
 
+def net_memory_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """Memory held before each run started (left by earlier runs in the process) and the peaks without it."""
+    return markdown_table(_net(rows), NET_COLUMNS, NET_HEADERS, floatfmt=".2f")
+
+
 def time_markdown(rows: Sequence[dict[str, Any]]) -> str:
     """Step time, its ratio to FSDP2 of the same dtype, and communication overlap, one line per run."""
     return markdown_table(_with_ratios(rows), TIME_COLUMNS, TIME_HEADERS, floatfmt=".3g")
 
 
 __all__ = ["ShardBenchConfig", "VARIANTS", "run_shard_bench", "forward_gathers", "gather_summary",
-           "plot_fsdp_timeline", "fsdp_timeline_from_rows", "memory_markdown", "time_markdown"]
+           "plot_fsdp_timeline", "fsdp_timeline_from_rows", "memory_markdown", "net_memory_markdown", "time_markdown"]

@@ -35,6 +35,7 @@ inside those modules.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -151,9 +152,12 @@ class FSDP(nn.Module):
             mod.register_forward_pre_hook(self._pre_forward)
             mod.register_forward_hook(self._post_forward, always_call=True)
         self._replicated = [p for p in names if p not in by_param]
+        # Gradient hooks live in C++, out of the garbage collector's sight: a bound method there would keep
+        # this wrapper (and every shard) alive forever, so the hook holds only a weak reference.
+        owner = weakref.ref(self)
         for p in self._replicated:
             if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._all_reduce_grad)
+                p.register_post_accumulate_grad_hook(lambda param: owner()._all_reduce_grad(param))
 
         self._pending_reduce_scatters: list[tuple[_Unit, dist.Work | None, torch.Tensor, torch.Tensor]] = []
         self._pending_all_reduces: dict[nn.Parameter, dist.Work] = {}

@@ -51,7 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.markdown:
         rows = read_rows(args.markdown)
-        print(shard_bench.memory_markdown(rows), shard_bench.time_markdown(rows), sep="\n\n")
+        print(shard_bench.memory_markdown(rows), shard_bench.net_memory_markdown(rows), shard_bench.time_markdown(rows),
+              sep="\n\n")
         return 0
     try:
         config = shard_bench.ShardBenchConfig(
