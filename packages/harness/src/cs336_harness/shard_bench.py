@@ -529,5 +529,12 @@ def time_markdown(rows: Sequence[dict[str, Any]]) -> str:
     return markdown_table(_with_ratios(rows), TIME_COLUMNS, TIME_HEADERS, floatfmt=".3g")
 
 
+def writeup_tables(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
+    """The section's tables by marker name (``<!-- table:NAME -->``, see ``cs336_harness.report.fill_tables``)."""
+    return {"shard_memory": memory_markdown(rows), "shard_net_memory": net_memory_markdown(rows),
+            "shard_time": time_markdown(rows)}
+
+
 __all__ = ["ShardBenchConfig", "VARIANTS", "run_shard_bench", "forward_gathers", "gather_summary",
-           "plot_fsdp_timeline", "fsdp_timeline_from_rows", "memory_markdown", "net_memory_markdown", "time_markdown"]
+           "plot_fsdp_timeline", "fsdp_timeline_from_rows", "memory_markdown", "net_memory_markdown", "time_markdown",
+           "writeup_tables"]

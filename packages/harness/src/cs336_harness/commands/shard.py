@@ -7,17 +7,20 @@ Examples::
         --out writeup/results/shard.jsonl --figure writeup/figures/fsdp_timeline_bf16.png
     torchrun --nproc-per-node 2 -m cs336_harness.cli shard --size xl --world-size 2
     uv run cs336 shard --markdown writeup/results/shard.jsonl   # print the tables, run nothing
+    uv run cs336 shard --markdown writeup/results/shard.jsonl --fill writeup/sections/06-sharding.md
 """
 
 from __future__ import annotations
 
 import argparse
 import tempfile
+from pathlib import Path
 
 import torch
 
 from cs336_harness import shard_bench
 from cs336_harness.presets import DEFAULT_CONTEXT_LENGTH, MODEL_SIZES
+from cs336_harness.report import fill_tables
 from cs336_harness.results import append_rows, format_table, read_rows
 
 HELP = "peak memory and step time of DDP, ZeRO-1, our FSDP and FSDP2, with an FSDP timeline figure"
@@ -46,13 +49,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="append rows (with provenance) to this JSONL file")
     parser.add_argument("--markdown", metavar="ROWS", default=None,
                         help="print the rows of this JSONL file as markdown tables and exit")
+    parser.add_argument("--fill", metavar="SECTION", default=None,
+                        help="with --markdown: rewrite the <!-- table:shard_* --> blocks of this markdown file")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.markdown:
-        rows = read_rows(args.markdown)
-        print(shard_bench.memory_markdown(rows), shard_bench.net_memory_markdown(rows), shard_bench.time_markdown(rows),
-              sep="\n\n")
+        tables = shard_bench.writeup_tables(read_rows(args.markdown))
+        if args.fill:
+            section = Path(args.fill)
+            section.write_text(fill_tables(section.read_text(), tables))
+        else:
+            print(*tables.values(), sep="\n\n")
         return 0
     try:
         config = shard_bench.ShardBenchConfig(
