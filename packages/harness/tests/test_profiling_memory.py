@@ -69,3 +69,26 @@ def test_gradient_allocations_are_backward_survivors() -> None:
     assert memory.gradient_allocations({"device_traces": [trace]}) == {8: 2}
     with pytest.raises(ValueError, match="optimizer"):
         memory.gradient_allocations({"device_traces": [trace[:-1]]})
+
+
+@pytest.mark.parametrize(
+    ("name", "short", "cls"),
+    [
+        ("sm80_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize128x64x8_stage3_warpsize2x2x1_ffma_aligna4",
+         "gemm f32f32 tn 128x64", "matmul"),
+        ("void cutlass::Kernel2<cutlass_80_simt_sgemm_256x128_8x4_nt_align1>(x)", "gemm 80_simt_sgemm 256x128 nt",
+         "matmul"),
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::BinaryFunctor<float, float, float, "
+         "at::native::binary_internal::MulFunctor<float> >, std::array<char*, 3ul> >(int)", "elementwise: mul",
+         "elementwise"),
+        ("void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<at::native::(anonymous "
+         "namespace)::masked_fill_kernel(at::TensorIterator&, c10::Scalar const&)::{lambda()#1}>(int)",
+         "elementwise: masked_fill", "elementwise"),
+        ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::func_wrapper_t<float, "
+         "at::native::MaxNanFunctor<float> >, unsigned int, float, 4, 4> >(x)", "reduce: maxnan", "reduction"),
+        ("Memcpy DtoD (Device -> Device)", "Memcpy DtoD", "copy"),
+    ],
+)
+def test_kernel_names_and_classes(name: str, short: str, cls: str) -> None:
+    assert profiling.short_kernel_name(name) == short
+    assert profiling.kernel_class(name) == cls

@@ -178,7 +178,7 @@ def short_kernel_name(name: str, width: int = 60) -> str:
     )
     if gemm:
         return "gemm " + " ".join(gemm.groups())
-    short = re.sub(r"^void ", "", name).split("(")[0]
+    short = re.sub(r"^void ", "", name).split("(")[0].strip()
     return short if len(short) <= width else short[: width - 3] + "..."
 
 
