@@ -87,6 +87,7 @@ class _GradientSync(nn.Module):
             raise RuntimeError(f"{type(self).__name__} needs an initialized default process group")
         self.module = module
         self.world_size = dist.get_world_size()
+        self._average_in_collective = dist.get_backend() == "nccl"
         _check_same_layout(module)
         with torch.no_grad():
             for t in [*module.parameters(), *module.buffers()]:
@@ -152,8 +153,13 @@ class _GradientSync(nn.Module):
             target = grads[0]
         else:
             bucket.flat = target = torch.cat([g.reshape(-1) for g in grads])
-        # Dividing before the sum keeps values in range for large world sizes; for a power-of-two
-        # world size it is exact, so the result is bit-identical to dividing the sum.
+        if self._average_in_collective:
+            # NCCL averages inside the collective: no extra kernel launch per bucket on the backward
+            # thread, whose launch rate bounds a bf16 step.
+            bucket.work = dist.all_reduce(target, op=dist.ReduceOp.AVG, async_op=True)
+            return
+        # gloo has no AVG. Dividing before the sum keeps values in range for large world sizes; for a
+        # power-of-two world size it is exact, so the result is bit-identical to dividing the sum.
         target.div_(self.world_size)
         bucket.work = dist.all_reduce(target, op=dist.ReduceOp.SUM, async_op=True)
 
