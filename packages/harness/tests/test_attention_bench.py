@@ -47,7 +47,7 @@ def test_markdown_pivots_rows_and_marks_oom():
     text = attention_markdown(rows)
     assert "| 16 | 256 | 0.5 | 1.25 | 0.1 | 0.05 | 0.25 | 0.75 |" in text
     assert "| 16 | 65536 | OOM | OOM | OOM | OOM | - | - |" in text
-    assert "| 64 | 128 | 0.01 | 0.02 | 0.03 | 0.04 | OOM | OOM | - | - | - | 1.5 |" in text
+    assert "| 64 | 128 | 0.01 | 0.02 | 0.03 | 0.04 | OOM | OOM | - | - | - | 1.5 | - |" in text
 
 
 def test_cli_quick_flag_parses():

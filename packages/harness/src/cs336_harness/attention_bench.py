@@ -287,9 +287,9 @@ def _ms(row: dict[str, Any] | None, key: str) -> str:
     return f"{value:.3g}"
 
 
-def attention_markdown(rows: Sequence[dict[str, Any]]) -> str:
-    """The writeup's tables from saved rows: each part present, in the order of :data:`PARTS`."""
-    parts = []
+def attention_tables(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
+    """The writeup's markdown tables from saved rows, by name: ``pytorch``, ``anchors``, ``flash_<dtype>``."""
+    tables = {}
     eager = {(r["d"], r["seq"]): r for r in rows if r.get("bench") == "pytorch"}
     compiled = {(r["d"], r["seq"]): r for r in rows if r.get("bench") == "compiled"}
     if eager:
@@ -302,7 +302,7 @@ def attention_markdown(rows: Sequence[dict[str, Any]]) -> str:
                 "cfwd": _ms(c, "fwd_ms"), "cbwd": _ms(c, "bwd_ms"),
             })
         first = next(iter(eager.values()))
-        parts.append(
+        tables["pytorch"] = (
             f"Plain PyTorch attention (batch {first['batch']}, fp32, causal mask, mean of {first['passes']} "
             f"passes), {first['device']}:\n\n"
             + markdown_table(table, ["d", "seq", "fwd", "bwd", "mem", "saved", "cfwd", "cbwd"],
@@ -313,11 +313,12 @@ def attention_markdown(rows: Sequence[dict[str, Any]]) -> str:
     if anchors:
         table = [{**r, "shape": f"({r['batch']}, {r['heads']}, {r['seq']}, {r['d']})",
                   "fwd": _ms(r, "fwd_ms"), "bwd": _ms(r, "bwd_ms"), "fb": _ms(r, "fwd_bwd_ms")} for r in anchors]
-        parts.append(
+        tables["anchors"] = (
             f"Anchor shapes, bf16, causal, do_bench medians, {anchors[0]['device']}:\n\n"
-            + markdown_table(table, ["shape", "impl", "fwd", "bwd", "fb", "fwd_bwd_tflops", "target_fwd_bwd_ms"],
-                             ["(b, h, s, d)", "impl", "fwd (ms)", "bwd (ms)", "fwd+bwd (ms)",
-                              "fwd+bwd TFLOP/s", "target (ms)"])
+            + markdown_table(table, ["shape", "impl", "fwd", "bwd", "fb", "fwd_tflops", "bwd_tflops",
+                                     "fwd_bwd_tflops", "target_fwd_bwd_ms"],
+                             ["(b, h, s, d)", "impl", "fwd (ms)", "bwd (ms)", "fwd+bwd (ms)", "fwd TFLOP/s",
+                              "bwd TFLOP/s", "fwd+bwd TFLOP/s", "target (ms)"])
         )
     flash = [r for r in rows if r.get("bench") == "flash"]
     for dtype_name in dict.fromkeys(r["dtype"] for r in flash):
@@ -330,12 +331,18 @@ def attention_markdown(rows: Sequence[dict[str, Any]]) -> str:
                 for mode in ("fwd", "bwd", "fwd_bwd"):
                     entry[f"{prefix}_{mode}"] = _ms(r, f"{mode}_ms")
             entry["t_tflops"] = _ms(ours, "fwd_bwd_tflops")
+            entry["s_tflops"] = _ms(sdpa, "fwd_bwd_tflops")
             table.append(entry)
-        columns = ["d", "seq"] + [f"{p}_{m}" for p in "tps" for m in ("fwd", "bwd", "fwd_bwd")] + ["t_tflops"]
-        headers = ["d", "seq"] + [f"{name} {m}" for name in ("ours", "plain", "SDPA")
-                                  for m in ("fwd", "bwd", "fwd+bwd")] + ["ours TFLOP/s (fwd+bwd)"]
-        parts.append(
-            f"FlashAttention-2 benchmark, {dtype_name}, batch 1, one head, causal, do_bench medians in ms, "
-            f"{flash[0]['device']}:\n\n" + markdown_table(table, columns, headers)
+        columns = ["d", "seq"] + [f"{p}_{m}" for p in "tps" for m in ("fwd", "bwd", "fwd_bwd")]
+        headers = ["d", "seq"] + [f"{name} {m}" for name in ("ours", "plain", "SDPA") for m in ("fwd", "bwd", "f+b")]
+        tables[f"flash_{dtype_name}"] = (
+            f"{dtype_name}, batch 1, one head, causal, do_bench medians in ms; TFLOP/s of fwd+bwd; "
+            f"{flash[0]['device']}:\n\n"
+            + markdown_table(table, [*columns, "t_tflops", "s_tflops"], [*headers, "ours TFLOP/s", "SDPA TFLOP/s"])
         )
-    return "\n\n".join(parts)
+    return tables
+
+
+def attention_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """All of :func:`attention_tables`, one after another."""
+    return "\n\n".join(attention_tables(rows).values())

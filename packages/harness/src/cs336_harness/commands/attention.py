@@ -5,15 +5,24 @@ Examples::
     bash tools/gpu.sh python3 -m cs336_harness.cli attention --out writeup/results/attention.jsonl
     bash tools/gpu.sh python3 -m cs336_harness.cli attention --part anchors
     uv run cs336 attention --quick --part flash            # a few sizes only, within a minute or two
-    uv run cs336 attention --markdown writeup/results/attention_flash.jsonl   # tables from saved rows
+    uv run cs336 attention --markdown writeup/results/attention_*.jsonl   # tables from saved rows
+    uv run cs336 attention --markdown writeup/results/attention_*.jsonl --fill writeup/sections/04-attention.md
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from cs336_harness.attention_bench import PARTS, AttentionBenchConfig, attention_markdown, run_attention_bench
+from cs336_harness.attention_bench import (
+    PARTS,
+    AttentionBenchConfig,
+    attention_markdown,
+    attention_tables,
+    run_attention_bench,
+)
+from cs336_harness.report import fill_tables
 from cs336_harness.results import append_rows, provenance, read_rows
 
 HELP = "benchmark attention: plain and compiled PyTorch, our FlashAttention-2 vs SDPA (needs a CUDA GPU)"
@@ -51,13 +60,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precompile-jobs", type=int, default=d.precompile_jobs,
                         help="compile our kernels' autotuning candidates in this many processes first")
     parser.add_argument("--out", default=None, help="append each row (with provenance) to this JSONL file")
-    parser.add_argument("--markdown", metavar="ROWS", default=None,
-                        help="print the tables of this JSONL file as markdown and exit")
+    parser.add_argument("--markdown", metavar="ROWS", nargs="+", default=None,
+                        help="print the tables of these JSONL files as markdown and exit")
+    parser.add_argument("--fill", metavar="SECTION", default=None,
+                        help="with --markdown: rewrite the <!-- table:NAME --> blocks of this file instead")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.markdown:
-        print(attention_markdown(read_rows(args.markdown)))
+        rows = [row for path in args.markdown for row in read_rows(path)]
+        if args.fill:
+            section = Path(args.fill)
+            section.write_text(fill_tables(section.read_text(), attention_tables(rows)))
+        else:
+            print(attention_markdown(rows))
         return 0
     sizes = {
         "head_dims": args.head_dims, "seq_lens": args.seq_lens, "passes": args.passes,
