@@ -160,15 +160,14 @@ def fsdp_gradients(rank: int, compute_dtype: torch.dtype | None) -> dict[str, An
 
 
 def fsdp_gathered_weights(rank: int) -> dict[str, Any]:
-    """How many full weights are gathered when each sharded module starts its forward (two iterations, so
-    the second runs on the recorded order), and how many are left after each phase."""
+    """How many units are gathered when each unit's module starts its forward (two iterations, so the
+    second runs on the recorded order), and how many are left after each phase."""
     model = FSDP(new_model("transformer", seed=0))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     counts: list[int] = []
     gathered = lambda: sum(u.full is not None for u in model._units)  # noqa: E731
-    for m in model.module.modules():
-        if isinstance(m, Linear | Embedding):
-            m.register_forward_pre_hook(lambda mod, args: counts.append(gathered()))
+    for m in model._unit_of_module:  # registered after FSDP's own pre-hook, so it sees the unit gathered
+        m.register_forward_pre_hook(lambda mod, args: counts.append(gathered()))
     left = []
     for step in batches(2, seed=5):
         loss = loss_of(model, *step[rank])
@@ -179,6 +178,36 @@ def fsdp_gathered_weights(rank: int) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
     return {"counts": counts, "left": left, "num_units": len(model._units)}
+
+
+def fsdp_collectives(rank: int) -> dict[str, Any]:
+    """Collectives issued per phase of two training iterations, counted by wrapping torch.distributed's."""
+    model = FSDP(new_model("transformer", seed=0), compute_dtype=torch.float16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls: list[str] = []
+    originals = {name: getattr(dist, name) for name in ("all_gather_into_tensor", "reduce_scatter_tensor")}
+
+    def counting(name: str) -> Callable[..., Any]:
+        return lambda *args, **kwargs: (calls.append(name), originals[name](*args, **kwargs))[1]
+
+    phases: list[dict[str, int]] = []
+    try:
+        for name in originals:
+            setattr(dist, name, counting(name))
+        for step in batches(2, seed=11):
+            loss = loss_of(model, *step[rank])
+            phases.append({name: calls.count(name) for name in originals})
+            calls.clear()
+            loss.backward()
+            model.finish_gradient_synchronization()
+            phases.append({name: calls.count(name) for name in originals})
+            calls.clear()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return {"phases": phases, "units": [(u.name, [s.name for s in u.slots]) for u in model._units]}
 
 
 def fsdp_checkpoint(rank: int, out_dir: str, optimizer: str) -> dict[str, Any]:
@@ -323,6 +352,7 @@ def all_checks(rank: int, world_size: int, out_dir: str) -> None:
     for dtype in (None, torch.float16):
         record["grads"][str(dtype)] = fsdp_gradients(rank, dtype)
     record["gathered"] = fsdp_gathered_weights(rank)
+    record["collectives"] = fsdp_collectives(rank)
     for optimizer in ("torch_adamw", "basics_adamw"):
         record["checkpoint"][optimizer] = fsdp_checkpoint(rank, out_dir, optimizer)
     for name in SHARDED_OPTIMIZERS:

@@ -83,6 +83,39 @@ def test_gathers_are_bounded_and_freed(records: list[dict]) -> None:
         assert g["left"] == [0, 0, 0, 0], "gathered weights must be freed after forward and after sync"
 
 
+def test_transformer_communicates_once_per_block(records: list[dict]) -> None:
+    block = ["attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.output_proj", "ffn.w1", "ffn.w2", "ffn.w3"]
+    want_units = [("token_embeddings.weight", ["token_embeddings.weight"])]
+    want_units += [(f"layers.{i}", [f"layers.{i}.{m}.weight" for m in block]) for i in range(2)]
+    want_units += [("lm_head.weight", ["lm_head.weight"])]
+    for record in records:
+        c = record["collectives"]
+        assert [(name, sorted(slots)) for name, slots in c["units"]] == [(n, sorted(s)) for n, s in want_units]
+        num_units = len(want_units)
+        for forward, backward in zip(c["phases"][::2], c["phases"][1::2], strict=True):
+            assert forward == {"all_gather_into_tensor": num_units, "reduce_scatter_tensor": 0}
+            # Every unit but the embedding (whose backward needs only the token ids) is gathered again.
+            assert backward == {"all_gather_into_tensor": num_units - 1, "reduce_scatter_tensor": num_units}
+
+
+def test_units_follow_module_lists_and_params_view_the_unit_shard() -> None:
+    toy = FSDP(new_model("toy", seed=0))  # no ModuleList: one unit per weight
+    assert [u.name for u in toy._units] == ["embedding.weight", "up.weight", "down.weight", "lm_head.weight"]
+    lm = FSDP(new_model("transformer", seed=0))
+    assert [u.name for u in lm._units] == ["token_embeddings.weight", "layers.0", "layers.1", "lm_head.weight"]
+    for unit in lm._units:
+        for s in unit.slots:
+            assert s.param.is_leaf and s.param.shape == (s.shard_numel,)
+            assert s.param.data_ptr() == unit.local[s.offset :].data_ptr(), "the optimizer must update the unit"
+
+
+def test_a_unit_needs_one_dtype() -> None:
+    model = new_model("transformer", seed=0)
+    model.layers[1].ffn.w2.double()
+    with pytest.raises(ValueError, match="unit layers.1 needs one dtype"):
+        FSDP(model)
+
+
 @pytest.mark.parametrize("optimizer", ["torch_adamw", "basics_adamw"])
 def test_checkpoint_resume_equals_uninterrupted_run(records: list[dict], optimizer: str) -> None:
     for rank, record in enumerate(records):

@@ -14,6 +14,8 @@ fp32 master weights and fp32 gradient reduction in all four.
 
 Measured per (dtype, variant), the maximum over ranks:
 
+- ``alloc_before_gib``: allocated when the variant starts, after the previous one was freed and the
+  allocator's cache emptied (zero but for a leak; its peaks are then measured from a clean device).
 - ``peak_init_gib``: peak allocated while building model, wrapper and optimizer (FSDP builds the full
   model before sharding it, so this includes one full fp32 copy); ``alloc_init_gib`` what stays.
 - ``peak_before_step_gib``: peak during forward, backward and gradient synchronisation of a step taken
@@ -23,8 +25,9 @@ Measured per (dtype, variant), the maximum over ranks:
   memory across the forward (what autograd saved, plus logits and loss).
 - ``step_ms``: median wall time of ``steps`` whole steps, devices synchronised around each.
 - for the profiled variants (``fsdp``, ``fsdp2``): NCCL kernel time and the part of it not overlapped
-  with compute (:func:`cs336_harness.ddp_bench.comm_overlap`); for ``fsdp`` also, per forward layer,
-  whether its all-gather finished before the compute stream reached the layer (:func:`forward_gathers`).
+  with compute (:func:`cs336_harness.ddp_bench.comm_overlap`); for ``fsdp`` also, per forward unit of
+  communication (a Transformer block, the embedding, the LM head), whether its all-gather finished before
+  the compute stream reached the unit (:func:`forward_gathers`).
 
 :func:`plot_fsdp_timeline` renders the traced ``fsdp`` step. On CPU it uses gloo and the ``tiny`` preset;
 memory columns are then empty (no allocator statistics) and the timeline shows CPU ranges.
@@ -187,10 +190,11 @@ def _bench_one(variant: str, dtype: str, config: ShardBenchConfig, rank: int, de
                trace_path: Path) -> dict[str, Any]:
     memory = _Memory(device)
     memory.reset_peak()
+    alloc_before = memory.allocated()
     setup = _build(variant, dtype, config, device)
     _sync(device)
-    row: dict[str, Any] = {"variant": variant, "dtype": dtype, "peak_init_gib": memory.peak(),
-                           "alloc_init_gib": memory.allocated()}
+    row: dict[str, Any] = {"variant": variant, "dtype": dtype, "alloc_before_gib": alloc_before,
+                           "peak_init_gib": memory.peak(), "alloc_init_gib": memory.allocated()}
     g = torch.Generator().manual_seed(1000 + rank)  # each rank its own shard of the global batch
     tokens = torch.randint(0, config.vocab_size, (config.global_batch // config.world_size,
                                                   config.context_length + 1), generator=g).to(device)
@@ -275,19 +279,21 @@ def _rank_main(rank: int, world_size: int, config: ShardBenchConfig, trace_dir: 
     with use_attention("sdpa"):
         for dtype in config.dtypes:
             for variant in config.variants:
-                rows.append(_bench_one(variant, dtype, config, rank, device,
-                                       Path(trace_dir) / f"shard_{dtype}_{variant}.json"))
-                # Each variant starts from an empty device; the previous one's tensors die with its frame.
+                # Each variant starts from an empty device: the previous one's tensors died with its frame
+                # (gc.collect for reference cycles), and its cached blocks go back to the driver.
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+                rows.append(_bench_one(variant, dtype, config, rank, device,
+                                       Path(trace_dir) / f"shard_{dtype}_{variant}.json"))
     if rank == 0:
         Path(out_path).write_text(json.dumps(rows))
 
 
-# Trace analysis: our FSDP labels each forward compute with "fsdp.forward.<param>" (opened after the weight
-# is ready on the CPU side) and each collective launch with "fsdp.all_gather.<param>" /
-# "fsdp.reduce_scatter.<param>", so kernels can be tied to the layer they serve.
+# Trace analysis: our FSDP labels each unit's forward compute with "fsdp.forward.<unit>" (opened after the
+# weights are ready on the CPU side) and each collective launch with "fsdp.all_gather.<unit>" /
+# "fsdp.reduce_scatter.<unit>", so kernels can be tied to the unit they serve; a unit is named by its
+# module ("layers.3") or, when it holds one weight, by that weight ("lm_head.weight").
 
 _FORWARD = "fsdp.forward."
 _GATHER = "fsdp.all_gather."
@@ -310,10 +316,10 @@ def _first_with(acts: Sequence[dict[str, Any]], prefix: str) -> dict[str, dict[s
 
 
 def forward_gathers(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per sharded weight, in forward order: when its all-gather ended and when the compute stream was free
-    to run the layer (the end of the last compute kernel that started before the layer's first kernel).
+    """Per unit of communication, in forward order: when its all-gather ended and when the compute stream was
+    free to run the unit (the end of the last compute kernel that started before the unit's first kernel).
 
-    ``margin_ms`` > 0: the weight was there before the layer could start; < 0: the layer waited that long.
+    ``margin_ms`` > 0: the weights were there before the unit could start; < 0: the unit waited that long.
     Empty for a trace without GPU kernels.
     """
     acts = _labelled_kernels(events)
@@ -374,8 +380,8 @@ def run_shard_bench(config: ShardBenchConfig, trace_dir: str | Path | None = Non
 def plot_fsdp_timeline(events: Sequence[dict[str, Any]], path: str | Path, title: str = "",
                        zoom_layers: int = 16) -> Path:
     """Two panels from one traced FSDP step: the whole step (compute kernels by phase, NCCL all-gathers,
-    other NCCL kernels), and the first ``zoom_layers`` forward layers, where each layer's all-gather and
-    its compute share a colour, so a gather that ends after its layer starts shows at a glance.
+    other NCCL kernels), and the first ``zoom_layers`` forward units, where each unit's all-gather and its
+    compute share a colour, so a gather that ends after its unit starts shows at a glance.
 
     A CPU trace (no kernels) shows the CPU ranges instead: forward layers and gather launches.
     """
@@ -430,9 +436,9 @@ def plot_fsdp_timeline(events: Sequence[dict[str, Any]], path: str | Path, title
             zoom.broken_barh([((start - z0) / 1e3, (end - start) / 1e3)], (-0.4, 0.8), color=c)
             zoom.text((start - z0) / 1e3, -0.55, g["param"].replace(".weight", ""), fontsize=6, rotation=30)
         waited = sum(g["margin_ms"] < 0 for g in gathers)
-        zoom.set_title(f"first {len(gathers)} forward layers: gather (row 2) and the layer's compute (row 1) in "
+        zoom.set_title(f"first {len(gathers)} forward units: gather (row 2) and the unit's compute (row 1) in "
                        f"one colour; {waited} of them had to wait", fontsize=9, loc="left")
-        zoom.set_yticks([0, 1], ["layer compute", "its all-gather"])
+        zoom.set_yticks([0, 1], ["unit compute", "its all-gather"])
         zoom.invert_yaxis()
         zoom.set_xlabel("ms since the first of these gathers started")
         zoom.grid(True, axis="x", alpha=0.3)
@@ -451,7 +457,7 @@ def plot_fsdp_timeline(events: Sequence[dict[str, Any]], path: str | Path, title
 
 
 def _layer_spans(compute: Sequence[dict[str, Any]], params: Sequence[str]) -> dict[str, tuple[float, float]]:
-    """First start and last end of the compute kernels launched inside each layer's forward range."""
+    """First start and last end of the compute kernels launched inside each unit's forward range."""
     out: dict[str, tuple[float, float]] = {}
     for p in params:
         mine = [a for a in compute if _FORWARD + p in a["ranges"]]
@@ -474,17 +480,24 @@ def fsdp_timeline_from_rows(rows: Sequence[dict[str, Any]], trace_dir: str | Pat
 
 # Tables for the writeup, generated from the rows.
 
-MEMORY_COLUMNS = ("dtype", "variant", "peak_init_gib", "peak_before_step_gib", "peak_step_gib", "params_gib",
-                  "grads_gib", "optim_state_gib", "activations_gib")
-MEMORY_HEADERS = ("dtype", "wrapper", "peak at init", "peak fwd+bwd (before step)", "peak in step",
-                  "params", "grads", "optimizer state", "activations")
+MEMORY_COLUMNS = ("dtype", "variant", "alloc_before_gib", "peak_init_gib", "peak_before_step_gib", "peak_step_gib",
+                  "params_gib", "grads_gib", "optim_state_gib", "activations_gib")
+MEMORY_HEADERS = ("dtype", "wrapper", "allocated at start", "peak at init", "peak fwd+bwd (before step)",
+                  "peak in step", "params", "grads", "optimizer state", "activations")
 NET_COLUMNS = ("dtype", "variant", "carried_gib", "net_peak_before_step_gib", "net_peak_step_gib")
 NET_HEADERS = ("dtype", "wrapper", "allocated beyond own state at init", "net peak fwd+bwd", "net peak in step")
 
 
+def _measured_from_clean_start(row: dict[str, Any]) -> bool:
+    """Rows made since each variant records what was allocated when it started (``alloc_before_gib``). Older
+    rows were measured in one process after runs of an FSDP that leaked its shards."""
+    return "alloc_before_gib" in row
+
+
 def _net(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Peaks less what was allocated before the run started: ``alloc_init_gib`` minus what the wrapper itself
-    keeps after init (its parameters, and for torch DDP its gradient buckets, one more copy of them)."""
+    """Peaks less what was allocated before the run started, estimated for rows that did not record it:
+    ``alloc_init_gib`` minus what the wrapper itself keeps after init (its parameters, and for torch DDP its
+    gradient buckets, one more copy of them)."""
     out = []
     for r in rows:
         r = dict(r)
@@ -520,7 +533,8 @@ def memory_markdown(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def net_memory_markdown(rows: Sequence[dict[str, Any]]) -> str:
-    """Memory held before each run started (left by earlier runs in the process) and the peaks without it."""
+    """Memory held before each run started (left by earlier runs in the process) and the peaks without it;
+    only needed for rows that predate ``alloc_before_gib``."""
     return markdown_table(_net(rows), NET_COLUMNS, NET_HEADERS, floatfmt=".2f")
 
 
@@ -530,9 +544,16 @@ def time_markdown(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def writeup_tables(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
-    """The section's tables by marker name (``<!-- table:NAME -->``, see ``cs336_harness.report.fill_tables``)."""
-    return {"shard_memory": memory_markdown(rows), "shard_net_memory": net_memory_markdown(rows),
-            "shard_time": time_markdown(rows)}
+    """The section's tables by marker name (``<!-- table:NAME -->``, see ``cs336_harness.report.fill_tables``).
+
+    The leak-corrected ``shard_net_memory`` table is only made for rows that predate clean starts; rows
+    measured from a clean device need no correction.
+    """
+    tables = {"shard_memory": memory_markdown(rows), "shard_time": time_markdown(rows)}
+    leaky = [r for r in rows if not _measured_from_clean_start(r)]
+    if leaky:
+        tables["shard_net_memory"] = net_memory_markdown(leaky)
+    return tables
 
 
 __all__ = ["ShardBenchConfig", "VARIANTS", "run_shard_bench", "forward_gathers", "gather_summary",

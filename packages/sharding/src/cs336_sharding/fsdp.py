@@ -1,7 +1,7 @@
 """Fully sharded data parallel training (FSDP; ZeRO stage 3, Rajbhandari et al., 2020).
 
-:class:`FSDP` shards the weight of every module that owns a 2-D ``weight`` (Linear and Embedding in our
-model) over the ranks and keeps every other parameter (norm weights, biases) replicated::
+:class:`FSDP` shards every 2-D ``weight`` parameter (Linear and Embedding in our model) over the ranks
+and keeps every other parameter (norm weights, biases) replicated::
 
     model = FSDP(model, compute_dtype=torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters())     # sees ordinary fp32 leaf params: the local shards
@@ -9,23 +9,34 @@ model) over the ranks and keeps every other parameter (norm weights, biases) rep
     model.finish_gradient_synchronization()         # every .grad is now the averaged local shard gradient
     opt.step(); opt.zero_grad()
 
-Sharding is flat: a weight of ``n`` elements is flattened, zero-padded to ``world_size * ceil(n /
-world_size)`` and split into equal pieces, so any shape works. ``param.data`` is replaced by the local
-piece, which keeps names, ``requires_grad`` and the optimizer's view of the model unchanged; the padding
-has zero gradient, so it stays zero under SGD and AdamW and is never gathered back.
+Units of communication (:func:`communication_units`): every child of an ``nn.ModuleList`` (a Transformer
+block) is one unit holding all the 2-D weights inside it; a module outside any ``ModuleList`` that owns a
+2-D weight (embedding, LM head) is a unit of its own. A model without a ``ModuleList`` therefore
+communicates weight by weight. Each unit moves as one flat buffer: one all-gather before its forward,
+one re-gather for its backward and one reduce-scatter of its concatenated gradient, as FSDP2 does per
+``fully_shard`` call; per-weight collectives are many small ones whose fixed cost no compute can hide.
 
-Forward: a pre-hook all-gathers the module's weight (cast to ``compute_dtype`` first, so communication is
-in the compute dtype too), swaps it in for the module's forward and frees it afterwards. While layer ``i``
-runs, only layer ``i + 1`` is being gathered, so a gather starts after the layer two before it finished.
-Backward: the full weight is not kept for backward; a saved-tensor hook records a reference instead and
-re-gathers the weight when autograd needs it, prefetching the next layer's weight. The gradient of the
-full weight is reduce-scattered in fp32 as soon as autograd produces it; replicated gradients are
-all-reduced as soon as they are accumulated. Execution orders are recorded each iteration and used to
-predict the next gather in the following one, identically on every rank.
+Sharding is per weight inside the unit: a weight of ``n`` elements is flattened, zero-padded to
+``world_size * ceil(n / world_size)`` and split into equal pieces, so any shape works, and a rank's flat
+unit shard is its pieces of the unit's weights one after another. ``param.data`` is replaced by a view of
+its piece in that shard, which keeps names, ``requires_grad`` and the optimizer's view of the model
+unchanged; the padding has zero gradient, so it stays zero under SGD and AdamW and is never gathered back.
+The gathered buffer is rank-major (every rank's whole shard in turn), so one copy (``split_with_sizes_copy``)
+puts each weight's pieces side by side; gradients take the reverse copy before the reduce-scatter.
 
-Limitation: the saved-tensor hook is active inside each sharded module's forward, so an outer
-``saved_tensors_hooks`` user (e.g. non-reentrant activation checkpointing) does not see the tensors saved
-inside those modules.
+Forward: a pre-hook on the unit's module all-gathers its shard (cast to ``compute_dtype`` first, so
+communication is in the compute dtype too), swaps the full weights in for the module's forward and frees
+them afterwards. When unit ``i`` starts, the gather of unit ``i + 1`` starts, so at most two units' full
+weights are alive. Backward: the full weights are not kept for backward; a saved-tensor hook records a
+reference instead and re-gathers the unit when autograd first needs it, prefetching the next unit. Once
+autograd has produced every gradient of the unit's weights, they are reduce-scattered together in fp32;
+replicated gradients are all-reduced as soon as they are accumulated. Execution orders are recorded each
+iteration and used to predict the next gather in the following one, identically on every rank.
+
+Limitations: the saved-tensor hook is active inside each unit's forward, so an outer ``saved_tensors_hooks``
+user (e.g. non-reentrant activation checkpointing) does not see the tensors saved inside those modules; a
+weight must be used through its module's forward; a weight tied between units must belong to modules that
+each own it directly (embedding and LM head), not to the inside of a ``ModuleList`` child.
 
 :func:`gather_full_params` returns every parameter unsharded, by its name in the original module;
 :func:`save_checkpoint` / :func:`load_checkpoint` write and read sharded model and optimizer state with
@@ -46,8 +57,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 
-# Reduce-scatters kept in flight during backward before the oldest is waited for; each holds a full fp32
-# gradient buffer until then, so this bounds gradient memory to a few layers.
+# Reduce-scatters kept in flight during backward before the oldest is waited for; each holds a unit's full
+# fp32 gradient buffer until then, so this bounds gradient memory to a few units.
 MAX_PENDING_REDUCE_SCATTERS = 2
 
 
@@ -58,29 +69,64 @@ def _rank_and_world() -> tuple[int, int]:
 
 
 def shards_weight(module: nn.Module) -> bool:
-    """The sharding policy: a module whose own ``weight`` parameter is 2-D (Linear, Embedding)."""
+    """Which weights are sharded: a module's own ``weight`` parameter when it is 2-D (Linear, Embedding)."""
     weight = module._parameters.get("weight")
     return isinstance(weight, nn.Parameter) and weight.dim() == 2
 
 
-class _Unit:
-    """One sharded weight: the parameter (holding the local padded shard), the gathered full weight while
-    it is in use, and the gradient pieces reduce-scattered to this rank."""
+def communication_units(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Module]]]:
+    """The grouping policy: ``(module name, module, modules whose weight the unit shards)`` in module order.
 
-    def __init__(self, name: str, param: nn.Parameter, rank: int, world_size: int):
-        self.name, self.param = name, param
+    A child of an ``nn.ModuleList`` with sharded weights anywhere inside it is one unit holding all of them;
+    elsewhere, each module that shards its own weight is a unit of that weight alone.
+    """
+    units: list[tuple[str, nn.Module, list[nn.Module]]] = []
+
+    def visit(name: str, module: nn.Module, in_list: bool) -> None:
+        owners = [m for m in module.modules() if shards_weight(m)]
+        if in_list and owners:
+            units.append((name, module, owners))
+            return
+        if shards_weight(module):
+            units.append((name, module, [module]))
+        for child_name, child in module.named_children():
+            visit(f"{name}.{child_name}" if name else child_name, child, isinstance(module, nn.ModuleList))
+
+    visit("", model, False)
+    return units
+
+
+class _Slot:
+    """One sharded weight inside its unit: its padded piece of ``shard_numel`` elements starts at ``offset``
+    in the unit's local shard, and its full weight at ``world_size * offset`` in the gathered unit."""
+
+    def __init__(self, name: str, param: nn.Parameter, offset: int, rank: int, world_size: int):
+        self.name, self.param, self.offset = name, param, offset
         self.shape = param.shape
         self.numel = param.numel()
         self.shard_numel = math.ceil(self.numel / world_size)
-        # Real (unpadded) elements in this rank's shard; the same split as torch.chunk over the flat weight.
+        # Real (unpadded) elements in this rank's piece; the same split as torch.chunk over the flat weight.
         self.valid = max(0, min(self.shard_numel, self.numel - rank * self.shard_numel))
-        self.full: torch.Tensor | None = None  # (world_size * shard_numel,) in the compute dtype
-        self.gather: tuple[dist.Work, torch.Tensor] | None = None  # in flight: work and its input
+
+
+class _Unit:
+    """The weights communicated together: their local flat shard (which the parameters view), the gathered
+    full weights while they are in use, and the gradient shards reduce-scattered to this rank."""
+
+    def __init__(self, name: str, slots: list[_Slot], world_size: int):
+        self.name, self.slots, self.world_size = name, slots, world_size
+        self.shard_numel = sum(s.shard_numel for s in slots)
+        self.local: torch.Tensor | None = None  # (shard_numel,) in the master dtype, set when sharding
+        self.uses: list[tuple[nn.Module, int]] = []  # (module, index of the slot holding its weight)
+        self.full: torch.Tensor | None = None  # (world_size * shard_numel,) in the compute dtype, slot-major
+        self.gather: tuple[dist.Work, torch.Tensor, torch.Tensor] | None = None  # in flight: work, output, input
+        self.in_use = False  # counted in this phase's execution order; cleared when freed
         self.grad_parts: list[torch.Tensor] = []
 
-    def full_weight(self) -> torch.Tensor:
+    def full_weight(self, slot: _Slot) -> torch.Tensor:
         assert self.full is not None and self.gather is None, f"{self.name} is not gathered"
-        return self.full[: self.numel].view(self.shape)
+        start = self.world_size * slot.offset
+        return self.full[start : start + slot.numel].view(slot.shape)
 
 
 class _WeightRef:
@@ -92,20 +138,23 @@ class _WeightRef:
         self.unit, self.size, self.stride, self.offset = unit, t.size(), t.stride(), t.storage_offset()
 
 
-class _UseFullWeight(torch.autograd.Function):
-    """Identity from the shard to the gathered full weight; its backward hands the full weight's gradient
-    to the reduce-scatter. It returns no gradient for the shard: that arrives in
-    ``finish_gradient_synchronization``, once the collective is done."""
+class _UseFullWeights(torch.autograd.Function):
+    """Identity from a unit's shards to its gathered full weights. Autograd calls the backward once every
+    full weight's gradient exists, which hands them to one reduce-scatter. It returns no gradient for the
+    shards: those arrive in ``finish_gradient_synchronization``, once the collective is done."""
 
     @staticmethod
-    def forward(ctx: Any, shard: torch.Tensor, fsdp: FSDP, unit: _Unit) -> torch.Tensor:
+    def forward(ctx: Any, fsdp: FSDP, unit: _Unit, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.fsdp, ctx.unit = fsdp, unit
-        return unit.full_weight()
+        ctx.set_materialize_grads(False)  # an unused weight's gradient stays None instead of a zero tensor
+        fulls = tuple(unit.full_weight(s) for s in unit.slots)
+        ctx.mark_non_differentiable(*(f for f, s in zip(fulls, unit.slots, strict=True) if not s.param.requires_grad))
+        return fulls
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
-        ctx.fsdp._reduce_scatter(ctx.unit, grad)
-        return None, None, None
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
+        ctx.fsdp._reduce_scatter(ctx.unit, grads)
+        return (None, None, *(None for _ in grads))
 
 
 class FSDP(nn.Module):
@@ -137,20 +186,27 @@ class FSDP(nn.Module):
                     dist.broadcast(t.data, src=0)
 
         self._units: list[_Unit] = []
-        self._unit_of_module: dict[nn.Module, _Unit] = {}
+        self._unit_of_module: dict[nn.Module, _Unit] = {}  # the modules whose forward gathers a unit
         by_param: dict[nn.Parameter, _Unit] = {}
-        for mod in module.modules():
-            if not shards_weight(mod):
+        for unit_name, root, owners in communication_units(module):
+            if root in self._unit_of_module:  # a module reachable by two paths is hooked once
                 continue
-            weight = mod._parameters["weight"]
-            if weight not in by_param:  # a weight tied between modules is one unit
-                unit = _Unit(names[weight], weight, self._rank, self._world_size)
-                self._shard(unit)
-                by_param[weight] = unit
-                self._units.append(unit)
-            self._unit_of_module[mod] = by_param[weight]
-            mod.register_forward_pre_hook(self._pre_forward)
-            mod.register_forward_hook(self._post_forward, always_call=True)
+            weights = list(dict.fromkeys(m._parameters["weight"] for m in owners))  # tied weights once
+            taken = {by_param[w] for w in weights if w in by_param}
+            if taken:
+                if len(owners) > 1 or len(taken) > 1:
+                    raise ValueError(f"unit {unit_name} shares weights with unit(s) {sorted(u.name for u in taken)}; "
+                                     "a weight tied across units must be owned directly by modules outside any "
+                                     "ModuleList")
+                unit = taken.pop()  # a weight tied between modules (embedding and head) is one unit
+            else:
+                unit = self._new_unit(unit_name, [(names[w], w) for w in weights])
+                by_param.update(dict.fromkeys(weights, unit))
+            index = {s.param: i for i, s in enumerate(unit.slots)}
+            unit.uses += [(m, index[m._parameters["weight"]]) for m in owners]
+            self._unit_of_module[root] = unit
+            root.register_forward_pre_hook(self._pre_forward)
+            root.register_forward_hook(self._post_forward, always_call=True)
         self._replicated = [p for p in names if p not in by_param]
         # Gradient hooks live in C++, out of the garbage collector's sight: a bound method there would keep
         # this wrapper (and every shard) alive forever, so the hook holds only a weak reference.
@@ -163,7 +219,7 @@ class FSDP(nn.Module):
         self._pending_all_reduces: dict[nn.Parameter, dist.Work] = {}
         # Per-call state of a module's forward: saved-tensor hooks and the profiler range, exited after it.
         self._in_forward: dict[nn.Module, list[Any]] = {}
-        # Orders of weight uses seen in the last iteration (the prediction) and in this one.
+        # Orders of unit uses seen in the last iteration (the prediction) and in this one.
         self._forward_order: list[_Unit] = list(self._units)
         self._backward_order: list[_Unit] = []
         self._forward_seen: list[_Unit] = []
@@ -172,47 +228,84 @@ class FSDP(nn.Module):
 
     # Sharding and gathering.
 
-    def _shard(self, unit: _Unit) -> None:
+    def _new_unit(self, name: str, weights: list[tuple[str, nn.Parameter]]) -> _Unit:
+        first = weights[0][1]
+        for weight_name, w in weights:
+            if (w.dtype, w.device) != (first.dtype, first.device):
+                raise ValueError(f"unit {name or weight_name} needs one dtype and device for its weights, got "
+                                 f"{w.dtype} on {w.device} for {weight_name} and {first.dtype} on {first.device} "
+                                 f"for {weights[0][0]}")
+        slots, offset = [], 0
+        for weight_name, w in weights:
+            slots.append(_Slot(weight_name, w, offset, self._rank, self._world_size))
+            offset += slots[-1].shard_numel
+        # A unit of one weight is named by the weight, as its module path may be empty (a bare Linear).
+        unit = _Unit(name if len(slots) > 1 else slots[0].name, slots, self._world_size)
+        local = torch.zeros(unit.shard_numel, dtype=first.dtype, device=first.device)
         with torch.no_grad():
-            flat = unit.param.data.reshape(-1)
-            start = self._rank * unit.shard_numel
-            shard = torch.zeros(unit.shard_numel, dtype=flat.dtype, device=flat.device)
-            shard[: unit.valid] = flat[start : start + unit.valid]
-        unit.param.data = shard
+            for s in slots:
+                start = self._rank * s.shard_numel
+                local[s.offset : s.offset + s.valid] = s.param.data.reshape(-1)[start : start + s.valid]
+                s.param.data = local[s.offset : s.offset + s.shard_numel]
+        unit.local = local
+        self._units.append(unit)
+        return unit
+
+    def _launch_gather(self, unit: _Unit, local: torch.Tensor, async_op: bool) -> tuple[dist.Work | None, torch.Tensor]:
+        out = torch.empty(self._world_size * unit.shard_numel, dtype=local.dtype, device=local.device)
+        with torch.profiler.record_function(f"fsdp.all_gather.{unit.name}"):
+            work = dist.all_gather_into_tensor(out, local, async_op=async_op)
+        return work, out
+
+    def _slot_major(self, unit: _Unit, gathered: torch.Tensor) -> torch.Tensor:
+        """Reorder a gathered (rank-major) unit so that each weight's pieces are contiguous."""
+        if len(unit.slots) == 1 or self._world_size == 1:
+            return gathered  # the two layouts coincide
+        full = torch.empty_like(gathered)
+        sizes = [s.shard_numel for s in unit.slots]
+        pieces = [full[self._world_size * s.offset :][: self._world_size * s.shard_numel].view(self._world_size, -1)
+                  for s in unit.slots]
+        torch.split_with_sizes_copy(gathered.view(self._world_size, unit.shard_numel), sizes, dim=1, out=pieces)
+        return full
 
     def _start_gather(self, unit: _Unit) -> None:
         if unit.full is not None:
             return
-        shard = unit.param.detach()
+        assert unit.local is not None
+        shard = unit.local.detach()
         # Cast before communicating: the gather moves compute-dtype bytes, not fp32 ones.
         local = shard.clone() if self.compute_dtype in (None, shard.dtype) else shard.to(self.compute_dtype)
         if self._world_size == 1:
             unit.full = local
             return
-        unit.full = torch.empty(self._world_size * unit.shard_numel, dtype=local.dtype, device=local.device)
-        with torch.profiler.record_function(f"fsdp.all_gather.{unit.name}"):
-            work = dist.all_gather_into_tensor(unit.full, local, async_op=True)
-        unit.gather = (work, local)
+        work, unit.full = self._launch_gather(unit, local, async_op=True)
+        assert work is not None
+        unit.gather = (work, unit.full, local)
 
     def _wait_gather(self, unit: _Unit) -> None:
         self._start_gather(unit)
         if unit.gather is not None:
             unit.gather[0].wait()
             unit.gather = None
+            unit.full = self._slot_major(unit, unit.full)
 
     def _free(self, unit: _Unit) -> None:
         if unit.gather is not None:  # never drop a buffer a collective may still write into
             unit.gather[0].wait()
             unit.gather = None
         unit.full = None
+        unit.in_use = False
 
     def _use(self, unit: _Unit, order: list[_Unit], seen: list[_Unit]) -> None:
-        """Gather ``unit`` now, and start the gather that the last iteration's order says comes next."""
-        position = len(seen)
-        seen.append(unit)
-        self._start_gather(unit)
-        if position + 1 < len(order) and order[position] is unit:
-            self._start_gather(order[position + 1])
+        """Gather ``unit`` now and, on its first use in this phase, start the gather that the last
+        iteration's order says comes next."""
+        if not unit.in_use:
+            unit.in_use = True
+            position = len(seen)
+            seen.append(unit)
+            self._start_gather(unit)
+            if position + 1 < len(order) and order[position] is unit:
+                self._start_gather(order[position + 1])
         self._wait_gather(unit)
 
     # Hooks.
@@ -220,24 +313,31 @@ class FSDP(nn.Module):
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         unit = self._unit_of_module[module]
         self._use(unit, self._forward_order, self._forward_seen)
-        # Opened once the weight is ready, so the range holds exactly the layer's own compute.
+        # Opened once the weights are ready, so the range holds exactly the unit's own compute.
         profile_range = torch.profiler.record_function(f"fsdp.forward.{unit.name}")
         profile_range.__enter__()
         contexts: list[Any] = [profile_range]
-        if torch.is_grad_enabled() and unit.param.requires_grad:
-            module._parameters["weight"] = _UseFullWeight.apply(unit.param, self, unit)
+        if torch.is_grad_enabled():
+            params = [s.param for s in unit.slots]
+            if any(p.requires_grad for p in params):
+                fulls = _UseFullWeights.apply(self, unit, *params)
+            else:
+                fulls = tuple(unit.full_weight(s) for s in unit.slots)
             saved = torch.autograd.graph.saved_tensors_hooks(*self._saved_tensor_hooks(unit))
             saved.__enter__()
             contexts.append(saved)
         else:
-            module._parameters["weight"] = unit.full_weight()
+            fulls = tuple(unit.full_weight(s) for s in unit.slots)
+        for owner, i in unit.uses:
+            owner._parameters["weight"] = fulls[i]
         self._in_forward.setdefault(module, []).append(contexts)
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         unit = self._unit_of_module[module]
         for context in reversed(self._in_forward[module].pop()):
             context.__exit__(None, None, None)
-        module._parameters["weight"] = unit.param
+        for owner, i in unit.uses:
+            owner._parameters["weight"] = unit.slots[i].param
         self._free(unit)
 
     def _saved_tensor_hooks(self, unit: _Unit) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
@@ -256,15 +356,23 @@ class FSDP(nn.Module):
 
         return pack, unpack
 
-    def _reduce_scatter(self, unit: _Unit, grad: torch.Tensor) -> None:
+    def _reduce_scatter(self, unit: _Unit, grads: tuple[torch.Tensor | None, ...]) -> None:
         self._free(unit)
+        assert unit.local is not None
+        # Rank-major, the layout reduce_scatter_tensor splits: row r holds rank r's pieces of every weight.
         # Gradients are reduced in the master dtype: summing low-precision gradients over ranks loses bits.
-        flat = grad.reshape(-1).to(unit.param.dtype)
-        padded_numel = self._world_size * unit.shard_numel
-        if flat.numel() != padded_numel:
-            padded = torch.zeros(padded_numel, dtype=flat.dtype, device=flat.device)
-            padded[: unit.numel] = flat
-            flat = padded
+        flat = torch.empty(self._world_size * unit.shard_numel, dtype=unit.local.dtype, device=unit.local.device)
+        rows = flat.view(self._world_size, unit.shard_numel)
+        for s, grad in zip(unit.slots, grads, strict=True):
+            piece = rows[:, s.offset : s.offset + s.shard_numel]
+            if grad is None:
+                piece.zero_()
+            elif s.numel == self._world_size * s.shard_numel:
+                piece.copy_(grad.reshape(self._world_size, s.shard_numel))
+            else:
+                padded = torch.zeros(self._world_size * s.shard_numel, dtype=flat.dtype, device=flat.device)
+                padded[: s.numel] = grad.reshape(-1)
+                piece.copy_(padded.view(self._world_size, s.shard_numel))
         if self._world_size == 1:
             self._pending_reduce_scatters.append((unit, None, flat, flat))
             return
@@ -315,10 +423,14 @@ class FSDP(nn.Module):
             unit.grad_parts = []
             if self._world_size > 1:
                 grad.div_(self._world_size)
-            if unit.param.grad is None:
-                unit.param.grad = grad
-            else:
-                unit.param.grad += grad
+            for s in unit.slots:
+                if not s.param.requires_grad:
+                    continue
+                piece = grad[s.offset : s.offset + s.shard_numel]
+                if s.param.grad is None:
+                    s.param.grad = piece
+                else:
+                    s.param.grad += piece
         for param, work in self._pending_all_reduces.items():
             work.wait()
             param.grad.div_(self._world_size)
@@ -328,17 +440,20 @@ class FSDP(nn.Module):
 
     def sharded_parameters(self) -> dict[str, nn.Parameter]:
         """The sharded parameters by name; each holds this rank's padded flat piece."""
-        return {u.name: u.param for u in self._units}
+        return {s.name: s.param for u in self._units for s in u.slots}
 
-    def _global(self, unit: _Unit, local_padded: torch.Tensor) -> torch.Tensor:
+    def _slots(self) -> dict[str, _Slot]:
+        return {s.name: s for u in self._units for s in u.slots}
+
+    def _global(self, slot: _Slot, local_padded: torch.Tensor) -> torch.Tensor:
         """This rank's unpadded piece as a DTensor over the flat (numel,) weight, for checkpointing."""
-        local = local_padded[: unit.valid]
+        local = local_padded[: slot.valid]
         if not dist.is_initialized():
             return local
         if self._mesh is None:
             self._mesh = init_device_mesh(local.device.type, (self._world_size,))
         return DTensor.from_local(
-            local, self._mesh, [Shard(0)], run_check=False, shape=torch.Size([unit.numel]), stride=(1,)
+            local, self._mesh, [Shard(0)], run_check=False, shape=torch.Size([slot.numel]), stride=(1,)
         )
 
 
@@ -349,20 +464,18 @@ def gather_full_params(fsdp_model: FSDP) -> dict[str, torch.Tensor]:
     """
     if not isinstance(fsdp_model, FSDP):
         raise TypeError(f"expected an FSDP model, got {type(fsdp_model).__name__}")
-    units = {u.param: u for u in fsdp_model._units}
-    out = {}
-    for name, p in fsdp_model.module.named_parameters():
-        unit = units.get(p)
-        if unit is None:
-            out[name] = p.detach().clone()
-            continue
-        full = torch.empty(fsdp_model._world_size * unit.shard_numel, dtype=p.dtype, device=p.device)
-        if fsdp_model._world_size == 1:
-            full.copy_(p.detach())
-        else:
-            dist.all_gather_into_tensor(full, p.detach())
-        out[name] = full[: unit.numel].view(unit.shape)
-    return out
+    full: dict[str, torch.Tensor] = {}
+    for unit in fsdp_model._units:
+        assert unit.local is not None
+        local = unit.local.detach().clone()
+        if fsdp_model._world_size > 1:
+            local = fsdp_model._launch_gather(unit, local, async_op=False)[1]
+        gathered = fsdp_model._slot_major(unit, local)
+        for s in unit.slots:
+            start = fsdp_model._world_size * s.offset
+            full[s.name] = gathered[start : start + s.numel].view(s.shape)
+    return {name: full[name] if name in full else p.detach().clone()
+            for name, p in fsdp_model.module.named_parameters()}
 
 
 # Checkpoints: flat dicts whose keys are "model.<param>", "optim.<param>.<state key>" and "optim.groups".
@@ -379,7 +492,7 @@ def _param_names(optimizer: torch.optim.Optimizer, fsdp_model: FSDP) -> list[lis
 
 
 def _model_state(fsdp_model: FSDP) -> dict[str, torch.Tensor]:
-    units = {u.name: u for u in fsdp_model._units}
+    units = fsdp_model._slots()
     return {
         f"model.{name}": fsdp_model._global(units[name], p.data) if name in units else p.data
         for name, p in fsdp_model.module.named_parameters()
@@ -390,7 +503,7 @@ def save_checkpoint(path: str | Path, fsdp_model: FSDP, optimizer: torch.optim.O
     """Write the model's (and the optimizer's) sharded state under directory ``path``; collective."""
     state: dict[str, Any] = _model_state(fsdp_model)
     if optimizer is not None:
-        units = {u.name: u for u in fsdp_model._units}
+        units = fsdp_model._slots()
         groups = _param_names(optimizer, fsdp_model)
         for group, names in zip(optimizer.param_groups, groups, strict=True):
             for param, name in zip(group["params"], names, strict=True):
@@ -411,7 +524,7 @@ def load_checkpoint(path: str | Path, fsdp_model: FSDP, optimizer: torch.optim.O
     state: dict[str, Any] = _model_state(fsdp_model)  # loaded in place into the parameters
     padded: dict[str, torch.Tensor] = {}  # optimizer state shaped like a shard, at full padded size
     if optimizer is not None:
-        units = {u.name: u for u in fsdp_model._units}
+        units = fsdp_model._slots()
         params = dict(fsdp_model.module.named_parameters())
         metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         for fqn, meta in metadata.items():
