@@ -45,8 +45,10 @@ def test_markdown_pivots_rows_and_marks_oom():
          "fwd_ms": 0.04, "bwd_ms": None, "fwd_bwd_ms": None, **device},
     ]
     text = attention_markdown(rows)
-    assert "| 16 | 256 | 0.5 | 1.25 | 0.1 | 0.05 | 0.25 | 0.75 |" in text
-    assert "| 16 | 65536 | OOM | OOM | OOM | OOM | - | - |" in text
+    assert "| 16 | 256 | 0.5 | 1.25 | 0.1 | 0.05 |\n" in text
+    assert "| 16 | 65536 | OOM | OOM | OOM | OOM |\n" in text
+    assert "eager (mean of 3 passes) vs torch.compile(dynamic=True) (mean of 3 passes)" in text
+    assert "| 16 | 256 | 0.5 | 0.25 | 2 | 1.25 | 0.75 | 1.67 | 0.05 | - |" in text
     assert "| 64 | 128 | 0.01 | 0.02 | 0.03 | 0.04 | OOM | OOM | - | - | - | 1.5 | - |" in text
 
 

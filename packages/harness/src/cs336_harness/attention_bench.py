@@ -287,27 +287,53 @@ def _ms(row: dict[str, Any] | None, key: str) -> str:
     return f"{value:.3g}"
 
 
+def _ratio(num: dict[str, Any] | None, den: dict[str, Any] | None, key: str) -> str:
+    if num is None or den is None or num.get(key) is None or den.get(key) is None:
+        return "-"
+    return f"{num[key] / den[key]:.3g}"
+
+
+def _passes(rows: Sequence[dict[str, Any]]) -> str:
+    return "/".join(str(p) for p in sorted({r["passes"] for r in rows}))
+
+
 def attention_tables(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
-    """The writeup's markdown tables from saved rows, by name: ``pytorch``, ``anchors``, ``flash_<dtype>``."""
+    """The writeup's markdown tables from saved rows, by name: ``pytorch``, ``compiled``, ``anchors``,
+    ``flash_<dtype>``."""
     tables = {}
     eager = {(r["d"], r["seq"]): r for r in rows if r.get("bench") == "pytorch"}
     compiled = {(r["d"], r["seq"]): r for r in rows if r.get("bench") == "compiled"}
     if eager:
-        table = []
-        for (d, seq), r in sorted(eager.items()):
-            c = compiled.get((d, seq))
-            table.append({
-                "d": d, "seq": seq, "fwd": _ms(r, "fwd_ms"), "bwd": _ms(r, "bwd_ms"),
-                "mem": _ms(r, "mem_before_bwd_gib"), "saved": _ms(r, "saved_for_bwd_gib"),
-                "cfwd": _ms(c, "fwd_ms"), "cbwd": _ms(c, "bwd_ms"),
-            })
+        table = [{"d": d, "seq": seq, "fwd": _ms(r, "fwd_ms"), "bwd": _ms(r, "bwd_ms"),
+                  "mem": _ms(r, "mem_before_bwd_gib"), "saved": _ms(r, "saved_for_bwd_gib")}
+                 for (d, seq), r in sorted(eager.items())]
         first = next(iter(eager.values()))
         tables["pytorch"] = (
-            f"Plain PyTorch attention (batch {first['batch']}, fp32, causal mask, mean of {first['passes']} "
-            f"passes), {first['device']}:\n\n"
-            + markdown_table(table, ["d", "seq", "fwd", "bwd", "mem", "saved", "cfwd", "cbwd"],
-                             ["d", "seq", "fwd (ms)", "bwd (ms)", "memory before bwd (GiB)",
-                              "saved by one fwd (GiB)", "compiled fwd (ms)", "compiled bwd (ms)"])
+            f"Plain PyTorch attention (batch {first['batch']}, fp32, causal mask, mean of "
+            f"{_passes(list(eager.values()))} passes), {first['device']}:\n\n"
+            + markdown_table(table, ["d", "seq", "fwd", "bwd", "mem", "saved"],
+                             ["d", "seq", "fwd (ms)", "bwd (ms)", "memory before bwd (GiB)", "saved by one fwd (GiB)"])
+        )
+    if compiled:
+        # Speed-ups are eager time / compiled time, so > 1 means compiling helped.
+        table = []
+        for (d, seq), c in sorted(compiled.items()):
+            e = eager.get((d, seq))
+            table.append({
+                "d": d, "seq": seq, "efwd": _ms(e, "fwd_ms"), "cfwd": _ms(c, "fwd_ms"), "sfwd": _ratio(e, c, "fwd_ms"),
+                "ebwd": _ms(e, "bwd_ms"), "cbwd": _ms(c, "bwd_ms"), "sbwd": _ratio(e, c, "bwd_ms"),
+                "esaved": _ms(e, "saved_for_bwd_gib"), "csaved": _ms(c, "saved_for_bwd_gib"),
+            })
+        first = next(iter(compiled.values()))
+        eager_passes = _passes([e for e in (eager.get(k) for k in compiled) if e is not None]) or "-"
+        tables["compiled"] = (
+            f"Plain PyTorch attention, eager (mean of {eager_passes} passes) vs torch.compile(dynamic=True) (mean "
+            f"of {_passes(list(compiled.values()))} passes); batch {first['batch']}, fp32, causal mask, "
+            f"{first['device']}:\n\n"
+            + markdown_table(table, ["d", "seq", "efwd", "cfwd", "sfwd", "ebwd", "cbwd", "sbwd", "esaved", "csaved"],
+                             ["d", "seq", "eager fwd (ms)", "compiled fwd (ms)", "fwd speed-up", "eager bwd (ms)",
+                              "compiled bwd (ms)", "bwd speed-up", "eager saved by one fwd (GiB)",
+                              "compiled saved by one fwd (GiB)"])
         )
     anchors = [r for r in rows if r.get("bench") == "anchors"]
     if anchors:
