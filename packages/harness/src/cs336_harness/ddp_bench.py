@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -57,22 +57,28 @@ STEP_PHASES: tuple[str, ...] = ("forward", "backward", "grad_sync", "optimizer")
 
 
 @dataclass(frozen=True)
-class DDPBenchConfig:
+class DistributedRunConfig:
+    """What every multi-rank training benchmark takes: a preset model, a global batch split over the
+    ranks, dtypes, and wrapper variants from the subclass's ``VARIANTS``."""
+
+    VARIANTS: ClassVar[tuple[str, ...]] = ()
+    MIN_WARMUP: ClassVar[int] = 0
+
     size: str = "xl"
     context_length: int = DEFAULT_CONTEXT_LENGTH
     global_batch: int = 4
     world_size: int = 2
     backend: str | None = None  # nccl with GPUs, gloo without
     dtypes: tuple[str, ...] = ("fp32",)
-    variants: tuple[str, ...] = VARIANTS
-    bucket_size_mb: float = 25.0
+    variants: tuple[str, ...] = ()  # empty: all of VARIANTS
     warmup: int = 2
     steps: int = 5
     vocab_size: int = DEFAULT_VOCAB_SIZE
-    trace_dir: str | None = None  # where rank 0's per-variant traces go; None: a temporary folder
     lr: float = 1e-4
 
     def __post_init__(self) -> None:
+        if not self.variants:
+            object.__setattr__(self, "variants", self.VARIANTS)
         if self.size not in MODEL_SIZES:
             raise ValueError(f"size must be one of {sorted(MODEL_SIZES)}, got {self.size!r}")
         if self.world_size < 1 or self.global_batch % self.world_size != 0:
@@ -86,15 +92,27 @@ class DDPBenchConfig:
             raise ValueError(f"backend must be 'gloo', 'nccl' or None, got {self.backend!r}")
         if not self.dtypes or any(d not in DTYPES for d in self.dtypes):
             raise ValueError(f"dtypes must be a non-empty subset of {list(DTYPES)}, got {self.dtypes}")
-        if not self.variants or any(v not in VARIANTS for v in self.variants):
-            raise ValueError(f"variants must be a non-empty subset of {list(VARIANTS)}, got {self.variants}")
-        if self.bucket_size_mb <= 0 or self.warmup < 0 or self.steps < 1:
-            raise ValueError(f"need bucket_size_mb > 0, warmup >= 0, steps >= 1; got {self.bucket_size_mb}, "
-                             f"{self.warmup}, {self.steps}")
+        if any(v not in self.VARIANTS for v in self.variants):
+            raise ValueError(f"variants must be a non-empty subset of {list(self.VARIANTS)}, got {self.variants}")
+        if self.warmup < self.MIN_WARMUP or self.steps < 1:
+            raise ValueError(f"need warmup >= {self.MIN_WARMUP} and steps >= 1; got {self.warmup}, {self.steps}")
 
     @property
     def resolved_backend(self) -> str:
         return self.backend or default_backend()
+
+
+@dataclass(frozen=True)
+class DDPBenchConfig(DistributedRunConfig):
+    VARIANTS: ClassVar[tuple[str, ...]] = VARIANTS
+
+    bucket_size_mb: float = 25.0
+    trace_dir: str | None = None  # where rank 0's per-variant traces go; None: a temporary folder
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.bucket_size_mb <= 0:
+            raise ValueError(f"bucket_size_mb must be positive, got {self.bucket_size_mb}")
 
 
 def _wrap(variant: str, model: nn.Module, device: torch.device, bucket_size_mb: float) -> nn.Module:
@@ -406,5 +424,6 @@ def timeline_figure_from_rows(rows: Sequence[dict[str, Any]], trace_dir: str | P
     return plot_timelines(traces, path, title)
 
 
-__all__ = ["DDPBenchConfig", "VARIANTS", "run_ddp_bench", "comm_overlap", "plot_timelines", "ddp_markdown",
+__all__ = ["DistributedRunConfig", "DDPBenchConfig", "VARIANTS", "run_ddp_bench", "comm_overlap", "plot_timelines",
+           "ddp_markdown",
            "collectives_markdown", "timeline_figure_from_rows"]

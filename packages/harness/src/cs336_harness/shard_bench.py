@@ -46,14 +46,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from cs336_basics.model import BasicsTransformerLM
 from cs336_basics.nn_utils import cross_entropy
-from cs336_comms.process_group import default_backend, run_ranks
+from cs336_comms.process_group import run_ranks
 from cs336_sharding.fsdp import FSDP
 from cs336_sharding.optimizer import ShardedOptimizer
 from torch.distributed.device_mesh import init_device_mesh
@@ -62,53 +62,21 @@ from torch.distributed.tensor import DTensor
 
 from cs336_harness import profiling
 from cs336_harness.attention_impls import use_attention
-from cs336_harness.ddp_bench import comm_overlap, is_comm_kernel
-from cs336_harness.presets import DEFAULT_CONTEXT_LENGTH, DEFAULT_VOCAB_SIZE, MODEL_SIZES
+from cs336_harness.ddp_bench import DTYPES, DistributedRunConfig, comm_overlap, is_comm_kernel
+from cs336_harness.presets import MODEL_SIZES
 from cs336_harness.results import markdown_table
 
 VARIANTS: tuple[str, ...] = ("ddp", "zero1", "fsdp", "fsdp2")
 PROFILED: tuple[str, ...] = ("fsdp", "fsdp2")
-DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
 GIB = 2**30
 
 
 @dataclass(frozen=True)
-class ShardBenchConfig:
-    size: str = "xl"
-    context_length: int = DEFAULT_CONTEXT_LENGTH
-    global_batch: int = 4
-    world_size: int = 2
-    backend: str | None = None  # nccl with GPUs, gloo without
+class ShardBenchConfig(DistributedRunConfig):
+    VARIANTS: ClassVar[tuple[str, ...]] = VARIANTS
+    MIN_WARMUP: ClassVar[int] = 1  # so the measured step already has optimizer state
+
     dtypes: tuple[str, ...] = ("fp32", "bf16")
-    variants: tuple[str, ...] = VARIANTS
-    warmup: int = 2
-    steps: int = 5
-    vocab_size: int = DEFAULT_VOCAB_SIZE
-    lr: float = 1e-4
-
-    def __post_init__(self) -> None:
-        if self.size not in MODEL_SIZES:
-            raise ValueError(f"size must be one of {sorted(MODEL_SIZES)}, got {self.size!r}")
-        if self.world_size < 1 or self.global_batch % self.world_size != 0:
-            raise ValueError(
-                f"global_batch ({self.global_batch}) must be a positive multiple of world_size ({self.world_size})"
-            )
-        if self.global_batch < 1 or self.context_length < 1 or self.vocab_size < 2:
-            raise ValueError("global_batch and context_length must be positive and vocab_size at least 2, got "
-                             f"{self.global_batch}, {self.context_length}, {self.vocab_size}")
-        if self.backend not in (None, "gloo", "nccl"):
-            raise ValueError(f"backend must be 'gloo', 'nccl' or None, got {self.backend!r}")
-        if not self.dtypes or any(d not in DTYPES for d in self.dtypes):
-            raise ValueError(f"dtypes must be a non-empty subset of {list(DTYPES)}, got {self.dtypes}")
-        if not self.variants or any(v not in VARIANTS for v in self.variants):
-            raise ValueError(f"variants must be a non-empty subset of {list(VARIANTS)}, got {self.variants}")
-        if self.warmup < 1 or self.steps < 1:
-            # At least one warm-up step, so the measured step already has optimizer state.
-            raise ValueError(f"need warmup >= 1 and steps >= 1; got {self.warmup}, {self.steps}")
-
-    @property
-    def resolved_backend(self) -> str:
-        return self.backend or default_backend()
 
 
 @dataclass

@@ -22,6 +22,7 @@ from cs336_harness.attention_bench import (
     attention_tables,
     run_attention_bench,
 )
+from cs336_harness.cli import csv_of
 from cs336_harness.report import fill_tables
 from cs336_harness.results import append_rows, provenance, read_rows
 
@@ -34,10 +35,6 @@ _QUICK = {
 }
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(","))
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("Examples::", 1)[1]
@@ -45,14 +42,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--part", choices=PARTS, action="append", default=None,
                         help="run only this part (repeatable; default all)")
     parser.add_argument("--quick", action="store_true", help="a few sizes of each sweep, 10 passes")
-    parser.add_argument("--head-dims", type=_ints, default=d.head_dims, help="pytorch/compiled parts: d list")
-    parser.add_argument("--seq-lens", type=_ints, default=d.seq_lens, help="pytorch/compiled parts: seq list")
+    parser.add_argument("--head-dims", type=csv_of(int), default=d.head_dims, help="pytorch/compiled parts: d list")
+    parser.add_argument("--seq-lens", type=csv_of(int), default=d.seq_lens, help="pytorch/compiled parts: seq list")
     parser.add_argument("--batch", type=int, default=d.batch, help="pytorch/compiled parts (default 8)")
     parser.add_argument("--passes", type=int, default=d.passes, help="timed passes each way (default 100)")
     parser.add_argument("--flash-dtypes", type=lambda s: tuple(s.split(",")), default=d.flash_dtypes,
                         help="flash part: dtypes (default bf16,fp32)")
-    parser.add_argument("--flash-head-dims", type=_ints, default=d.flash_head_dims, help="flash part: d list")
-    parser.add_argument("--flash-seq-lens", type=_ints, default=d.flash_seq_lens,
+    parser.add_argument("--flash-head-dims", type=csv_of(int), default=d.flash_head_dims, help="flash part: d list")
+    parser.add_argument("--flash-seq-lens", type=csv_of(int), default=d.flash_seq_lens,
                         help="flash part: seq list (default 128..65536, powers of 2)")
     parser.add_argument("--warmup-ms", type=int, default=d.warmup_ms, help="do_bench warm-up (default 10)")
     parser.add_argument("--rep-ms", type=int, default=d.rep_ms, help="do_bench repetition (default 50)")

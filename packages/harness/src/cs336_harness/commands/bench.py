@@ -13,48 +13,37 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
-from typing import Any
 
 from cs336_harness import bench
 from cs336_harness.attention_impls import ATTENTION_IMPLS
+from cs336_harness.cli import csv_of
 from cs336_harness.presets import MODEL_SIZES
 from cs336_harness.results import append_rows, format_table
 
 HELP = "time forward/backward/optimizer of a Transformer LM (size tiny without CUDA, small with it)"
 
 
-def _csv(convert: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
-    def parse(text: str) -> tuple[Any, ...]:
-        items = tuple(convert(v) for v in text.split(",") if v.strip())
-        if not items:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
-        return items
-
-    return parse
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("Examples::", 1)[1]
     g = parser.add_argument_group("model (a comma-separated list runs each value)")
-    g.add_argument("--size", type=_csv(str), default=(),
+    g.add_argument("--size", type=csv_of(str), default=(),
                    help=f"preset(s): {', '.join(MODEL_SIZES)} (default: small with CUDA, tiny without)")
     for name in ("d-model", "d-ff", "num-layers", "num-heads"):
         g.add_argument(f"--{name}", type=int, default=None, help=f"override the preset's {name}")
     g.add_argument("--vocab-size", type=int, default=bench.DEFAULT_VOCAB_SIZE, help="default 10000")
     g.add_argument("--batch-size", type=int, default=bench.DEFAULT_BATCH_SIZE, help="default 4")
-    g.add_argument("--context-length", type=_csv(int), default=(), help="default 512")
+    g.add_argument("--context-length", type=csv_of(int), default=(), help="default 512")
     r = parser.add_argument_group("run")
     r.add_argument("--mode", default="train", help="forward (no grad) | forward-backward | train (default)")
     r.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     r.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
-    r.add_argument("--dtype", type=_csv(str), default=(), help="fp32 (default) | bf16 (autocast)")
+    r.add_argument("--dtype", type=csv_of(str), default=(), help="fp32 (default) | bf16 (autocast)")
     r.add_argument("--compile", action="store_true", help="torch.compile the model")
-    r.add_argument("--attention", type=_csv(str), default=(), help=f"{' | '.join(ATTENTION_IMPLS)} (default eager)")
+    r.add_argument("--attention", type=csv_of(str), default=(), help=f"{' | '.join(ATTENTION_IMPLS)} (default eager)")
     r.add_argument("--optimizer", default="adamw", help="adamw (ours, default) | torch-adamw | fused-adamw")
     r.add_argument("--loss", default="standard", help="standard | fused (fused linear + cross-entropy kernel)")
-    r.add_argument("--checkpoint", type=_csv(str), default=(),
+    r.add_argument("--checkpoint", type=csv_of(str), default=(),
                    help="none (default) | all | group:K | first:N | sqrt | nested[:B] | selective | groups "
                         "(= group:K for K in 1,2,3,4,6,8,16,32 up to num_layers)")
     r.add_argument("--sweep", action="store_true",

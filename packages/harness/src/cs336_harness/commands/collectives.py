@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from cs336_comms.collectives import OPS, plot_collectives, run_collectives
 from cs336_comms.process_group import launched_by_torchrun
 
+from cs336_harness.cli import csv_of
 from cs336_harness.ddp_bench import collectives_markdown
 from cs336_harness.results import append_rows, format_table, read_rows
 
@@ -55,20 +54,16 @@ class CollectivesConfig:
             raise ValueError(f"need warmup >= 0 and iters >= 1, got {self.warmup}, {self.iters}")
 
 
-def _csv(convert: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
-    return lambda text: tuple(convert(v) for v in text.split(",") if v.strip())
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("Examples::", 1)[1]
-    parser.add_argument("--backends", type=_csv(str), default=None,
+    parser.add_argument("--backends", type=csv_of(str), default=None,
                         help="gloo,nccl (default: nccl with CUDA, else gloo)")
-    parser.add_argument("--world-sizes", type=_csv(int), default=None,
+    parser.add_argument("--world-sizes", type=csv_of(int), default=None,
                         help="default 2,4,6 (nccl: those the GPUs allow); under torchrun: its world size")
-    parser.add_argument("--sizes-mb", type=_csv(float), default=(1, 10, 100),
+    parser.add_argument("--sizes-mb", type=csv_of(float), default=(1, 10, 100),
                         help="float32 tensor sizes in MiB (default 1,10,100; the handout adds 1024)")
-    parser.add_argument("--ops", type=_csv(str), default=OPS, help=f"subset of {','.join(OPS)} (default all)")
+    parser.add_argument("--ops", type=csv_of(str), default=OPS, help=f"subset of {','.join(OPS)} (default all)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed calls per size (default 5)")
     parser.add_argument("--iters", type=int, default=20, help="timed calls per size (default 20)")
     parser.add_argument("--out", default=None, help="append rows (with provenance) to this JSONL file")

@@ -16,37 +16,20 @@ import argparse
 import tempfile
 from pathlib import Path
 
-import torch
-
 from cs336_harness import shard_bench
-from cs336_harness.presets import DEFAULT_CONTEXT_LENGTH, MODEL_SIZES
+from cs336_harness.cli import add_distributed_run_arguments, distributed_run_fields
 from cs336_harness.report import fill_tables
 from cs336_harness.results import append_rows, format_table, read_rows
 
 HELP = "peak memory and step time of DDP, ZeRO-1, our FSDP and FSDP2, with an FSDP timeline figure"
 
 
-def _csv(text: str) -> tuple[str, ...]:
-    return tuple(v.strip() for v in text.split(",") if v.strip())
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("Examples::", 1)[1]
-    parser.add_argument("--size", default=None, help=f"{', '.join(MODEL_SIZES)} (default xl with CUDA, tiny without)")
-    parser.add_argument("--context-length", type=int, default=DEFAULT_CONTEXT_LENGTH, help="default 512")
-    parser.add_argument("--global-batch", type=int, default=4, help="sequences per step over all ranks (default 4)")
-    parser.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
-    parser.add_argument("--backend", default=None, help="nccl | gloo (default: nccl with CUDA, gloo without)")
-    parser.add_argument("--dtypes", type=_csv, default=("fp32", "bf16"), help="fp32 and/or bf16, comma-separated")
-    parser.add_argument("--variants", type=_csv, default=shard_bench.VARIANTS,
-                        help=f"comma-separated subset of {','.join(shard_bench.VARIANTS)} (default all)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant (default 2)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant (default 5)")
-    parser.add_argument("--trace-dir", default=None, help="keep rank 0's profiler traces here")
+    add_distributed_run_arguments(parser, shard_bench.VARIANTS, default_dtypes=("fp32", "bf16"))
     parser.add_argument("--figure", default=None,
                         help="write the FSDP timeline of the last dtype (bf16 by default) to this PNG")
-    parser.add_argument("--out", default=None, help="append rows (with provenance) to this JSONL file")
     parser.add_argument("--markdown", metavar="ROWS", default=None,
                         help="print the rows of this JSONL file as markdown tables and exit")
     parser.add_argument("--fill", metavar="SECTION", default=None,
@@ -63,11 +46,7 @@ def run(args: argparse.Namespace) -> int:
             print(*tables.values(), sep="\n\n")
         return 0
     try:
-        config = shard_bench.ShardBenchConfig(
-            size=args.size or ("xl" if torch.cuda.is_available() else "tiny"),
-            context_length=args.context_length, global_batch=args.global_batch, world_size=args.world_size,
-            backend=args.backend, dtypes=args.dtypes, variants=args.variants, warmup=args.warmup, steps=args.steps,
-        )
+        config = shard_bench.ShardBenchConfig(**distributed_run_fields(args))
     except ValueError as e:
         raise SystemExit(f"cs336 shard: {e}") from None
     with tempfile.TemporaryDirectory() as tmp:
