@@ -15,6 +15,8 @@ import argparse
 import sys
 from pathlib import Path
 
+import torch
+
 from cs336_harness.attention_bench import (
     PARTS,
     AttentionBenchConfig,
@@ -86,6 +88,9 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise SystemExit(f"cs336 attention: {e}") from None
+    if not torch.cuda.is_available():
+        raise SystemExit("cs336 attention: the attention benchmarks time GPU kernels and need a CUDA GPU "
+                         "(use --markdown ROWS to render existing results)")
     meta = provenance()
 
     def on_row(row: dict) -> None:
