@@ -165,7 +165,7 @@ def fsdp_gathered_weights(rank: int) -> dict[str, Any]:
     model = FSDP(new_model("transformer", seed=0))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     counts: list[int] = []
-    gathered = lambda: sum(u.full is not None for u in model._units)  # noqa: E731
+    gathered = lambda: sum(u.gathered for u in model._units)  # noqa: E731
     for m in model._unit_of_module:  # registered after FSDP's own pre-hook, so it sees the unit gathered
         m.register_forward_pre_hook(lambda mod, args: counts.append(gathered()))
     left = []

@@ -6,6 +6,7 @@ under ``torch.utils.checkpoint.checkpoint`` (non-reentrant): the forward keeps o
 input, and the backward re-runs the segment to get its residuals back (Chen et al., 2016, "Training
 deep nets with sublinear memory cost"). Blocks are still called as modules, so hooks on them (FSDP's,
 say) fire on the recomputation too. Parameter names gain the segment path, e.g. ``layers.0.blocks.1.``.
+With FSDP, checkpoint first and then wrap: ``FSDP(apply_checkpointing(model, policy))``.
 
 Policies (strings, as given to ``cs336 bench --checkpoint``):
 

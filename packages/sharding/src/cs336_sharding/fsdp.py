@@ -9,12 +9,12 @@ and keeps every other parameter (norm weights, biases) replicated::
     model.finish_gradient_synchronization()         # every .grad is now the averaged local shard gradient
     opt.step(); opt.zero_grad()
 
-Units of communication (:func:`communication_units`): every child of an ``nn.ModuleList`` (a Transformer
-block) is one unit holding all the 2-D weights inside it; a module outside any ``ModuleList`` that owns a
-2-D weight (embedding, LM head) is a unit of its own. A model without a ``ModuleList`` therefore
-communicates weight by weight. Each unit moves as one flat buffer: one all-gather before its forward,
-one re-gather for its backward and one reduce-scatter of its concatenated gradient, as FSDP2 does per
-``fully_shard`` call; per-weight collectives are many small ones whose fixed cost no compute can hide.
+Units of communication (:func:`communication_units`): every child of an innermost ``nn.ModuleList`` (a
+Transformer block) is one unit holding all the 2-D weights inside it; a module outside any ``ModuleList``
+that owns a 2-D weight (embedding, LM head) is a unit of its own. A model without a ``ModuleList``
+therefore communicates weight by weight. Each unit moves as one flat buffer: one all-gather before its
+forward, one re-gather for its backward and one reduce-scatter of its concatenated gradient, as FSDP2 does
+per ``fully_shard`` call; per-weight collectives are many small ones whose fixed cost no compute can hide.
 
 Sharding is per weight inside the unit: a weight of ``n`` elements is flattened, zero-padded to
 ``world_size * ceil(n / world_size)`` and split into equal pieces, so any shape works, and a rank's flat
@@ -25,18 +25,27 @@ The gathered buffer is rank-major (every rank's whole shard in turn), so one cop
 puts each weight's pieces side by side; gradients take the reverse copy before the reduce-scatter.
 
 Forward: a pre-hook on the unit's module all-gathers its shard (cast to ``compute_dtype`` first, so
-communication is in the compute dtype too), swaps the full weights in for the module's forward and frees
-them afterwards. When unit ``i`` starts, the gather of unit ``i + 1`` starts, so at most two units' full
-weights are alive. Backward: the full weights are not kept for backward; a saved-tensor hook records a
-reference instead and re-gathers the unit when autograd first needs it, prefetching the next unit. Once
-autograd has produced every gradient of the unit's weights, they are reduce-scattered together in fp32;
-replicated gradients are all-reduced as soon as they are accumulated. Execution orders are recorded each
-iteration and used to predict the next gather in the following one, identically on every rank.
+communication is in the compute dtype too) into the unit's full buffer, swaps views of it in as the
+module's weights, and after the forward frees the buffer's storage (``untyped_storage().resize_(0)``).
+When unit ``i`` starts, the gather of unit ``i + 1`` starts, so at most two units' full weights are alive.
+Backward (as FSDP2 does): autograd keeps the very views it was given, now without memory; the gradient
+reaching the unit's outputs (an identity ``autograd.Function`` put on them after the forward) re-allocates
+the storage and re-gathers into it, prefetching the next unit, before any of the unit's backward runs. The
+gather writes through a ``.data`` alias, which does not bump the version counter autograd checks. Once
+autograd has produced every gradient of the unit's weights, they are reduce-scattered together in fp32 and
+the storage is freed again; replicated gradients are all-reduced as soon as they are accumulated. Execution
+orders are recorded each iteration and predict the next gather in the following one, on every rank alike.
 
-Limitations: the saved-tensor hook is active inside each unit's forward, so an outer ``saved_tensors_hooks``
-user (e.g. non-reentrant activation checkpointing) does not see the tensors saved inside those modules; a
-weight must be used through its module's forward; a weight tied between units must belong to modules that
-each own it directly (embedding and LM head), not to the inside of a ``ModuleList`` child.
+Activation checkpointing composes with this, since FSDP installs no saved-tensor hook: apply it to the
+model first, then wrap (``FSDP(apply_checkpointing(model, "all"))``, with ``cs336_harness.checkpointing``),
+so the names that :func:`gather_full_params` and checkpoints use are those of the checkpointed model (the
+other order would rename parameters under FSDP). Units are the children of the innermost ``ModuleList``,
+so the blocks stay units inside the checkpointed segments. The backward's
+recomputation runs a unit's forward again: the pre-hook gathers it as usual, and the post-hook keeps it
+gathered if the unit's own backward has begun (it needs the recomputed views), else frees it.
+
+Limitations: a weight must be used through its module's forward; a weight tied between units must belong
+to modules that each own it directly (embedding and LM head), not to the inside of a ``ModuleList`` child.
 
 :func:`gather_full_params` returns every parameter unsharded, by its name in the original module;
 :func:`save_checkpoint` / :func:`load_checkpoint` write and read sharded model and optimizer state with
@@ -56,6 +65,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, init_device_mesh
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 # Reduce-scatters kept in flight during backward before the oldest is waited for; each holds a unit's full
 # fp32 gradient buffer until then, so this bounds gradient memory to a few units.
@@ -77,14 +87,15 @@ def shards_weight(module: nn.Module) -> bool:
 def communication_units(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Module]]]:
     """The grouping policy: ``(module name, module, modules whose weight the unit shards)`` in module order.
 
-    A child of an ``nn.ModuleList`` with sharded weights anywhere inside it is one unit holding all of them;
-    elsewhere, each module that shards its own weight is a unit of that weight alone.
+    A child of an ``nn.ModuleList`` with sharded weights anywhere inside it and no ``ModuleList`` of its own
+    is one unit holding all of them (a child holding a list, such as a checkpointed segment of blocks, is
+    looked into); elsewhere, each module that shards its own weight is a unit of that weight alone.
     """
     units: list[tuple[str, nn.Module, list[nn.Module]]] = []
 
     def visit(name: str, module: nn.Module, in_list: bool) -> None:
         owners = [m for m in module.modules() if shards_weight(m)]
-        if in_list and owners:
+        if in_list and owners and not any(isinstance(m, nn.ModuleList) for m in module.modules()):
             units.append((name, module, owners))
             return
         if shards_weight(module):
@@ -110,32 +121,34 @@ class _Slot:
 
 
 class _Unit:
-    """The weights communicated together: their local flat shard (which the parameters view), the gathered
-    full weights while they are in use, and the gradient shards reduce-scattered to this rank."""
+    """The weights communicated together: their local flat shard (which the parameters view), the buffer
+    their full weights are gathered into (its storage allocated only while in use), and the gradient shards
+    reduce-scattered to this rank."""
 
-    def __init__(self, name: str, slots: list[_Slot], world_size: int):
+    def __init__(self, name: str, slots: list[_Slot], world_size: int, local: torch.Tensor, dtype: torch.dtype):
         self.name, self.slots, self.world_size = name, slots, world_size
         self.shard_numel = sum(s.shard_numel for s in slots)
-        self.local: torch.Tensor | None = None  # (shard_numel,) in the master dtype, set when sharding
+        self.local = local  # (shard_numel,) in the master dtype
         self.uses: list[tuple[nn.Module, int]] = []  # (module, index of the slot holding its weight)
-        self.full: torch.Tensor | None = None  # (world_size * shard_numel,) in the compute dtype, slot-major
+        # (world_size * shard_numel,) in the compute dtype, slot-major. One tensor for the model's lifetime:
+        # autograd saves views of it, so a re-gather into its storage restores what they see.
+        self.full = torch.empty(world_size * self.shard_numel, dtype=dtype, device=local.device)
+        self.full.untyped_storage().resize_(0)
+        self.full_data = self.full.data  # writes through this alias leave autograd's version counter alone
         self.gather: tuple[dist.Work, torch.Tensor, torch.Tensor] | None = None  # in flight: work, output, input
         self.in_use = False  # counted in this phase's execution order; cleared when freed
+        self.backward_uses = 0  # backward passes through the unit's module begun and not yet reduce-scattered
         self.grad_parts: list[torch.Tensor] = []
 
+    @property
+    def gathered(self) -> bool:
+        """Whether the full buffer holds memory (its gather may still be in flight)."""
+        return self.full.untyped_storage().size() > 0
+
     def full_weight(self, slot: _Slot) -> torch.Tensor:
-        assert self.full is not None and self.gather is None, f"{self.name} is not gathered"
+        assert self.gathered and self.gather is None, f"{self.name} is not gathered"
         start = self.world_size * slot.offset
         return self.full[start : start + slot.numel].view(slot.shape)
-
-
-class _WeightRef:
-    """What a saved-tensor hook keeps instead of a gathered weight (or a view of it)."""
-
-    __slots__ = ("unit", "size", "stride", "offset")
-
-    def __init__(self, unit: _Unit, t: torch.Tensor):
-        self.unit, self.size, self.stride, self.offset = unit, t.size(), t.stride(), t.storage_offset()
 
 
 class _UseFullWeights(torch.autograd.Function):
@@ -155,6 +168,33 @@ class _UseFullWeights(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
         ctx.fsdp._reduce_scatter(ctx.unit, grads)
         return (None, None, *(None for _ in grads))
+
+
+class _OnBackward(torch.autograd.Function):
+    """Identity on a module's output tensors that calls ``callback()`` when their gradient arrives, before
+    autograd runs anything that produced them."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Callable[[], None], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.callback = callback
+        ctx.set_materialize_grads(False)
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        ctx.callback()
+        return (None, *grads)
+
+
+def _on_backward(output: Any, callback: Callable[[], None]) -> Any:
+    """``output`` (any nesting of tensors) with its tensors that need a gradient passed through :class:`_OnBackward`."""
+    leaves, spec = tree_flatten(output)
+    needs_grad = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not needs_grad:
+        return output
+    for i, t in zip(needs_grad, _OnBackward.apply(callback, *(leaves[i] for i in needs_grad)), strict=True):
+        leaves[i] = t
+    return tree_unflatten(leaves, spec)
 
 
 class FSDP(nn.Module):
@@ -217,8 +257,10 @@ class FSDP(nn.Module):
 
         self._pending_reduce_scatters: list[tuple[_Unit, dist.Work | None, torch.Tensor, torch.Tensor]] = []
         self._pending_all_reduces: dict[nn.Parameter, dist.Work] = {}
-        # Per-call state of a module's forward: saved-tensor hooks and the profiler range, exited after it.
+        # The profiler range of each module forward in progress, exited after it.
         self._in_forward: dict[nn.Module, list[Any]] = {}
+        # Set when the gradient reaches the model's output: unit forwards from then on are recomputations.
+        self._in_backward = False
         # Orders of unit uses seen in the last iteration (the prediction) and in this one.
         self._forward_order: list[_Unit] = list(self._units)
         self._backward_order: list[_Unit] = []
@@ -239,66 +281,74 @@ class FSDP(nn.Module):
         for weight_name, w in weights:
             slots.append(_Slot(weight_name, w, offset, self._rank, self._world_size))
             offset += slots[-1].shard_numel
-        # A unit of one weight is named by the weight, as its module path may be empty (a bare Linear).
-        unit = _Unit(name if len(slots) > 1 else slots[0].name, slots, self._world_size)
-        local = torch.zeros(unit.shard_numel, dtype=first.dtype, device=first.device)
+        local = torch.zeros(sum(s.shard_numel for s in slots), dtype=first.dtype, device=first.device)
         with torch.no_grad():
             for s in slots:
                 start = self._rank * s.shard_numel
                 local[s.offset : s.offset + s.valid] = s.param.data.reshape(-1)[start : start + s.valid]
                 s.param.data = local[s.offset : s.offset + s.shard_numel]
-        unit.local = local
+        # A unit of one weight is named by the weight, as its module path may be empty (a bare Linear).
+        unit = _Unit(name if len(slots) > 1 else slots[0].name, slots, self._world_size, local,
+                     self.compute_dtype or first.dtype)
         self._units.append(unit)
         return unit
 
-    def _launch_gather(self, unit: _Unit, local: torch.Tensor, async_op: bool) -> tuple[dist.Work | None, torch.Tensor]:
-        out = torch.empty(self._world_size * unit.shard_numel, dtype=local.dtype, device=local.device)
+    def _launch_gather(self, unit: _Unit, local: torch.Tensor, out: torch.Tensor, async_op: bool) -> dist.Work | None:
         with torch.profiler.record_function(f"fsdp.all_gather.{unit.name}"):
-            work = dist.all_gather_into_tensor(out, local, async_op=async_op)
-        return work, out
+            return dist.all_gather_into_tensor(out, local, async_op=async_op)
 
-    def _slot_major(self, unit: _Unit, gathered: torch.Tensor) -> torch.Tensor:
-        """Reorder a gathered (rank-major) unit so that each weight's pieces are contiguous."""
-        if len(unit.slots) == 1 or self._world_size == 1:
-            return gathered  # the two layouts coincide
-        full = torch.empty_like(gathered)
+    def _layouts_coincide(self, unit: _Unit) -> bool:
+        """Whether the gathered (rank-major) layout is already slot-major."""
+        return len(unit.slots) == 1 or self._world_size == 1
+
+    def _slot_major(self, unit: _Unit, gathered: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Copy a gathered (rank-major) unit into ``out`` so that each weight's pieces are contiguous."""
         sizes = [s.shard_numel for s in unit.slots]
-        pieces = [full[self._world_size * s.offset :][: self._world_size * s.shard_numel].view(self._world_size, -1)
+        pieces = [out[self._world_size * s.offset :][: self._world_size * s.shard_numel].view(self._world_size, -1)
                   for s in unit.slots]
         torch.split_with_sizes_copy(gathered.view(self._world_size, unit.shard_numel), sizes, dim=1, out=pieces)
-        return full
+        return out
 
     def _start_gather(self, unit: _Unit) -> None:
-        if unit.full is not None:
+        if unit.gathered:
             return
-        assert unit.local is not None
         shard = unit.local.detach()
-        # Cast before communicating: the gather moves compute-dtype bytes, not fp32 ones.
-        local = shard.clone() if self.compute_dtype in (None, shard.dtype) else shard.to(self.compute_dtype)
+        full = unit.full_data
+        full.untyped_storage().resize_(full.numel() * full.element_size())
         if self._world_size == 1:
-            unit.full = local
+            full.copy_(shard)
             return
-        work, unit.full = self._launch_gather(unit, local, async_op=True)
+        # Cast before communicating: the gather moves compute-dtype bytes, not fp32 ones.
+        local = shard.clone() if full.dtype == shard.dtype else shard.to(full.dtype)
+        out = full if self._layouts_coincide(unit) else torch.empty_like(full)
+        work = self._launch_gather(unit, local, out, async_op=True)
         assert work is not None
-        unit.gather = (work, unit.full, local)
+        unit.gather = (work, out, local)
 
     def _wait_gather(self, unit: _Unit) -> None:
         self._start_gather(unit)
         if unit.gather is not None:
-            unit.gather[0].wait()
+            work, out, _ = unit.gather
+            work.wait()
             unit.gather = None
-            unit.full = self._slot_major(unit, unit.full)
+            if out is not unit.full_data:
+                self._slot_major(unit, out, unit.full_data)
 
     def _free(self, unit: _Unit) -> None:
         if unit.gather is not None:  # never drop a buffer a collective may still write into
             unit.gather[0].wait()
             unit.gather = None
-        unit.full = None
+        unit.full.untyped_storage().resize_(0)
         unit.in_use = False
+        unit.backward_uses = 0
 
-    def _use(self, unit: _Unit, order: list[_Unit], seen: list[_Unit]) -> None:
+    def _use(self, unit: _Unit) -> None:
         """Gather ``unit`` now and, on its first use in this phase, start the gather that the last
         iteration's order says comes next."""
+        if self._in_backward:
+            order, seen = self._backward_order, self._backward_seen
+        else:
+            order, seen = self._forward_order, self._forward_seen
         if not unit.in_use:
             unit.in_use = True
             position = len(seen)
@@ -312,53 +362,44 @@ class FSDP(nn.Module):
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         unit = self._unit_of_module[module]
-        self._use(unit, self._forward_order, self._forward_seen)
+        self._use(unit)
         # Opened once the weights are ready, so the range holds exactly the unit's own compute.
         profile_range = torch.profiler.record_function(f"fsdp.forward.{unit.name}")
         profile_range.__enter__()
-        contexts: list[Any] = [profile_range]
-        if torch.is_grad_enabled():
-            params = [s.param for s in unit.slots]
-            if any(p.requires_grad for p in params):
-                fulls = _UseFullWeights.apply(self, unit, *params)
-            else:
-                fulls = tuple(unit.full_weight(s) for s in unit.slots)
-            saved = torch.autograd.graph.saved_tensors_hooks(*self._saved_tensor_hooks(unit))
-            saved.__enter__()
-            contexts.append(saved)
+        params = [s.param for s in unit.slots]
+        if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+            fulls = _UseFullWeights.apply(self, unit, *params)
         else:
             fulls = tuple(unit.full_weight(s) for s in unit.slots)
         for owner, i in unit.uses:
             owner._parameters["weight"] = fulls[i]
-        self._in_forward.setdefault(module, []).append(contexts)
+        self._in_forward.setdefault(module, []).append(profile_range)
 
-    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         unit = self._unit_of_module[module]
-        for context in reversed(self._in_forward[module].pop()):
-            context.__exit__(None, None, None)
+        self._in_forward[module].pop().__exit__(None, None, None)
         for owner, i in unit.uses:
             owner._parameters["weight"] = unit.slots[i].param
-        self._free(unit)
+        # A recomputation (activation checkpointing) inside the unit's own backward keeps the weights: the
+        # recomputed views are what that backward reads. Otherwise autograd's views wait, storage-less, for
+        # the re-gather at the start of the unit's backward.
+        if unit.backward_uses == 0:
+            self._free(unit)
+        if not torch.is_grad_enabled():
+            return output
+        return _on_backward(output, lambda: self._pre_backward(unit))
 
-    def _saved_tensor_hooks(self, unit: _Unit) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
-        def pack(t: torch.Tensor) -> Any:
-            full = unit.full
-            if full is not None and t.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
-                return _WeightRef(unit, t)
-            return t
+    def _pre_backward(self, unit: _Unit) -> None:
+        unit.backward_uses += 1
+        self._use(unit)
 
-        def unpack(saved: Any) -> torch.Tensor:
-            if not isinstance(saved, _WeightRef):
-                return saved
-            self._use(saved.unit, self._backward_order, self._backward_seen)
-            assert saved.unit.full is not None
-            return saved.unit.full.as_strided(saved.size, saved.stride, saved.offset)
-
-        return pack, unpack
+    def _start_backward(self) -> None:
+        self._in_backward = True
 
     def _reduce_scatter(self, unit: _Unit, grads: tuple[torch.Tensor | None, ...]) -> None:
-        self._free(unit)
-        assert unit.local is not None
+        unit.backward_uses -= 1
+        if unit.backward_uses <= 0:
+            self._free(unit)
         # Rank-major, the layout reduce_scatter_tensor splits: row r holds rank r's pieces of every weight.
         # Gradients are reduced in the master dtype: summing low-precision gradients over ranks loses bits.
         flat = torch.empty(self._world_size * unit.shard_numel, dtype=unit.local.dtype, device=unit.local.device)
@@ -407,7 +448,9 @@ class FSDP(nn.Module):
         if self._backward_seen:
             self._backward_order = self._backward_seen
         self._forward_seen, self._backward_seen = [], []
-        return self.module(*args, **kwargs)
+        self._in_backward = False
+        output = self.module(*args, **kwargs)
+        return _on_backward(output, self._start_backward) if torch.is_grad_enabled() else output
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for every gradient collective; leaves each sharded ``.grad`` as the averaged local shard
@@ -466,11 +509,13 @@ def gather_full_params(fsdp_model: FSDP) -> dict[str, torch.Tensor]:
         raise TypeError(f"expected an FSDP model, got {type(fsdp_model).__name__}")
     full: dict[str, torch.Tensor] = {}
     for unit in fsdp_model._units:
-        assert unit.local is not None
-        local = unit.local.detach().clone()
+        gathered = unit.local.detach().clone()
         if fsdp_model._world_size > 1:
-            local = fsdp_model._launch_gather(unit, local, async_op=False)[1]
-        gathered = fsdp_model._slot_major(unit, local)
+            out = torch.empty(fsdp_model._world_size * unit.shard_numel, dtype=gathered.dtype, device=gathered.device)
+            fsdp_model._launch_gather(unit, gathered, out, async_op=False)
+            gathered = out
+        if not fsdp_model._layouts_coincide(unit):
+            gathered = fsdp_model._slot_major(unit, gathered, torch.empty_like(gathered))
         for s in unit.slots:
             start = fsdp_model._world_size * s.offset
             full[s.name] = gathered[start : start + s.numel].view(s.shape)
