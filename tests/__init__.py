@@ -1,0 +1,1 @@
+"""Cross-package tests and the CS336 adapter interface (``tests/adapters.py``)."""
