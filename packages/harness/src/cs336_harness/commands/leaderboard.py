@@ -1,0 +1,90 @@
+"""``cs336 leaderboard``: time the handout's leaderboard training step (8B, context 32768, batch 2, two GPUs).
+
+Without CUDA the defaults are a CPU try-out instead (tiny model, vocabulary 1000, context 32, fp32, two gloo
+ranks, Triton kernels in the interpreter), which finishes in seconds. See ``cs336_harness.leaderboard``.
+
+Examples::
+
+    uv run cs336 leaderboard                                        # CPU try-out, or the real run on 2 GPUs
+    uv run cs336 leaderboard --out writeup/results/leaderboard.jsonl
+    uv run cs336 leaderboard --attention sdpa --optimizer torch     # ablations, one piece at a time
+    uv run cs336 leaderboard --size xl --context-length 4096 --vocab-size 32000 --steps 5
+    torchrun --nproc-per-node 2 -m cs336_harness.cli leaderboard
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from cs336_harness import leaderboard
+from cs336_harness.presets import MODEL_SIZES
+from cs336_harness.results import append_rows, format_table
+
+HELP = "time one full training step of the leaderboard model (FSDP, Triton attention, fused loss and AdamW)"
+
+_SIZED = ("size", "vocab_size", "context_length", "global_batch", "world_size", "compute_dtype")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = __doc__.split("Examples::", 1)[1]
+    gpu, cpu = leaderboard.LEADERBOARD_DEFAULTS, leaderboard.CPU_DEFAULTS
+
+    def default(name: str) -> str:
+        return f"default {gpu[name]} with CUDA, {cpu[name]} without"
+
+    parser.add_argument("--size", default=None, help=f"{', '.join(MODEL_SIZES)} ({default('size')})")
+    parser.add_argument("--vocab-size", type=int, default=None, help=default("vocab_size"))
+    parser.add_argument("--context-length", type=int, default=None, help=default("context_length"))
+    parser.add_argument("--global-batch", type=int, default=None, help="sequences per step over all ranks "
+                        f"({default('global_batch')})")
+    parser.add_argument("--world-size", type=int, default=None, help=f"ranks ({default('world_size')})")
+    parser.add_argument("--compute-dtype", default=None, help=f"bf16 | fp32 ({default('compute_dtype')})")
+    parser.add_argument("--backend", default=None, help="nccl | gloo (default: nccl with CUDA, gloo without)")
+    parser.add_argument("--attention", default="triton", help=f"{' | '.join(leaderboard.ATTENTIONS)} (default triton)")
+    parser.add_argument("--checkpoint", default="all",
+                        help="activation checkpointing policy: none, all, group:K, first:N, sqrt, nested:B, "
+                             "selective (default all)")
+    parser.add_argument("--optimizer", default="fused",
+                        help="fused (our Triton FusedAdamW) | torch (torch.optim.AdamW(fused=True)); default fused")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps (default 2)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps (default 3)")
+    parser.add_argument("--time-limit-s", type=float, default=600.0,
+                        help="stop before any step that would start later than this, model build included "
+                             "(default 600)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="append the row (with provenance) to this JSONL file")
+
+
+def config_from_args(args: argparse.Namespace) -> leaderboard.LeaderboardConfig:
+    """The run's config: flags given, else the leaderboard defaults with CUDA and the CPU try-out without."""
+    defaults = leaderboard.LEADERBOARD_DEFAULTS if torch.cuda.is_available() else leaderboard.CPU_DEFAULTS
+    sized = {name: defaults[name] if getattr(args, name) is None else getattr(args, name) for name in _SIZED}
+    return leaderboard.LeaderboardConfig(
+        **sized, backend=args.backend, attention=args.attention, checkpoint=args.checkpoint,
+        optimizer=args.optimizer, warmup=args.warmup, steps=args.steps, time_limit_s=args.time_limit_s,
+        seed=args.seed,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        raise SystemExit(f"cs336 leaderboard: {e}") from None
+    try:
+        rows = leaderboard.run_leaderboard(config, progress=lambda msg: print(msg, file=sys.stderr))
+    except leaderboard.TimeLimitExceeded as e:
+        print(f"cs336 leaderboard: stopped: {e}", file=sys.stderr)
+        return 1
+    if not rows:  # a torchrun rank other than 0
+        return 0
+    print(format_table(rows, leaderboard.TABLE_COLUMNS, floatfmt=".4g"))
+    if rows[0].get("peak_step_gib_per_rank") is not None:
+        print("peak memory per rank (GiB): " + ", ".join(f"{p:.2f}" for p in rows[0]["peak_step_gib_per_rank"]))
+    if args.out:
+        append_rows(args.out, rows)
+    return 0
