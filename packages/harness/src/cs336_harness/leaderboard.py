@@ -195,14 +195,20 @@ class Training:
     model: FSDP
     optimizer: torch.optim.Optimizer
 
-    def step(self, token_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Forward, loss, backward, gradient sync and update; returns this rank's loss (not synchronised)."""
+    def forward_backward(self, token_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward, loss, backward and gradient sync (each ``.grad`` is then the averaged local shard gradient);
+        returns this rank's loss (not synchronised)."""
         loss = self.model(token_ids, targets)
         loss.backward()
         self.model.finish_gradient_synchronization()
+        return loss.detach()
+
+    def step(self, token_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward_backward`, then the optimizer update; returns this rank's loss (not synchronised)."""
+        loss = self.forward_backward(token_ids, targets)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        return loss
 
 
 def build_training(config: LeaderboardConfig, device: torch.device) -> Training:

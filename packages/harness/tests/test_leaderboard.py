@@ -1,0 +1,183 @@
+"""cs336 leaderboard: one sharded step (FSDP, fused LM head loss, fused or torch AdamW, Triton or SDPA
+attention, checkpointing) on two ranks against a plain single-process step (model logits, F.cross_entropy,
+torch AdamW) over the same global batch, in fp32; config checks; the command on CPU; a run on two GPUs.
+
+The sharded step differs from the reference in summation order only (chunked loss, per-rank halves of the
+batch, a reduce-scatter), so losses and updated parameters agree to fp32 rounding, not bitwise."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pickle
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from cs336_comms.process_group import spawn
+from cs336_harness import cli, leaderboard
+from cs336_harness.attention_impls import use_attention
+from cs336_harness.checkpointing import apply_checkpointing
+from cs336_harness.leaderboard import LeaderboardConfig
+
+sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import the checks module by name
+
+from leaderboard_checks import one_step_each  # noqa: E402
+
+# fp32 rounding of a few differently ordered sums. The gradients are compared directly, since AdamW hides
+# a wrong gradient scale. AdamW's first step moves a weight by lr * g / (|g| + eps), which turns rounding of a
+# gradient near eps (1e-8) into an error of a sizeable fraction of lr, so parameters are compared where the
+# reference gradient exceeds CONDITIONED_GRAD = 100 eps; there the update's error is tiny.
+LOSS_RTOL = 1e-5
+GRAD_ATOL, GRAD_RTOL = 1e-6, 1e-4
+CONDITIONED_GRAD = 1e-6
+PARAM_ATOL, PARAM_RTOL = 1e-6, 1e-5
+
+# Awkward sizes: a prime context and vocabulary, two sequences per rank. One config per attention; the
+# optimizers and checkpointing policies are spread over them.
+_SMALL = dict(size="tiny", vocab_size=37, context_length=13, global_batch=4, world_size=2, compute_dtype="fp32",
+              lr=1e-4, warmup=0, steps=1)
+CPU_CONFIGS = [
+    LeaderboardConfig(**_SMALL, backend="gloo", attention="sdpa", optimizer="fused", checkpoint="all"),
+    LeaderboardConfig(**_SMALL, backend="gloo", attention="triton", optimizer="torch", checkpoint="group:2", seed=1),
+]
+
+
+def _reference_step(config: LeaderboardConfig, device: torch.device) -> tuple[float, dict, dict]:
+    """One plain step on one process over the whole global batch: logits, F.cross_entropy, torch AdamW."""
+    # The same checkpointing keeps the parameter names equal to the sharded model's; it changes no value.
+    model = apply_checkpointing(leaderboard.build_model(config, device), config.checkpoint)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    inputs, targets = (t.to(device) for t in leaderboard.make_batch(config))
+    with use_attention(config.attention):  # the backward too: checkpointing recomputes the attention there
+        logits = model(inputs)  # (B, T, V)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        loss.backward()
+    grads = {name: p.grad.cpu() for name, p in model.named_parameters()}
+    optimizer.step()
+    return loss.item(), grads, {name: p.detach().cpu() for name, p in model.named_parameters()}
+
+
+def _sharded_steps(configs: list[LeaderboardConfig], tmp_path: Path) -> list[dict]:
+    spawn(one_step_each, configs[0].world_size, configs, str(tmp_path), backend=configs[0].resolved_backend,
+          timeout_s=120)
+    return pickle.loads((tmp_path / "records.pkl").read_bytes())
+
+
+def _assert_same_step(configs: list[LeaderboardConfig], records: list[dict], device: torch.device) -> None:
+    for config, record in zip(configs, records, strict=True):
+        loss, grads, params = _reference_step(config, device)
+        assert record["loss"] == pytest.approx(loss, rel=LOSS_RTOL), config
+        assert record["grads"].keys() == grads.keys() == record["params"].keys() == params.keys()
+        for name, want in grads.items():
+            torch.testing.assert_close(record["grads"][name], want, atol=GRAD_ATOL, rtol=GRAD_RTOL,
+                                       msg=lambda m, n=name, c=config: f"{c.attention}/{c.optimizer} grad {n}: {m}")
+        conditioned = 0
+        for name, want in params.items():
+            mask = grads[name].abs() > CONDITIONED_GRAD
+            conditioned += int(mask.sum())
+            torch.testing.assert_close(record["params"][name][mask], want[mask], atol=PARAM_ATOL, rtol=PARAM_RTOL,
+                                       msg=lambda m, n=name, c=config: f"{c.attention}/{c.optimizer} param {n}: {m}")
+        assert conditioned > 0.99 * sum(p.numel() for p in params.values())
+        # The step did move every weight (a test that cannot fail is no test).
+        initial = apply_checkpointing(leaderboard.build_model(config, device), config.checkpoint)
+        moved = [n for n, p in initial.named_parameters() if not torch.equal(p.detach().cpu(), record["params"][n])]
+        assert len(moved) == len(params)
+
+
+def test_sharded_step_matches_single_process_step(tmp_path: Path) -> None:
+    _assert_same_step(CPU_CONFIGS, _sharded_steps(CPU_CONFIGS, tmp_path), torch.device("cpu"))
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("size", "huge", "size must be one of"),
+    ("global_batch", 3, "multiple of world_size"),
+    ("world_size", 0, "world_size must be a positive int"),
+    ("context_length", 0, "context_length must be a positive int"),
+    ("vocab_size", 1, "vocab_size must be at least 2"),
+    ("warmup", -1, "warmup must be a non-negative int"),
+    ("steps", 0, "steps must be a positive int"),
+    ("attention", "eager", "attention must be one of triton, sdpa"),
+    ("optimizer", "sgd", "optimizer must be one of fused, torch"),
+    ("compute_dtype", "fp16", "compute_dtype must be one of bf16, fp32"),
+    ("backend", "mpi", "backend must be one of"),
+    ("checkpoint", "every:2", "unknown checkpoint policy"),
+    ("lr", 0.0, "lr > 0"),
+    ("time_limit_s", 0.0, "time_limit_s must be positive"),
+])
+def test_config_rejects_bad_values(field: str, value: object, message: str) -> None:
+    base = {**leaderboard.CPU_DEFAULTS, "backend": "gloo"}
+    with pytest.raises(ValueError, match=message):
+        LeaderboardConfig(**{**base, field: value})
+
+
+def test_config_rejects_bf16_on_cpu() -> None:
+    with pytest.raises(ValueError, match="bf16.*needs GPUs"):
+        LeaderboardConfig(**{**leaderboard.CPU_DEFAULTS, "backend": "gloo", "compute_dtype": "bf16"})
+
+
+def test_flops_formula_counts_matmuls_and_causal_attention() -> None:
+    size = leaderboard.MODEL_SIZES["tiny"]  # d 64, d_ff 256, 2 layers, 4 heads of 16
+    matmuls = 6 * (3 * 5) * (2 * (4 * 64 * 64 + 3 * 64 * 256) + 37 * 64)
+    attention = 2 * 4 * 3 * 4 * 5**2 * 16 / 2 * 3.5
+    assert leaderboard.step_flops(size, vocab_size=37, context_length=5, global_batch=3) == pytest.approx(
+        matmuls + attention)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU defaults")
+def test_command_runs_on_cpu_and_writes_a_row(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "rows.jsonl"
+    assert cli.main(["leaderboard", "--warmup", "1", "--steps", "2", "--out", str(out)]) == 0
+    assert "tokens_per_s" in capsys.readouterr().out
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    config = LeaderboardConfig(**{k: row[k] for k in (f.name for f in dataclasses.fields(LeaderboardConfig))})
+    assert (config.size, config.context_length, config.world_size, config.backend) == ("tiny", 32, 2, "gloo")
+    assert (config.attention, config.checkpoint, config.optimizer) == ("triton", "all", "fused")
+    assert row["status"] == "ok" and len(row["step_s_all_rank0"]) == 2
+    assert 0 < row["step_s"] <= row["step_max_s"]
+    assert row["tokens_per_s"] == pytest.approx(2 * 32 / row["step_s"])
+    assert abs(row["loss"] - math.log(1000)) < 1.0  # random tokens, freshly initialised model
+    assert row["mfu"] is None and "peak_step_gib" not in row  # no allocator statistics on CPU
+    for key in ("command", "device", "torch", "commit", "date"):
+        assert row[key], key
+
+
+def test_command_stops_at_the_time_limit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "rows.jsonl"
+    args = ["leaderboard", "--backend", "gloo", "--size", "tiny", "--vocab-size", "50", "--context-length", "8",
+            "--compute-dtype", "fp32", "--attention", "sdpa", "--time-limit-s", "1e-3", "--out", str(out)]
+    assert cli.main(args) == 1
+    assert "time limit of 0.001 s reached after 0 of 5 steps" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_command_reports_bad_flags() -> None:
+    with pytest.raises(SystemExit, match="global_batch .3. must be a multiple of world_size"):
+        cli.main(["leaderboard", "--backend", "gloo", "--compute-dtype", "fp32", "--global-batch", "3"])
+
+
+needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_gpu_sharded_step_matches_single_process_step(tmp_path: Path) -> None:
+    # SDPA: fp32 on the GPU without TF32, so the same tolerances hold as on CPU.
+    configs = [dataclasses.replace(CPU_CONFIGS[0], backend="nccl", context_length=131, vocab_size=1031)]
+    _assert_same_step(configs, _sharded_steps(configs, tmp_path), torch.device("cuda", 0))
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_gpu_leaderboard_step_at_small_size() -> None:
+    config = LeaderboardConfig(size="small", vocab_size=32_000, context_length=2048, global_batch=2, world_size=2,
+                               warmup=1, steps=2, time_limit_s=240)
+    (row,) = leaderboard.run_leaderboard(config)
+    assert (row["backend"], row["compute_dtype"], row["attention"], row["optimizer"]) == (
+        "nccl", "bf16", "triton", "fused")
+    assert abs(row["loss"] - math.log(32_000)) < 1.0
+    assert 0 < row["mfu"] < 1 and row["tokens_per_s"] > 0
+    assert len(row["peak_step_gib_per_rank"]) == 2 and all(p > 0 for p in row["peak_step_gib_per_rank"])
