@@ -48,11 +48,26 @@ def annotated_attention(
             return probs @ V  # (..., Tq, d)
 
 
+def _is_causal(Q: torch.Tensor, K: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether the model's mask asks for causal attention.
+
+    The fused kernels only know "causal or not". The model's one mask is the square lower-triangular one;
+    checking its contents would cost a pass over a (T, T) tensor and a host sync per layer, so only its
+    dtype and shape are checked.
+    """
+    if mask is not None and (mask.dtype != torch.bool or mask.shape[-2:] != (Q.shape[-2], K.shape[-2])):
+        raise ValueError(
+            f"fused attention takes no mask or the model's boolean causal (Tq, Tk) mask, got {mask.dtype} "
+            f"{tuple(mask.shape)} for Tq={Q.shape[-2]}, Tk={K.shape[-2]}"
+        )
+    return mask is not None
+
+
 def sdpa_attention(
     Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """PyTorch's fused attention; the model's boolean mask already means 'True = attend'."""
-    return F.scaled_dot_product_attention(Q, K, V, attn_mask=mask)
+    """PyTorch's fused attention with ``is_causal`` (its flash kernel), not an explicit mask."""
+    return F.scaled_dot_product_attention(Q, K, V, is_causal=_is_causal(Q, K, mask))
 
 
 def _triton_attention() -> AttentionFn:
@@ -61,14 +76,7 @@ def _triton_attention() -> AttentionFn:
     def triton_attention(
         Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor | None = None
     ) -> torch.Tensor:
-        # The kernel only knows "causal or not". The model's one mask is the square lower-triangular
-        # one; checking its contents would cost a host sync per layer, so only its shape is checked.
-        if mask is not None and (mask.dtype != torch.bool or mask.shape[-2:] != (Q.shape[-2], K.shape[-2])):
-            raise ValueError(
-                f"the triton attention takes no mask or a boolean causal (Tq, Tk) mask, got {mask.dtype} "
-                f"{tuple(mask.shape)} for Tq={Q.shape[-2]}, Tk={K.shape[-2]}"
-            )
-        return flash_attention(Q, K, V, is_causal=mask is not None)
+        return flash_attention(Q, K, V, is_causal=_is_causal(Q, K, mask))
 
     return triton_attention
 
