@@ -45,11 +45,23 @@ def _validate_backend(backend: str) -> None:
         raise ValueError("backend 'nccl' needs CUDA GPUs; use 'gloo' on CPU")
 
 
-def device_for_rank(backend: str, local_rank: int) -> torch.device:
-    """The device a rank computes on: its own GPU under NCCL, the CPU under gloo."""
+def device_for_rank(backend: str, local_rank: int, local_world_size: int = 1) -> torch.device:
+    """The device a rank computes on: its own GPU under NCCL, the CPU under gloo.
+
+    Under gloo the ``local_world_size`` ranks of one machine share its cores, so each gets an equal share
+    of threads: more threads than cores makes OpenMP's spinning workers fight.
+    """
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+    return torch.device("cpu")
+
+
+def current_device() -> torch.device:
+    """This rank's device inside an initialised group (the one :func:`device_for_rank` chose)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
@@ -64,7 +76,9 @@ def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT
         raise ValueError(f"init_from_env needs torchrun's environment; missing {', '.join(missing)}")
     backend = backend or default_backend()
     _validate_backend(backend)
-    device = device_for_rank(backend, int(os.environ.get("LOCAL_RANK", "0")))
+    device = device_for_rank(
+        backend, int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    )
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return device
 
@@ -74,7 +88,7 @@ def _spawned(
 ) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    device_for_rank(backend, rank)
+    device_for_rank(backend, rank, world_size)
     dist.init_process_group(
         backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
     )

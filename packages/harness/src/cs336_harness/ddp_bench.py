@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -45,7 +44,7 @@ from cs336_basics.model import BasicsTransformerLM
 from cs336_basics.nn_utils import cross_entropy
 from cs336_basics.optimizer import AdamW
 from cs336_comms.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlappedDDP
-from cs336_comms.process_group import default_backend, run_ranks
+from cs336_comms.process_group import current_device, default_backend, run_ranks
 
 from cs336_harness import profiling
 from cs336_harness.presets import DEFAULT_CONTEXT_LENGTH, DEFAULT_VOCAB_SIZE, MODEL_SIZES
@@ -219,11 +218,7 @@ def _params_in_sync(model: nn.Module) -> bool:
 
 
 def _rank_main(rank: int, world_size: int, config: DDPBenchConfig, trace_dir: str, out_path: str) -> None:
-    device = (torch.device("cuda", torch.cuda.current_device()) if config.resolved_backend == "nccl"
-              else torch.device("cpu"))
-    if device.type == "cpu":
-        # Ranks share the cores; more threads than cores makes OpenMP's spinning workers fight.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    device = current_device()
     rows = []
     for dtype in config.dtypes:
         for variant in config.variants:

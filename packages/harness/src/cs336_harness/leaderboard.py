@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from cs336_basics.model import BasicsTransformerLM
-from cs336_comms.process_group import default_backend, run_ranks
+from cs336_comms.process_group import current_device, default_backend, run_ranks
 from cs336_sharding.fsdp import FSDP
 
 from cs336_harness.attention_impls import use_attention
@@ -243,14 +243,6 @@ def rank_batch(config: LeaderboardConfig, rank: int, device: torch.device) -> tu
     return inputs[rows].to(device), targets[rows].to(device)
 
 
-def _device(config: LeaderboardConfig) -> torch.device:
-    if config.resolved_backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    # Ranks share the cores; more threads than cores makes OpenMP's spinning workers fight.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world_size))
-    return torch.device("cpu")
-
-
 def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
     packed = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(packed, op=dist.ReduceOp.MAX)
@@ -259,7 +251,7 @@ def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
 
 def _rank_main(rank: int, world_size: int, config: LeaderboardConfig, out_path: str) -> None:
     start = time.perf_counter()
-    device = _device(config)
+    device = current_device()
     cuda = device.type == "cuda"
     if not cuda:
         # Before any kernel module is imported in this (fresh) process; see the module docstring.

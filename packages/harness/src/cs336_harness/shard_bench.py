@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -53,7 +52,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from cs336_basics.model import BasicsTransformerLM
 from cs336_basics.nn_utils import cross_entropy
-from cs336_comms.process_group import run_ranks
+from cs336_comms.process_group import current_device, run_ranks
 from cs336_sharding.fsdp import FSDP
 from cs336_sharding.optimizer import ShardedOptimizer
 from torch.distributed.device_mesh import init_device_mesh
@@ -238,11 +237,7 @@ def _bench_one(variant: str, dtype: str, config: ShardBenchConfig, rank: int, de
 
 
 def _rank_main(rank: int, world_size: int, config: ShardBenchConfig, trace_dir: str, out_path: str) -> None:
-    device = (torch.device("cuda", torch.cuda.current_device()) if config.resolved_backend == "nccl"
-              else torch.device("cpu"))
-    if device.type == "cpu":
-        # Ranks share the cores; more threads than cores makes OpenMP's spinning workers fight.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    device = current_device()
     rows = []
     with use_attention("sdpa"):
         for dtype in config.dtypes:
