@@ -68,8 +68,15 @@ from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 # Reduce-scatters kept in flight during backward before the oldest is waited for; each holds a unit's full
-# fp32 gradient buffer until then, so this bounds gradient memory to a few units.
-MAX_PENDING_REDUCE_SCATTERS = 2
+# fp32 gradient buffer until then. One (as in FSDP2) overlaps it with the next unit's backward, which at
+# our sizes takes several times longer than the collective; every further one costs a unit's fp32 gradient.
+MAX_PENDING_REDUCE_SCATTERS = 1
+
+
+def _allocate(full: torch.Tensor) -> torch.Tensor:
+    """Give a freed full buffer its memory back (a no-op when it has it) and return it."""
+    full.untyped_storage().resize_(full.numel() * full.element_size())
+    return full
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -142,11 +149,11 @@ class _Unit:
 
     @property
     def gathered(self) -> bool:
-        """Whether the full buffer holds memory (its gather may still be in flight)."""
-        return self.full.untyped_storage().size() > 0
+        """Whether the unit's gather has started (it may still be in flight)."""
+        return self.gather is not None or self.full.untyped_storage().size() > 0
 
     def full_weight(self, slot: _Slot) -> torch.Tensor:
-        assert self.gathered and self.gather is None, f"{self.name} is not gathered"
+        assert self.gather is None and self.full.untyped_storage().size() > 0, f"{self.name} is not gathered"
         start = self.world_size * slot.offset
         return self.full[start : start + slot.numel].view(slot.shape)
 
@@ -314,13 +321,16 @@ class FSDP(nn.Module):
             return
         shard = unit.local.detach()
         full = unit.full_data
-        full.untyped_storage().resize_(full.numel() * full.element_size())
         if self._world_size == 1:
+            _allocate(full)
             full.copy_(shard)
             return
-        # Cast before communicating: the gather moves compute-dtype bytes, not fp32 ones.
-        local = shard.clone() if full.dtype == shard.dtype else shard.to(full.dtype)
-        out = full if self._layouts_coincide(unit) else torch.empty_like(full)
+        # Cast before communicating: the gather moves compute-dtype bytes, not fp32 ones. The shard itself is
+        # the input when no cast is needed: nothing writes to it between forward and the optimizer step.
+        local = shard if full.dtype == shard.dtype else shard.to(full.dtype)
+        # With a staging buffer, the full buffer gets its memory only when the gather has landed (as in
+        # FSDP2), so a prefetched unit costs its staging buffer alone while in flight.
+        out = _allocate(full) if self._layouts_coincide(unit) else torch.empty_like(full)
         work = self._launch_gather(unit, local, out, async_op=True)
         assert work is not None
         unit.gather = (work, out, local)
@@ -332,7 +342,7 @@ class FSDP(nn.Module):
             work.wait()
             unit.gather = None
             if out is not unit.full_data:
-                self._slot_major(unit, out, unit.full_data)
+                self._slot_major(unit, out, _allocate(unit.full_data))
 
     def _free(self, unit: _Unit) -> None:
         if unit.gather is not None:  # never drop a buffer a collective may still write into
