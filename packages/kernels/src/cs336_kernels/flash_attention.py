@@ -20,9 +20,11 @@ Conventions:
 - ``L`` is the natural-log logsumexp of the scaled scores, fp32, shaped like ``Q`` without its last dim.
 - Causal tile skipping: key tiles wholly above the diagonal are never loaded, tiles that straddle it
   are masked element-wise, all others run unmasked. Heavier query tiles are launched first.
-- The backward pass is two kernels without atomics, so it is deterministic: one program per key tile
-  accumulates dK and dV over every query tile (and every query head of its group), one program per
-  query tile accumulates dQ over every key tile.
+- The default backward pass is two kernels without atomics, so it is deterministic: one program per key
+  tile accumulates dK and dV over every query tile (and every query head of its group), one program per
+  query tile accumulates dQ over every key tile. ``deterministic=False`` drops the dQ kernel: the dK/dV
+  program adds each tile's dS K into an fp32 dQ buffer with atomics (five matmuls per tile pair
+  instead of seven), at the price of run-to-run differences in dQ's rounding.
 - fp32 inputs use true fp32 products (``input_precision="ieee"``), not TF32.
 
 Run the tests with ``uv run pytest packages/kernels/tests/test_flash_attention.py`` (on CPU they use
@@ -82,6 +84,19 @@ _DKDV_TABLE = {
     (4, 128): [(16, 32, 8, 2), (16, 16, 4, 2)],
     (4, 256): [(16, 16, 8, 1), (16, 16, 4, 1)],
 }
+# The dK/dV kernel with dQ atomics (ATOMIC_DQ): one more fp32 (BLOCK_M, d) tile live per step.
+_DKDVQ_TABLE = {
+    (2, 16): [(64, 128, 8, 3), (64, 64, 4, 3)],
+    (2, 32): [(64, 128, 8, 3), (64, 64, 4, 3)],
+    (2, 64): [(64, 128, 8, 3), (64, 64, 4, 3)],
+    (2, 128): [(32, 128, 8, 3), (64, 128, 8, 2)],
+    (2, 256): [(16, 64, 8, 2), (32, 32, 8, 2)],
+    (4, 16): [(32, 32, 8, 2), (16, 32, 4, 2)],
+    (4, 32): [(32, 32, 8, 2), (16, 32, 4, 2)],
+    (4, 64): [(32, 32, 8, 2), (16, 32, 4, 2)],
+    (4, 128): [(16, 32, 8, 2), (16, 16, 4, 2)],
+    (4, 256): [(16, 16, 8, 1), (16, 16, 4, 1)],
+}
 _DQ_TABLE = {
     (2, 16): [(128, 64, 8, 3), (128, 128, 8, 2)],
     (2, 32): [(128, 64, 8, 3), (128, 128, 8, 2)],
@@ -97,19 +112,23 @@ _DQ_TABLE = {
 _INTERPRETER_CONFIG = (16, 16, 1, 1)
 
 
-def _configs(table: dict[tuple[int, int], list[tuple[int, int, int, int]]]) -> list[triton.Config]:
+def _configs(*tables: dict[tuple[int, int], list[tuple[int, int, int, int]]]) -> list[triton.Config]:
     if _INTERPRET:
         entries = [_INTERPRETER_CONFIG]
     else:
-        entries = sorted({entry for entries in table.values() for entry in entries})
+        entries = sorted({entry for table in tables for entries in table.values() for entry in entries})
     return [
         triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in entries
     ]
 
 
-def _pruner(table: dict[tuple[int, int], list[tuple[int, int, int, int]]]):
+def _pruner(
+    table: dict[tuple[int, int], list[tuple[int, int, int, int]]],
+    atomic_table: dict[tuple[int, int], list[tuple[int, int, int, int]]] | None = None,
+):
     def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-        wanted = table[(named_args["Q"].element_size(), kwargs["BLOCK_D"])]
+        chosen = atomic_table if kwargs.get("ATOMIC_DQ") else table
+        wanted = chosen[(named_args["Q"].element_size(), kwargs["BLOCK_D"])]
         return [
             c for c in configs
             if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted
@@ -252,14 +271,16 @@ def _attn_fwd_kernel(
 
 @triton.jit
 def _bwd_preprocess_kernel(
-    O, DO, DELTA,
+    O, DO, DELTA, DQ,
     stride_ob, stride_oh, stride_ot, stride_od,
     stride_dob, stride_doh, stride_dot, stride_dod,
     stride_deltab, stride_deltah,
+    stride_dqb, stride_dqh, stride_dqt,
     H_Q, N_QUERIES,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, ZERO_DQ: tl.constexpr,
 ):
     # D = rowsum(dO * O), which equals rowsum(P * dP) and replaces the softmax Jacobian in the backward.
+    # With ZERO_DQ the same pass also clears the fp32 dQ accumulator of the atomic backward (unit d stride).
     pid_bh = tl.program_id(1)
     b = (pid_bh // H_Q).to(tl.int64)
     h = (pid_bh % H_Q).to(tl.int64)
@@ -276,15 +297,20 @@ def _bwd_preprocess_kernel(
     )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(DELTA + b * stride_deltab + h * stride_deltah + offs_m, delta, mask=offs_m < N_QUERIES)
+    if ZERO_DQ:
+        tl.store(
+            DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :],
+            tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), mask=mask,
+        )
 
 
 @triton.jit
 def _dkdv_inner(
-    dk, dv, k, v, Q_BASE, DO_BASE, L_BASE, DELTA_BASE,
-    stride_qt, stride_qd, stride_dot, stride_dod,
-    offs_n, lo, hi, N_QUERIES, qk_scale,
+    dk, dv, k, v, Q_BASE, DO_BASE, L_BASE, DELTA_BASE, DQ_BASE,
+    stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt,
+    offs_n, lo, hi, N_QUERIES, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    CHECK_ROWS: tl.constexpr, CAUSAL_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CHECK_ROWS: tl.constexpr, CAUSAL_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):
     Q_BLOCK = tl.make_block_ptr(
         Q_BASE, shape=(N_QUERIES, HEAD_DIM), strides=(stride_qt, stride_qd),
@@ -312,19 +338,37 @@ def _dkdv_inner(
             p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, acc=dv, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q.dtype), q, acc=dk, input_precision=DOT_PRECISION)
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+        dk = tl.dot(ds_t, q, acc=dk, input_precision=DOT_PRECISION)
+        if ATOMIC_DQ:
+            # This key tile's share of dQ = dS K, added in fp32 straight into the global accumulator: the
+            # fifth matmul replaces the dQ kernel's recomputation of S and dP (two matmuls) at the price of
+            # a summation order that depends on scheduling. Relaxed ordering: nothing reads dQ until the
+            # kernel has finished.
+            dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * sm_scale  # (BLOCK_M, BLOCK_D)
+            offs_d = tl.arange(0, BLOCK_D)
+            dq_ptrs = DQ_BASE + offs_m[:, None] * stride_dqt + offs_d[None, :]
+            if CHECK_ROWS:
+                tl.atomic_add(dq_ptrs, dq, mask=(offs_m[:, None] < N_QUERIES) & (offs_d[None, :] < HEAD_DIM),
+                              sem="relaxed")
+            elif EVEN_D:
+                tl.atomic_add(dq_ptrs, dq, sem="relaxed")
+            else:
+                tl.atomic_add(dq_ptrs, dq, mask=offs_d[None, :] < HEAD_DIM, sem="relaxed")
         Q_BLOCK = tl.advance(Q_BLOCK, (BLOCK_M, 0))
         DO_BLOCK = tl.advance(DO_BLOCK, (BLOCK_M, 0))
     return dk, dv
 
 
 @triton.autotune(
-    configs=_configs(_DKDV_TABLE), key=_AUTOTUNE_KEY, prune_configs_by=_pruner(_DKDV_TABLE), do_bench=_quick_bench
+    configs=_configs(_DKDV_TABLE, _DKDVQ_TABLE), key=[*_AUTOTUNE_KEY, "ATOMIC_DQ"],
+    prune_configs_by=_pruner(_DKDV_TABLE, _DKDVQ_TABLE), do_bench=_quick_bench,
+    # Every timed launch adds into the dQ accumulator, so it must start from zero each time.
+    reset_to_zero=["DQ"],
 )
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, L, DELTA, DK, DV,
+    Q, K, V, DO, L, DELTA, DK, DV, DQ,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
@@ -332,13 +376,16 @@ def _attn_bwd_dkdv_kernel(
     stride_lb, stride_lh,
     stride_dkb, stride_dkh, stride_dkt, stride_dkd,
     stride_dvb, stride_dvh, stride_dvt, stride_dvd,
+    stride_dqb, stride_dqh, stride_dqt,
     H_KV, GROUP, N_QUERIES, N_KEYS, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Grid: (key tiles, batch * key/value heads). Each program owns its dK, dV tile: no atomics needed,
-    # and a GQA group's query heads are summed here in a fixed order, so the result is deterministic.
+    # and a GQA group's query heads are summed here in a fixed order, so dK and dV are deterministic.
+    # With ATOMIC_DQ the program also adds its share of dQ into DQ, an fp32 (B, Hq, Tq, d) accumulator
+    # with a unit stride on d (otherwise DQ is not touched and a separate kernel computes dQ).
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H_KV).to(tl.int64)
@@ -370,21 +417,25 @@ def _attn_bwd_dkdv_kernel(
         DO_BASE = DO + b * stride_dob + h * stride_doh
         L_BASE = L + b * stride_lb + h * stride_lh
         DELTA_BASE = DELTA + b * stride_lb + h * stride_lh
+        DQ_BASE = DQ + b * stride_dqb + h * stride_dqh
         if IS_CAUSAL:
             dk, dv = _dkdv_inner(
-                dk, dv, k, v, Q_BASE, DO_BASE, L_BASE, DELTA_BASE, stride_qt, stride_qd, stride_dot, stride_dod,
-                offs_n, k0, tl.minimum(k0 + BLOCK_N, N_QUERIES), N_QUERIES, qk_scale,
-                HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_M, True, True, DOT_PRECISION,
+                dk, dv, k, v, Q_BASE, DO_BASE, L_BASE, DELTA_BASE, DQ_BASE,
+                stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt,
+                offs_n, k0, tl.minimum(k0 + BLOCK_N, N_QUERIES), N_QUERIES, qk_scale, sm_scale,
+                HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_M, True, True, DOT_PRECISION, ATOMIC_DQ,
             )
         dk, dv = _dkdv_inner(
-            dk, dv, k, v, Q_BASE, DO_BASE, L_BASE, DELTA_BASE, stride_qt, stride_qd, stride_dot, stride_dod,
-            offs_n, lo_full, q_full, N_QUERIES, qk_scale,
-            HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_M, False, False, DOT_PRECISION,
+            dk, dv, k, v, Q_BASE, DO_BASE, L_BASE, DELTA_BASE, DQ_BASE,
+            stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt,
+            offs_n, lo_full, q_full, N_QUERIES, qk_scale, sm_scale,
+            HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_M, False, False, DOT_PRECISION, ATOMIC_DQ,
         )
         dk, dv = _dkdv_inner(
-            dk, dv, k, v, Q_BASE, DO_BASE, L_BASE, DELTA_BASE, stride_qt, stride_qd, stride_dot, stride_dod,
-            offs_n, lo_tail, N_QUERIES, N_QUERIES, qk_scale,
-            HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_M, True, False, DOT_PRECISION,
+            dk, dv, k, v, Q_BASE, DO_BASE, L_BASE, DELTA_BASE, DQ_BASE,
+            stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt,
+            offs_n, lo_tail, N_QUERIES, N_QUERIES, qk_scale, sm_scale,
+            HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_M, True, False, DOT_PRECISION, ATOMIC_DQ,
         )
 
     dk = dk * sm_scale
@@ -545,23 +596,33 @@ def flash_forward_triton(
 
 def flash_backward_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
-    lse: torch.Tensor, is_causal: bool,
+    lse: torch.Tensor, is_causal: bool, deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV in the input dtypes, from the saved logsumexp; three launches, no atomics."""
+    """dQ, dK, dV in the input dtypes, from the saved logsumexp.
+
+    ``deterministic=True``: three launches (D, dK/dV, dQ), no atomics, bitwise reproducible; the dQ kernel
+    recomputes S and dP, so seven matmuls per tile pair. ``deterministic=False``: two launches; the dK/dV
+    kernel also adds dS K into an fp32 dQ accumulator with atomics (five matmuls), so dQ's rounding
+    depends on the order in which programs finish.
+    """
     batch, heads_q, n_queries, head_dim = q.shape
     heads_kv, n_keys = k.shape[1], k.shape[2]
     constants = _kernel_constants(q, is_causal)
     sm_scale = 1.0 / math.sqrt(head_dim)
+    atomic = not deterministic
 
     delta = torch.empty_like(lse)
+    # Atomic mode accumulates in fp32 and casts at the end; otherwise the dQ kernel writes dq directly.
+    dq_acc = torch.empty(q.shape, device=q.device, dtype=torch.float32) if atomic else None
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dq_target = dq_acc if atomic else dq
     preprocess_block = 64 if not _INTERPRET else 16
     _bwd_preprocess_kernel[(triton.cdiv(n_queries, preprocess_block), batch * heads_q)](
-        o, do, delta, *o.stride(), *do.stride(), delta.stride(0), delta.stride(1),
-        heads_q, n_queries,
-        HEAD_DIM=head_dim, BLOCK_D=constants["BLOCK_D"], BLOCK_M=preprocess_block,
+        o, do, delta, dq_target, *o.stride(), *do.stride(), delta.stride(0), delta.stride(1),
+        *dq_target.stride()[:3], heads_q, n_queries,
+        HEAD_DIM=head_dim, BLOCK_D=constants["BLOCK_D"], BLOCK_M=preprocess_block, ZERO_DQ=atomic,
     )
 
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     group = heads_q // heads_kv
@@ -570,12 +631,14 @@ def flash_backward_triton(
         return (triton.cdiv(n_keys, meta["BLOCK_N"]), batch * heads_kv)
 
     _attn_bwd_dkdv_kernel[dkdv_grid](
-        q, k, v, do, lse, delta, dk, dv,
+        q, k, v, do, lse, delta, dk, dv, dq_target,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), lse.stride(0), lse.stride(1),
-        *dk.stride(), *dv.stride(),
+        *dk.stride(), *dv.stride(), *dq_target.stride()[:3],
         heads_kv, group, n_queries, n_keys, sm_scale * LOG2E, sm_scale,
-        **constants,
+        ATOMIC_DQ=atomic, **constants,
     )
+    if atomic:
+        return dq.copy_(dq_acc), dk, dv
 
     def dq_grid(meta):
         return (triton.cdiv(n_queries, meta["BLOCK_M"]), batch * heads_q)
@@ -770,11 +833,15 @@ class FlashAttentionTriton(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, is_causal: bool = False,
-        backward: BackwardImpl = "triton",
+        backward: BackwardImpl = "triton", deterministic: bool = True,
     ) -> torch.Tensor:
         _check_inputs(Q, K, V, is_causal)
         if backward not in ("triton", "pytorch"):
             raise ValueError(f"backward must be 'triton' or 'pytorch', got {backward!r}")
+        if not isinstance(deterministic, bool):
+            raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+        if backward == "pytorch" and not deterministic:
+            raise ValueError("deterministic=False (dQ by atomics) needs backward='triton', got backward='pytorch'")
         if Q.device.type != "cuda" and not _INTERPRET:
             raise ValueError(f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1); got device {Q.device}")
         Q, K, V = _unit_stride(Q), _unit_stride(K), _unit_stride(V)
@@ -783,22 +850,24 @@ class FlashAttentionTriton(torch.autograd.Function):
         ctx.save_for_backward(lse.view(Q.shape[:-1]), Q, K, V, o)
         ctx.is_causal = is_causal
         ctx.backward_impl = backward
+        ctx.deterministic = deterministic
         return o
 
     @staticmethod
     def backward(ctx, dO: torch.Tensor):
         lse, Q, K, V, O = ctx.saved_tensors
-        backward = flash_backward_triton if ctx.backward_impl == "triton" else _flash_backward_compiled
         q4 = _as_4d(Q)
-        dq, dk, dv = backward(
-            q4, _as_4d(K), _as_4d(V), _as_4d(O), _as_4d(_unit_stride(dO)), lse.view(q4.shape[:-1]), ctx.is_causal
-        )
-        return dq.view(Q.shape), dk.view(K.shape), dv.view(V.shape), None, None
+        args = (q4, _as_4d(K), _as_4d(V), _as_4d(O), _as_4d(_unit_stride(dO)), lse.view(q4.shape[:-1]), ctx.is_causal)
+        if ctx.backward_impl == "triton":
+            dq, dk, dv = flash_backward_triton(*args, deterministic=ctx.deterministic)
+        else:
+            dq, dk, dv = _flash_backward_compiled(*args)
+        return dq.view(Q.shape), dk.view(K.shape), dv.view(V.shape), None, None, None
 
 
 def flash_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False, *,
-    backward: BackwardImpl = "triton",
+    backward: BackwardImpl = "triton", deterministic: bool = True,
 ) -> torch.Tensor:
     """``softmax(q k^T / sqrt(d)) v`` without materialising the score matrix (Triton, differentiable).
 
@@ -806,9 +875,12 @@ def flash_attention(
         q: (batch, seq_q, d) or (batch, heads_q, seq_q, d); fp16, bf16 or fp32; d in [16, 256].
         k, v: (batch, seq_k, d) or (batch, heads_kv, seq_k, d) with heads_q a multiple of heads_kv.
         is_causal: mask keys after the query, aligned top-left (query i sees keys 0..i).
-        backward: "triton" (two deterministic kernels) or "pytorch" (compiled recomputation).
+        backward: "triton" (Triton kernels) or "pytorch" (compiled recomputation).
+        deterministic: with the Triton backward, True (default) runs separate dK/dV and dQ kernels and
+            gives bitwise-reproducible gradients; False adds dQ with fp32 atomics inside the dK/dV kernel
+            (fewer matmuls, faster), so dQ may differ in its last bits from run to run.
 
     Returns:
         The attention output, shaped and typed like ``q``.
     """
-    return FlashAttentionTriton.apply(q, k, v, is_causal, backward)
+    return FlashAttentionTriton.apply(q, k, v, is_causal, backward, deterministic)
