@@ -12,7 +12,8 @@ Parts (handout section 4):
   (dtype, d, seq) of ``flash_dtypes`` x ``flash_head_dims`` x ``flash_seq_lens``: forward, backward and
   forward+backward of our Triton FlashAttention-2, the plain PyTorch attention and torch SDPA.
 - ``anchors``: the two targets of ANCHORS.md, (1, 32, 32768, 128) and (1, 16, 16384, 64), bf16, causal,
-  ours against SDPA measured in the same run.
+  ours with the deterministic backward (``triton``) and with dQ by atomics (``triton_atomic``,
+  ``deterministic=False``) against SDPA, all measured in the same run.
 
 FLOPs of causal attention, counted as in ANCHORS.md (two matmuls of 2*s*s*d FLOPs per head, half of the
 score matrix kept by the mask; the backward pass has five such matmuls, so 2.5x the forward)::
@@ -102,6 +103,7 @@ def _plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 def _impls(mask: torch.Tensor) -> dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]]:
     return {
         "triton": lambda q, k, v: flash_attention(q, k, v, is_causal=True),
+        "triton_atomic": lambda q, k, v: flash_attention(q, k, v, is_causal=True, deterministic=False),
         "pytorch": lambda q, k, v: _plain(q, k, v, mask),
         "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
     }
@@ -216,17 +218,18 @@ def _flash_rows(
         yield row
 
 
-def _warm_one(shape: tuple[int, int, int, int], dtype_name: str) -> None:
+def _warm_one(shape: tuple[int, int, int, int], dtype_name: str, deterministic: bool = True) -> None:
     q, k, v = (torch.randn(*shape, device="cuda", dtype=DTYPES[dtype_name], requires_grad=True) for _ in range(3))
-    flash_attention(q, k, v, is_causal=True).sum().backward()
+    flash_attention(q, k, v, is_causal=True, deterministic=deterministic).sum().backward()
     torch.cuda.synchronize()
 
 
-def precompile(jobs: Sequence[tuple[tuple[int, int, int, int], str]], processes: int) -> None:
+def precompile(jobs: Sequence[tuple[tuple[int, int, int, int], str, bool]], processes: int) -> None:
     """Compile every autotuning candidate of our kernels in parallel processes to fill Triton's disk cache.
 
-    Each (shape, dtype) must share the launch specialisation (dtype, head dim, divisibility of sizes and
-    strides by 16) of the shapes timed later, so that their compilation is a cache hit.
+    Each job is (shape, dtype, deterministic backward). Its shape must share the launch specialisation
+    (dtype, head dim, divisibility of sizes and strides by 16) of the shapes timed later, so that their
+    compilation is a cache hit.
     """
     with multiprocessing.get_context("spawn").Pool(processes) as pool:
         pool.starmap(_warm_one, jobs)
@@ -241,9 +244,9 @@ def run_attention_bench(
     if cfg.precompile_jobs:
         jobs = []
         if "flash" in cfg.parts:
-            jobs += [((1, 1, 256, d), dt) for dt in cfg.flash_dtypes for d in cfg.flash_head_dims]
+            jobs += [((1, 1, 256, d), dt, True) for dt in cfg.flash_dtypes for d in cfg.flash_head_dims]
         if "anchors" in cfg.parts:
-            jobs += [((b, h, 256, d), "bf16") for b, h, _, d in ANCHOR_SHAPES]
+            jobs += [((b, h, 256, d), "bf16", det) for b, h, _, d in ANCHOR_SHAPES for det in (True, False)]
         precompile(jobs, cfg.precompile_jobs)
     rows: list[dict[str, Any]] = []
 
@@ -254,7 +257,8 @@ def run_attention_bench(
 
     if "anchors" in cfg.parts:
         for shape in ANCHOR_SHAPES:
-            for row in _flash_rows(shape, "bf16", ("triton", "sdpa"), cfg.anchor_rep_ms, cfg, "anchors"):
+            for row in _flash_rows(shape, "bf16", ("triton", "triton_atomic", "sdpa"), cfg.anchor_rep_ms, cfg,
+                                   "anchors"):
                 row["target_fwd_bwd_ms"] = ANCHOR_TARGET_MS.get(shape)
                 if row["fwd_bwd_tflops"] is not None:
                     row["fraction_of_772_tflops"] = row["fwd_bwd_tflops"] * 1e12 / BF16_MATMUL_FLOPS

@@ -1,0 +1,161 @@
+"""Wide autotuning sweep for our FlashAttention-2 kernels, then ours (both backward modes) vs SDPA.
+
+The kernels in :mod:`cs336_kernels.flash_attention` autotune over a short pruned list of
+(BLOCK_M, BLOCK_N, num_warps, num_stages) per regime (dtype width, padded head dim), so that a cold
+start stays fast. This sweep widens those lists with :data:`CANDIDATES` (bf16/fp16 at d = 64 and 128),
+lets the autotuner time every candidate at the real shapes and records:
+
+- one ``bench = "tune"`` row per (shape, kernel, candidate) with the autotuner's median (a short
+  ``do_bench``, so a guide for pruning, not a result);
+- ``bench = "variants"`` rows: ``do_bench`` medians of forward, backward and forward+backward of SDPA,
+  ours with the deterministic backward (``triton``) and ours with dQ by atomics (``triton_atomic``), all
+  in one process, with the winning config of each kernel.
+
+The short lists in the kernel module are then edited from the ``tune`` rows, and the final numbers come
+from ``cs336 attention --part anchors`` on the committed lists. Run on the GPU machine::
+
+    bash tools/gpu.sh python3 -m cs336_harness.attention_tuning --out $OUT/attention_tuning.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import cs336_kernels.flash_attention as fa
+import torch
+
+from cs336_harness.attention_bench import AttentionBenchConfig, _flash_rows, _warm_one
+from cs336_harness.results import append_rows, provenance
+
+Entry = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
+
+# Extra candidates per kernel and (bytes per element, padded head dim). The forward and dQ kernels need
+# BLOCK_N | BLOCK_M, the dK/dV kernels BLOCK_M | BLOCK_N.
+CANDIDATES: dict[str, dict[tuple[int, int], list[Entry]]] = {
+    "fwd": {
+        (2, 64): [(128, 64, 4, 4), (128, 128, 4, 3), (128, 128, 8, 4), (256, 64, 8, 3), (64, 64, 4, 3)],
+        (2, 128): [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4), (256, 64, 8, 2)],
+    },
+    "dkdv": {
+        (2, 64): [(64, 128, 8, 2), (128, 128, 8, 2), (32, 128, 8, 3), (64, 128, 4, 3)],
+        (2, 128): [(64, 128, 8, 3), (32, 128, 8, 2), (64, 64, 4, 3), (64, 64, 8, 3), (32, 64, 4, 3)],
+    },
+    "dkdvq": {
+        (2, 64): [(64, 128, 8, 2), (128, 128, 8, 2), (32, 128, 8, 3), (64, 64, 8, 3), (64, 128, 4, 3)],
+        (2, 128): [(64, 128, 8, 3), (64, 64, 4, 3), (64, 64, 8, 2), (32, 64, 4, 3), (128, 128, 8, 2)],
+    },
+    "dq": {
+        (2, 64): [(128, 64, 4, 3), (64, 64, 4, 4), (128, 128, 8, 3)],
+        (2, 128): [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 32, 4, 3)],
+    },
+}
+SHAPES: tuple[tuple[int, int, int, int], ...] = (
+    (1, 32, 32768, 128), (1, 16, 16384, 64), (1, 16, 16384, 128), (2, 16, 8192, 64),
+)
+IMPLS = ("sdpa", "triton", "triton_atomic")
+
+
+def _kernels() -> dict[str, Any]:
+    return {"fwd": fa._attn_fwd_kernel, "dkdv": fa._attn_bwd_dkdv_kernel, "dq": fa._attn_bwd_dq_kernel}
+
+
+def widen() -> None:
+    """Add :data:`CANDIDATES` to the kernels' lists and forget earlier autotuning results."""
+    tables = {"fwd": fa._FWD_TABLE, "dkdv": fa._DKDV_TABLE, "dkdvq": fa._DKDVQ_TABLE, "dq": fa._DQ_TABLE}
+    for name, extra in CANDIDATES.items():
+        for key, entries in extra.items():
+            # In place: the kernels' pruners hold these very dicts.
+            tables[name][key] = list(dict.fromkeys([*tables[name][key], *entries]))
+    kernels = _kernels()
+    kernels["fwd"].configs = fa._configs(fa._FWD_TABLE)
+    kernels["dkdv"].configs = fa._configs(fa._DKDV_TABLE, fa._DKDVQ_TABLE)
+    kernels["dq"].configs = fa._configs(fa._DQ_TABLE)
+    for kernel in kernels.values():
+        kernel.cache.clear()
+
+
+def _warm_wide(shape: tuple[int, int, int, int], dtype_name: str, deterministic: bool) -> None:
+    widen()
+    _warm_one(shape, dtype_name, deterministic)
+
+
+def _entry(config: Any) -> list[int]:
+    return [config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages]
+
+
+def _tune_rows(shape: tuple[int, int, int, int], deterministic: bool) -> Iterator[dict[str, Any]]:
+    """Run forward+backward once (autotuning anything new) and report every kernel it just tuned."""
+    kernels = _kernels()
+    before = {name: id(getattr(k, "configs_timings", None)) for name, k in kernels.items()}
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    fa.flash_attention(q, k, v, is_causal=True, deterministic=deterministic).sum().backward()
+    torch.cuda.synchronize()
+    for name, kernel in kernels.items():
+        timings = getattr(kernel, "configs_timings", None)
+        if timings is None or id(timings) == before[name]:
+            continue
+        label = "dkdvq" if name == "dkdv" and not deterministic else name
+        for config, (median, p20, p80) in sorted(timings.items(), key=lambda item: item[1][0]):
+            yield {"bench": "tune", "kernel": label, "batch": shape[0], "heads": shape[1], "seq": shape[2],
+                   "d": shape[3], "dtype": "bf16", "config": _entry(config), "ms": median, "p20_ms": p20,
+                   "p80_ms": p80, "best": config is kernel.best_config}
+
+
+def run_tuning(shapes: Sequence[tuple[int, int, int, int]], rep_ms: int, out: str | None,
+               precompile_jobs: int) -> list[dict[str, Any]]:
+    """The ``tune`` and ``variants`` rows for ``shapes`` (bf16, causal); each row is appended as it comes."""
+    meta = provenance()
+    rows: list[dict[str, Any]] = []
+
+    def emit(row: dict[str, Any]) -> None:
+        rows.append(row)
+        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+        if out:
+            append_rows(out, [row], meta)
+
+    widen()
+    if precompile_jobs:
+        jobs = [((b, h, 256, d), "bf16", det) for b, h, _, d in shapes for det in (True, False)]
+        with multiprocessing.get_context("spawn").Pool(precompile_jobs) as pool:
+            pool.starmap(_warm_wide, list(dict.fromkeys(jobs)))
+    cfg = AttentionBenchConfig(parts=("anchors",), anchor_rep_ms=rep_ms)
+    kernels = _kernels()
+    for shape in shapes:
+        for deterministic in (True, False):
+            for row in _tune_rows(shape, deterministic):
+                emit(row)
+        for row in _flash_rows(shape, "bf16", IMPLS, rep_ms, cfg, "variants"):
+            if row["impl"].startswith("triton"):
+                # The configs of the row's last launches (its forward+backward timing), per kernel.
+                deterministic = row["impl"] == "triton"
+                row["configs"] = {name: _entry(kernel.best_config) for name, kernel in kernels.items()
+                                  if deterministic or name != "dq"}
+            emit(row)
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None, help="append rows (with provenance) to this JSONL file")
+    parser.add_argument("--rep-ms", type=int, default=1000, help="do_bench repetition for the variants rows")
+    parser.add_argument("--precompile-jobs", type=int, default=4, help="processes compiling candidates first")
+    parser.add_argument("--shapes", default=None,
+                        help="b,h,s,d[;b,h,s,d...] (default: the two anchors and two more)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("attention_tuning times GPU kernels and needs a CUDA GPU")
+    shapes = SHAPES
+    if args.shapes:
+        shapes = tuple(tuple(int(x) for x in item.split(",")) for item in args.shapes.split(";"))
+        if any(len(shape) != 4 or min(shape) <= 0 for shape in shapes):
+            raise SystemExit(f"--shapes wants positive b,h,s,d groups separated by ';', got {args.shapes!r}")
+    run_tuning(shapes, args.rep_ms, args.out, args.precompile_jobs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

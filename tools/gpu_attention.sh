@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# FlashAttention-2 on one GPU of the lent machine, in one call. Two modes:
+#   explore: the kernels' GPU tests once, then the wide autotuning sweep (python -m
+#            cs336_harness.attention_tuning: every candidate config timed at the real shapes, then ours
+#            with the deterministic and the atomic-dQ backward against SDPA in one process).
+#            Rows: $OUT/attention_tuning.jsonl (about 5 minutes).
+#   final:   the kernels' GPU tests 5 times in a row, then `cs336 attention --part anchors` (ours, both
+#            backward modes, and SDPA at the two anchor shapes). Rows: $OUT/attention_anchors.jsonl.
+# Every step has its own timeout and no step starts after $ATTN_DEADLINE_S seconds (default 420), so
+# rows written before a hang still come back. Log: $OUT/log.txt.
+#   run (GPU machine, repo root): bash tools/gpu_attention.sh explore
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+OUT="${OUT:-$root/gpu_out}"
+mkdir -p "$OUT"
+mode="${1:-explore}"
+deadline=$(($(date +%s) + ${ATTN_DEADLINE_S:-420}))
+left() { echo $((deadline - $(date +%s))); }
+py=(bash tools/gpu.sh python3)
+export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}"
+{
+  nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv
+  case "$mode" in
+    explore)
+      timeout 150 "${py[@]}" -m pytest -m gpu packages/kernels -q -p no:cacheprovider
+      timeout "$(left)" "${py[@]}" -m cs336_harness.attention_tuning --precompile-jobs 8 \
+        --out "$OUT/attention_tuning.jsonl"
+      ;;
+    final)
+      for run in 1 2 3 4 5; do
+        if [ "$(left)" -lt 120 ]; then echo "[skip: deadline] test run $run"; continue; fi
+        echo "== gpu test run $run"
+        timeout 120 "${py[@]}" -m pytest -m gpu packages/kernels -q -p no:cacheprovider
+      done
+      timeout "$(left)" "${py[@]}" -m cs336_harness.cli attention --part anchors --precompile-jobs 6 \
+        --out "$OUT/attention_anchors.jsonl"
+      ;;
+    *) echo "unknown mode $mode (explore or final)"; exit 2 ;;
+  esac
+  ls -la "$OUT"
+} 2>&1 | tee "$OUT/log.txt"
