@@ -20,8 +20,9 @@ from typing import Any
 import torch
 
 _REPO_ROOT = Path(__file__).resolve().parents[4]
-# The GPU machine receives a copy of the working tree without .git; a post-commit hook
-# (tools/install-hooks.sh) keeps the current commit in this untracked file so rows there still say it.
+# The GPU machine receives a copy of the working tree whose .git is missing or stale (it can hold the
+# session's first commit); a post-commit hook (tools/install-hooks.sh) keeps the current commit in this
+# untracked file so rows there still say it.
 _COMMIT_FILE = _REPO_ROOT / ".commit"
 
 
@@ -36,14 +37,14 @@ def _git(*args: str) -> str | None:
 def git_commit() -> str:
     """The commit the code ran from, with ``+dirty`` if tracked files were modified.
 
-    Without git (the GPU machine) it is read from ``.commit`` and marked ``+unchecked``.
+    Where ``.commit`` names another commit than git's HEAD, or there is no git (the GPU machine's copy),
+    it is read from ``.commit`` and marked ``+unchecked``.
     """
     commit = _git("rev-parse", "--short=12", "HEAD")
-    if commit:
+    recorded = _COMMIT_FILE.read_text().strip() if _COMMIT_FILE.exists() else None
+    if commit and recorded in (None, commit):
         return commit + ("+dirty" if _git("status", "--porcelain", "--untracked-files=no") else "")
-    if _COMMIT_FILE.exists():
-        return _COMMIT_FILE.read_text().strip() + "+unchecked"
-    return "unknown"
+    return f"{recorded}+unchecked" if recorded else "unknown"
 
 
 def device_name() -> str:

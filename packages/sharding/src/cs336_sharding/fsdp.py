@@ -67,9 +67,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-# Reduce-scatters kept in flight during backward before the oldest is waited for; each holds a unit's full
-# fp32 gradient buffer until then. One (as in FSDP2) overlaps it with the next unit's backward, which at
-# our sizes takes several times longer than the collective; every further one costs a unit's fp32 gradient.
+# Reduce-scatters left in flight while backward computes; the oldest is waited for (and its unit's full fp32
+# gradient buffer freed) before the next unit's buffer is allocated. One (as in FSDP2) overlaps it with the
+# next unit's backward, which at our sizes takes several times longer than the collective; every further one
+# costs a unit's fp32 gradient in memory.
 MAX_PENDING_REDUCE_SCATTERS = 1
 
 
@@ -325,12 +326,16 @@ class FSDP(nn.Module):
             _allocate(full)
             full.copy_(shard)
             return
-        # Cast before communicating: the gather moves compute-dtype bytes, not fp32 ones. The shard itself is
-        # the input when no cast is needed: nothing writes to it between forward and the optimizer step.
-        local = shard if full.dtype == shard.dtype else shard.to(full.dtype)
         # With a staging buffer, the full buffer gets its memory only when the gather has landed (as in
         # FSDP2), so a prefetched unit costs its staging buffer alone while in flight.
         out = _allocate(full) if self._layouts_coincide(unit) else torch.empty_like(full)
+        if full.dtype == shard.dtype:
+            local = shard  # nothing writes to the shard between the forward and the optimizer step
+        else:
+            # Cast before communicating, so the gather moves compute-dtype bytes, and cast straight into this
+            # rank's place in the output (an in-place gather, as FSDP2 does) rather than into a buffer of its own.
+            local = out.view(self._world_size, unit.shard_numel)[self._rank]
+            local.copy_(shard)
         work = self._launch_gather(unit, local, out, async_op=True)
         assert work is not None
         unit.gather = (work, out, local)
@@ -410,6 +415,9 @@ class FSDP(nn.Module):
         unit.backward_uses -= 1
         if unit.backward_uses <= 0:
             self._free(unit)
+        # Wait for the oldest reduce-scatter before allocating, so this unit's buffer can reuse its memory.
+        while len(self._pending_reduce_scatters) >= MAX_PENDING_REDUCE_SCATTERS:
+            self._retire_reduce_scatter()
         # Rank-major, the layout reduce_scatter_tensor splits: row r holds rank r's pieces of every weight.
         # Gradients are reduced in the master dtype: summing low-precision gradients over ranks loses bits.
         flat = torch.empty(self._world_size * unit.shard_numel, dtype=unit.local.dtype, device=unit.local.device)
@@ -431,8 +439,6 @@ class FSDP(nn.Module):
         with torch.profiler.record_function(f"fsdp.reduce_scatter.{unit.name}"):
             work = dist.reduce_scatter_tensor(out, flat, async_op=True)
         self._pending_reduce_scatters.append((unit, work, out, flat))
-        while len(self._pending_reduce_scatters) > MAX_PENDING_REDUCE_SCATTERS:
-            self._retire_reduce_scatter()
 
     def _retire_reduce_scatter(self) -> None:
         unit, work, out, _ = self._pending_reduce_scatters.pop(0)

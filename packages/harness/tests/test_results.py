@@ -1,0 +1,36 @@
+"""Provenance: which commit a results row names, with git, with a stale git copy, and without git."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from cs336_harness import results
+
+
+@pytest.fixture
+def fake_git(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """Point the commit file at tmp_path and answer git with the given HEAD and status."""
+
+    def install(head: str | None, status: str = "", recorded: str | None = None) -> None:
+        commit_file = tmp_path / ".commit"
+        if recorded is not None:
+            commit_file.write_text(recorded + "\n")
+        monkeypatch.setattr(results, "_COMMIT_FILE", commit_file)
+        answers = {"rev-parse": head, "status": status if head else None}
+        monkeypatch.setattr(results, "_git", lambda *args: answers[args[0]])
+
+    return install
+
+
+@pytest.mark.parametrize(("head", "status", "recorded", "expected"), [
+    ("abc123", "", None, "abc123"),  # a clone without the hook
+    ("abc123", " M x.py", None, "abc123+dirty"),
+    ("abc123", "", "abc123", "abc123"),  # the hook keeps .commit equal to HEAD
+    ("abc123", "", "def456", "def456+unchecked"),  # a copy whose .git is stale
+    (None, "", "def456", "def456+unchecked"),  # a copy without .git
+    (None, "", None, "unknown"),
+])
+def test_git_commit(fake_git, head: str | None, status: str, recorded: str | None, expected: str) -> None:
+    fake_git(head, status, recorded)
+    assert results.git_commit() == expected
