@@ -45,6 +45,8 @@ def test_ddp_command_on_cpu(tmp_path, capsys) -> None:
     for r in rows:
         assert r["backend"] == "gloo" and r["world_size"] == 2 and r["step_ms"] > 0 and "commit" in r
         assert r["params_in_sync"] == (r["variant"] != "nocomm")
+        host = [r[f"host_{phase}_ms"] for phase in ddp_bench.STEP_PHASES]
+        assert all(h > 0 for h in host) and sum(host) <= r["step_ms"] * 1.01
     assert (figs / "ddp_timeline_fp32.png").stat().st_size > 0
     table = ddp_bench.ddp_markdown(rows)
     assert table.count("\n") == len(rows) + 1 and "| fp32 | bucketed |" in table

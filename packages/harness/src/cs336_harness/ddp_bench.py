@@ -12,6 +12,10 @@ What is measured, per (dtype, variant):
   device synchronised around each step; the slowest rank's median.
 - ``overhead_ms``: ``step_ms`` minus the ``nocomm`` step of the same dtype in the same run. This is
   the end-to-end price of data parallelism, including compute slowed by NCCL kernels sharing the GPU.
+- ``host_<phase>_ms`` (forward, backward, grad_sync, optimizer): rank 0's median CPU time to issue each
+  phase, the device not synchronised inside the step. When a phase's host time is close to the step's
+  share of it, the CPU's launch rate, not the GPU, bounds that phase (the bf16 steps here), and any
+  Python a wrapper runs during it (hooks, collective calls) adds to the step.
 - ``comm_ms`` and ``exposed_comm_ms`` from a ``torch.profiler`` trace of one more step on rank 0: the
   time NCCL kernels run, and the part of it when no compute kernel runs. Only the exposed part can
   lengthen the step; the trace measures it directly for every variant, torch's DDP included (whose
@@ -131,7 +135,8 @@ def _sync(device: torch.device) -> None:
 
 
 def _make_step(config: DDPBenchConfig, wrapped: nn.Module, optimizer: torch.optim.Optimizer, dtype: str,
-               device: torch.device, rank: int) -> Callable[[], None]:
+               device: torch.device, rank: int) -> Callable[[], dict[str, float]]:
+    """One training step as a function returning the host (CPU) seconds each phase took to issue."""
     local_batch = config.global_batch // config.world_size
     g = torch.Generator().manual_seed(1000 + rank)  # each rank its own shard of the global batch
     tokens = torch.randint(0, config.vocab_size, (local_batch, config.context_length + 1), generator=g).to(device)
@@ -139,18 +144,24 @@ def _make_step(config: DDPBenchConfig, wrapped: nn.Module, optimizer: torch.opti
     autocast_dtype = DTYPES[dtype]
     finish = getattr(wrapped, "finish_gradient_synchronization", lambda: None)
 
-    def step() -> None:
+    def step() -> dict[str, float]:
+        t0 = time.perf_counter()
         with profiling.annotate("forward"), torch.autocast(
             device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None
         ):
             loss = cross_entropy(wrapped(inputs), targets)
+        t1 = time.perf_counter()
         with profiling.annotate("backward"):
             loss.backward()
+        t2 = time.perf_counter()
         with profiling.annotate("grad_sync"):
             finish()
+        t3 = time.perf_counter()
         with profiling.annotate("optimizer"):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        t4 = time.perf_counter()
+        return {"forward": t1 - t0, "backward": t2 - t1, "grad_sync": t3 - t2, "optimizer": t4 - t3}
 
     return step
 
@@ -171,12 +182,12 @@ def _bench_variant(config: DDPBenchConfig, variant: str, dtype: str, rank: int, 
     for _ in range(config.warmup):
         with profiling.annotate("warmup"):
             step()
-    times = []
+    times, host = [], []
     for _ in range(config.steps):
         _sync(device)
         t0 = time.perf_counter()
         with profiling.annotate("step"):
-            step()
+            host.append(step())
         _sync(device)
         times.append(time.perf_counter() - t0)
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -189,6 +200,7 @@ def _bench_variant(config: DDPBenchConfig, variant: str, dtype: str, rank: int, 
         _sync(device)
     if rank == 0:
         prof.export_chrome_trace(str(trace_path))
+    host_ms = {f"host_{phase}_ms": statistics.median(h[phase] for h in host) * 1e3 for phase in STEP_PHASES}
     slowest = torch.tensor([statistics.median(times), max(times)], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     in_sync = _params_in_sync(model)
@@ -200,7 +212,7 @@ def _bench_variant(config: DDPBenchConfig, variant: str, dtype: str, rank: int, 
     return {
         "variant": variant, "dtype": dtype, "step_ms": float(slowest[0]) * 1e3,
         "step_max_ms": float(slowest[1]) * 1e3, "peak_mem_gib": peak, "trace": trace_path.name,
-        "params_in_sync": in_sync,
+        "params_in_sync": in_sync, **host_ms,
     }
 
 
