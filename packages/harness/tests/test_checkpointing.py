@@ -8,10 +8,12 @@ import pytest
 import torch
 from cs336_basics.model import BasicsTransformerLM
 from cs336_basics.nn_utils import cross_entropy
+from cs336_harness.attention_impls import use_attention
 from cs336_harness.checkpointing import CheckpointedSegment, apply_checkpointing, parse_policy
 from cs336_harness.residuals import count_residuals
+from torch.utils._python_dispatch import TorchDispatchMode
 
-POLICIES = ["all", "group:2", "group:3", "first:2", "sqrt", "nested", "nested:3", "selective"]
+POLICIES = ["all", "group:2", "group:3", "first:2", "sqrt", "nested", "nested:3", "selective", "attention"]
 
 
 def _model() -> BasicsTransformerLM:
@@ -41,7 +43,7 @@ def test_policy_matches_no_checkpointing(policy: str) -> None:
         torch.testing.assert_close(g, ref, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("policy", ["all", "group:2", "sqrt", "nested", "selective"])
+@pytest.mark.parametrize("policy", ["all", "group:2", "sqrt", "nested", "selective", "attention"])
 def test_policy_saves_less_for_backward(policy: str) -> None:
     tokens = torch.randint(0, 37, (3, 11), generator=torch.Generator().manual_seed(2))
     plain = _model()
@@ -49,6 +51,36 @@ def test_policy_saves_less_for_backward(policy: str) -> None:
     ckpt = apply_checkpointing(_model(), policy)
     _, reduced = count_residuals(ckpt, tokens, params=ckpt, track=False)
     assert reduced.total_bytes < full.total_bytes
+
+
+class _CountAttention(TorchDispatchMode):
+    """Counts the fused attention forward ops dispatched while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(("policy", "recomputed"), [("all", 5), ("attention", 0), ("selective", 0)])
+def test_attention_policy_does_not_recompute_attention(policy: str, recomputed: int) -> None:
+    gen = torch.Generator().manual_seed(3)
+    tokens, targets = torch.randint(0, 37, (3, 11), generator=gen), torch.randint(0, 37, (3, 11), generator=gen)
+    base = _model()
+    with use_attention("sdpa"):
+        ref_loss, ref_grads = _loss_and_grads(copy.deepcopy(base), tokens, targets)
+        model = apply_checkpointing(copy.deepcopy(base), policy)
+        loss = cross_entropy(model(tokens), targets)
+        with _CountAttention() as counter:
+            loss.backward()
+    assert counter.calls == recomputed  # one per block under "all"
+    torch.testing.assert_close(loss.detach(), ref_loss, rtol=0, atol=0)
+    for p, ref in zip(model.parameters(), ref_grads, strict=True):
+        torch.testing.assert_close(p.grad, ref, rtol=1e-6, atol=1e-7)
 
 
 def test_segments_follow_the_policy() -> None:

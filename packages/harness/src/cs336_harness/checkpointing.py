@@ -21,6 +21,10 @@ Policies (strings, as given to ``cs336 bench --checkpoint``):
   peak memory is O(log N) segment inputs plus one block's residuals, at O(N log N) block forwards.
 - ``selective``: each block its own segment, but matmul outputs (and fused attention outputs) are
   saved, so the backward recomputes only the cheap elementwise and normalisation ops.
+- ``attention``: each block its own segment, saving only the fused attention's outputs (SDPA's kernels;
+  output and log-sum-exp, ``b * T * d_model`` elements per block), so the backward's recomputation
+  skips the one op whose cost grows as ``T^2``; the matmuls are recomputed. The model's own unfused
+  attention is not an op of this kind: use it with ``cs336 bench --attention sdpa``.
 """
 
 from __future__ import annotations
@@ -33,21 +37,26 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-POLICY_KINDS: tuple[str, ...] = ("none", "all", "group", "first", "sqrt", "nested", "selective")
+POLICY_KINDS: tuple[str, ...] = ("none", "all", "group", "first", "sqrt", "nested", "selective", "attention")
 # Group sizes tried by ``cs336 bench --checkpoint groups`` (those up to the model's depth).
 GROUP_SWEEP: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 16, 32)
 _NEEDS_ARG = {"group", "first"}
 _TAKES_ARG = {"group", "first", "nested"}
 
-# Outputs of these ops are kept under the selective policy: they are the expensive ones to redo.
-_SAVED_OPS = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.bmm.default,
-    torch.ops.aten.addmm.default,
+# Outputs kept by the ``attention`` policy: the fused attention kernels SDPA dispatches to.
+_ATTENTION_OPS = frozenset({
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+})
+# Outputs kept by the ``selective`` policy: the expensive ones to redo.
+_MATMUL_AND_ATTENTION_OPS = _ATTENTION_OPS | {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.addmm.default,
 }
+_SAVED_OPS = {"selective": _MATMUL_AND_ATTENTION_OPS, "attention": _ATTENTION_OPS}
 
 
 @dataclass(frozen=True)
@@ -73,7 +82,8 @@ class CheckpointPolicySpec:
 
 
 def parse_policy(text: str) -> CheckpointPolicySpec:
-    """Parse ``'none'``, ``'all'``, ``'group:4'``, ``'first:8'``, ``'sqrt'``, ``'nested:2'``, ``'selective'``."""
+    """Parse ``'none'``, ``'all'``, ``'group:4'``, ``'first:8'``, ``'sqrt'``, ``'nested:2'``, ``'selective'``,
+    ``'attention'``."""
     kind, sep, count = text.strip().partition(":")
     if not sep:
         return CheckpointPolicySpec(kind, 2 if kind == "nested" else None)
@@ -84,17 +94,18 @@ def parse_policy(text: str) -> CheckpointPolicySpec:
     return CheckpointPolicySpec(kind, arg)
 
 
-def _save_matmuls(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+def _save_ops(saved: frozenset, ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class CheckpointedSegment(nn.Module):
-    """Runs ``blocks`` in order inside one non-reentrant checkpoint."""
+    """Runs ``blocks`` in order inside one non-reentrant checkpoint; outputs of the ops in ``saved_ops``
+    (if any) are kept from the forward instead of recomputed."""
 
-    def __init__(self, blocks: list[nn.Module], selective: bool = False):
+    def __init__(self, blocks: list[nn.Module], saved_ops: frozenset = frozenset()):
         super().__init__()
         self.blocks = nn.ModuleList(blocks)
-        self.selective = selective
+        self.saved_ops = saved_ops
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -102,13 +113,14 @@ class CheckpointedSegment(nn.Module):
         return x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.selective:
-            context_fn = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+        if self.saved_ops:
+            policy_fn = functools.partial(_save_ops, self.saved_ops)
+            context_fn = functools.partial(create_selective_checkpoint_contexts, policy_fn)
             return checkpoint(self._run, x, use_reentrant=False, context_fn=context_fn)
         return checkpoint(self._run, x, use_reentrant=False)
 
     def extra_repr(self) -> str:
-        return f"num_blocks={len(self.blocks)}, selective={self.selective}"
+        return f"num_blocks={len(self.blocks)}, saved_ops={len(self.saved_ops)}"
 
 
 def _nested(blocks: list[nn.Module], branching: int) -> CheckpointedSegment:
@@ -123,8 +135,8 @@ def segments_for(blocks: list[nn.Module], policy: CheckpointPolicySpec) -> list[
     n = len(blocks)
     if policy.kind == "none":
         return list(blocks)
-    if policy.kind == "selective":
-        return [CheckpointedSegment([b], selective=True) for b in blocks]
+    if policy.kind in _SAVED_OPS:
+        return [CheckpointedSegment([b], saved_ops=_SAVED_OPS[policy.kind]) for b in blocks]
     if policy.kind == "first":
         k = min(policy.arg or 0, n)
         return [CheckpointedSegment([b]) for b in blocks[:k]] + list(blocks[k:])

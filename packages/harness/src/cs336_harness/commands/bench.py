@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--optimizer", default="adamw", help="adamw (ours, default) | torch-adamw | fused-adamw")
     r.add_argument("--loss", default="standard", help="standard | fused (fused linear + cross-entropy kernel)")
     r.add_argument("--checkpoint", type=csv_of(str), default=(),
-                   help="none (default) | all | group:K | first:N | sqrt | nested[:B] | selective | groups "
+                   help="none (default) | all | group:K | first:N | sqrt | nested[:B] | selective | attention | groups "
                         "(= group:K for K in 1,2,3,4,6,8,16,32 up to num_layers)")
     r.add_argument("--sweep", action="store_true",
                    help=f"sizes {','.join(bench.SWEEP_SIZES)} x contexts "

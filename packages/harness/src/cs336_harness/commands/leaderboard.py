@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention", default="triton", help=f"{' | '.join(leaderboard.ATTENTIONS)} (default triton)")
     parser.add_argument("--checkpoint", default="all",
                         help="activation checkpointing policy: none, all, group:K, first:N, sqrt, nested:B, "
-                             "selective (default all)")
+                             "selective, attention (default all)")
     parser.add_argument("--optimizer", default="fused",
                         help="fused (our Triton FusedAdamW) | torch (torch.optim.AdamW(fused=True)); default fused")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps (default 2)")
