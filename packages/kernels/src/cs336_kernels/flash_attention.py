@@ -55,16 +55,17 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Autotuning: a short list per regime, picked by dtype width and padded head dim before any benchmarking.
 # ----------------------------------------------------------------------------------------------------
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages), keyed by (bytes per element, padded head dim), chosen from
-# sm_90 builds whose ptxas report shows no (or few) register spills; fp32 runs on FMA units, not tensor
-# cores, and needs far smaller tiles. BLOCK_M counts queries and BLOCK_N keys in every kernel; the
-# forward and dQ kernels loop over key tiles and need BLOCK_N | BLOCK_M, the dK/dV kernel loops over
-# query tiles and needs BLOCK_M | BLOCK_N.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages), keyed by (bytes per element, padded head dim). 16-bit d = 64
+# and d = 128: the two fastest of a wider sweep on an H200 (cs336_harness.attention_tuning, rows in
+# writeup/results/attention_tuning.jsonl); other entries were chosen from sm_90 builds with few register
+# spills. fp32 runs on FMA units, not tensor cores, and needs far smaller tiles. BLOCK_M counts queries and
+# BLOCK_N keys in every kernel; the forward and dQ kernels loop over key tiles and need BLOCK_N | BLOCK_M,
+# the dK/dV kernel loops over query tiles and needs BLOCK_M | BLOCK_N.
 _FWD_TABLE = {
     (2, 16): [(128, 64, 4, 3), (128, 128, 8, 3)],
     (2, 32): [(128, 64, 4, 3), (128, 128, 8, 3)],
-    (2, 64): [(128, 64, 4, 3), (128, 128, 8, 3)],
-    (2, 128): [(128, 64, 8, 3), (128, 128, 8, 2)],
+    (2, 64): [(64, 64, 4, 3), (128, 64, 4, 4)],
+    (2, 128): [(128, 128, 8, 3), (128, 64, 8, 3)],
     (2, 256): [(64, 64, 8, 2), (128, 32, 8, 2)],
     (4, 16): [(64, 32, 8, 2), (32, 32, 4, 2)],
     (4, 32): [(64, 32, 8, 2), (32, 32, 4, 2)],
@@ -75,7 +76,7 @@ _FWD_TABLE = {
 _DKDV_TABLE = {
     (2, 16): [(64, 128, 8, 3), (64, 64, 4, 3)],
     (2, 32): [(64, 128, 8, 3), (64, 64, 4, 3)],
-    (2, 64): [(64, 128, 8, 3), (64, 64, 4, 3)],
+    (2, 64): [(64, 64, 4, 3), (64, 128, 8, 3)],
     (2, 128): [(32, 128, 8, 3), (64, 128, 8, 2)],
     (2, 256): [(16, 64, 8, 2), (32, 32, 8, 2)],
     (4, 16): [(32, 32, 8, 2), (16, 32, 4, 2)],
@@ -100,8 +101,8 @@ _DKDVQ_TABLE = {
 _DQ_TABLE = {
     (2, 16): [(128, 64, 8, 3), (128, 128, 8, 2)],
     (2, 32): [(128, 64, 8, 3), (128, 128, 8, 2)],
-    (2, 64): [(128, 64, 8, 3), (128, 128, 8, 2)],
-    (2, 128): [(128, 64, 8, 2), (128, 32, 8, 3)],
+    (2, 64): [(64, 64, 4, 4), (128, 128, 8, 3)],
+    (2, 128): [(128, 64, 8, 3), (128, 32, 8, 3)],
     (2, 256): [(64, 32, 8, 2), (32, 32, 4, 2)],
     (4, 16): [(64, 32, 8, 2), (32, 32, 4, 2)],
     (4, 32): [(64, 32, 8, 2), (32, 32, 4, 2)],
