@@ -339,7 +339,12 @@ def attention_tables(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
                               "compiled bwd (ms)", "bwd speed-up", "eager saved by one fwd (GiB)",
                               "compiled saved by one fwd (GiB)"])
         )
-    anchors = [r for r in rows if r.get("bench") == "anchors"]
+    # Anchor rows accumulate over sessions; the table shows the latest run of each (shape, impl).
+    latest: dict[tuple, dict[str, Any]] = {}
+    for r in sorted((r for r in rows if r.get("bench") == "anchors"), key=lambda r: r.get("date", "")):
+        latest[(r["batch"], r["heads"], r["seq"], r["d"], r["impl"])] = r
+    order = {"triton": 0, "triton_atomic": 1, "sdpa": 2}
+    anchors = sorted(latest.values(), key=lambda r: (-r["seq"] * r["d"], order.get(r["impl"], 3), r["impl"]))
     if anchors:
         table = [{**r, "shape": f"({r['batch']}, {r['heads']}, {r['seq']}, {r['d']})",
                   "fwd": _ms(r, "fwd_ms"), "bwd": _ms(r, "bwd_ms"), "fb": _ms(r, "fwd_bwd_ms")} for r in anchors]
