@@ -35,7 +35,7 @@ xdist=()
       # The attention GPU tests 5 times (each pytest process autotunes afresh; compiled kernels come from
       # Triton's disk cache after the first run), keeping the last 100 s for the anchors.
       for run in 1 2 3 4 5; do
-        if [ "$(left)" -lt 160 ]; then echo "[skip: deadline] test run $run"; continue; fi
+        if [ "$(left)" -lt 135 ]; then echo "[skip: deadline] test run $run"; continue; fi
         echo "== gpu test run $run"
         timeout $(($(left) - 100)) "${py[@]}" -m pytest -m gpu packages/kernels/tests/test_flash_attention.py \
           -q -p no:cacheprovider "${xdist[@]}" || echo "== gpu test run $run FAILED or timed out (rc $?)"

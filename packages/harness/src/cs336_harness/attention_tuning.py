@@ -15,14 +15,26 @@ The short lists in the kernel module are then edited from the ``tune`` rows, and
 from ``cs336 attention --part anchors`` on the committed lists. Run on the GPU machine::
 
     bash tools/gpu.sh python3 -m cs336_harness.attention_tuning --out $OUT/attention_tuning.jsonl
+
+``--builds`` needs no GPU: it compiles each kernel (bf16, causal, d = 64 and 128) for sm_90 with every
+listed and candidate config and records what ptxas and the SASS say (``bench = "build"`` rows: registers
+per thread, stack frame bytes, and static counts in the SASS of local-memory spill stores and loads,
+wgmma and mma.sync instructions and vector reductions)::
+
+    uv run python -m cs336_harness.attention_tuning --builds --out writeup/results/attention_builds.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing
+import re
+import shutil
+import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import cs336_kernels.flash_attention as fa
@@ -138,6 +150,82 @@ def run_tuning(shapes: Sequence[tuple[int, int, int, int]], rep_ms: int, out: st
     return rows
 
 
+# ------------------------------------------------------------------------------ offline sm_90 builds
+
+_BF16_POINTERS = {"Q", "K", "V", "O", "DO", "DK", "DV"}
+_UNIT_STRIDES = {"stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_dod", "stride_dkd", "stride_dvd",
+                 "stride_dqd"}
+
+
+def _cuobjdump() -> str:
+    import triton.backends.nvidia
+
+    bundled = Path(triton.backends.nvidia.__file__).parent / "bin" / "cuobjdump"
+    found = shutil.which("cuobjdump") or (str(bundled) if bundled.exists() else None)
+    if found is None:
+        raise RuntimeError("cuobjdump not found (neither on PATH nor bundled with Triton)")
+    return found
+
+
+def build_row(name: str, head_dim: int, entry: Entry) -> dict[str, Any]:
+    """Compile one kernel for sm_90 as the launcher would specialise it (bf16, causal, unit d stride,
+    16-divisible sizes) and read its resources; ``name`` is fwd, dkdv, dkdvq or dq."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = _kernels()["dkdv" if name == "dkdvq" else name].fn
+    block_m, block_n, num_warps, num_stages = entry
+    constants: dict[str, Any] = {"HEAD_DIM": head_dim, "BLOCK_D": head_dim, "EVEN_D": True, "IS_CAUSAL": True,
+                                 "DOT_PRECISION": "tf32", "BLOCK_M": block_m, "BLOCK_N": block_n}
+    if "ATOMIC_DQ" in fn.arg_names:
+        constants["ATOMIC_DQ"] = name == "dkdvq"
+    constants |= {arg: 1 for arg in _UNIT_STRIDES & set(fn.arg_names)}
+    signature = {}
+    for arg in fn.arg_names:
+        if arg in constants:
+            signature[arg] = "constexpr"
+        elif arg in _BF16_POINTERS or (arg == "DQ" and name == "dq"):
+            signature[arg] = "*bf16"
+        elif arg in ("L", "DELTA", "DQ"):
+            signature[arg] = "*fp32"
+        else:
+            signature[arg] = "fp32" if arg in ("qk_scale", "sm_scale") else "i32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
+             if signature[arg] in ("*bf16", "*fp32", "i32")}
+    source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([_cuobjdump(), "-res-usage", cubin.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([_cuobjdump(), "-sass", cubin.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    return {"bench": "build", "kernel": name, "d": head_dim, "dtype": "bf16", "config": list(entry),
+            "target": "sm_90", "registers": int(found[1]) if found else None,
+            "stack_bytes": int(found[2]) if found else None, "shared_bytes": compiled.metadata.shared,
+            "spill_stores": sass.count("STL"), "spill_loads": sass.count("LDL"), "wgmma": sass.count("HGMMA"),
+            "mma_sync": sass.count("HMMA"), "vector_reductions": sass.count("REDG.E.ADD.F32x4")}
+
+
+def build_rows(out: str | None) -> list[dict[str, Any]]:
+    """:func:`build_row` for every listed and candidate config of the 16-bit d = 64 and 128 regimes."""
+    meta = provenance()
+    tables = {"fwd": fa._FWD_TABLE, "dkdv": fa._DKDV_TABLE, "dkdvq": fa._DKDVQ_TABLE, "dq": fa._DQ_TABLE}
+    rows = []
+    for name, table in tables.items():
+        for head_dim in (64, 128):
+            entries = dict.fromkeys([*table[(2, head_dim)], *CANDIDATES[name].get((2, head_dim), [])])
+            for entry in entries:
+                row = build_row(name, head_dim, entry)
+                print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+                rows.append(row)
+                if out:
+                    append_rows(out, [row], meta)
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="append rows (with provenance) to this JSONL file")
@@ -145,7 +233,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--precompile-jobs", type=int, default=4, help="processes compiling candidates first")
     parser.add_argument("--shapes", default=None,
                         help="b,h,s,d[;b,h,s,d...] (default: the two anchors and two more)")
+    parser.add_argument("--builds", action="store_true",
+                        help="no GPU: compile every config for sm_90 and record registers and spills")
     args = parser.parse_args(argv)
+    if args.builds:
+        build_rows(args.out)
+        return 0
     if not torch.cuda.is_available():
         raise SystemExit("attention_tuning times GPU kernels and needs a CUDA GPU")
     shapes = SHAPES
