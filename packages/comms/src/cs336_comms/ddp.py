@@ -188,10 +188,12 @@ class _GradientSync(nn.Module):
             assert bucket.work is not None
             bucket.work.wait()
             if bucket.flat is not None:
+                # The reduced bucket becomes the gradients' storage: views, not copies back, so no kernel
+                # per parameter after the backward (the pre-reduction gradients are freed).
                 offset = 0
                 for p in bucket.params:
                     n = p.grad.numel()
-                    p.grad.copy_(bucket.flat[offset:offset + n].view_as(p.grad))
+                    p.grad = bucket.flat[offset:offset + n].view_as(p.grad)
                     offset += n
             bucket.work, bucket.flat = None, None
             bucket.ready.clear()
