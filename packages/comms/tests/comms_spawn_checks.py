@@ -25,13 +25,15 @@ from cs336_comms.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlappedDDP
 WORLD_SIZE = 2
 INIT_SEED = 100  # rank r initialises with INIT_SEED + r; the wrappers must make every rank hold rank 0's
 STEPS = 4
+BUCKET_CAP_FLOATS = 50
 
 VARIANTS: dict[str, Callable[[nn.Module], nn.Module]] = {
     "naive": NaiveDDP,
     "flat": FlatDDP,
     "overlapped": OverlappedDDP,
-    # A tiny bucket cap so the toy models span several buckets, some holding several tensors.
-    "bucketed": lambda m: BucketedDDP(m, bucket_size_mb=300 * 4 / 2**20),
+    # A 50-float cap so the toy models span several buckets, some holding several tensors (see
+    # test_buckets_close_once_they_reach_the_cap).
+    "bucketed": lambda m: BucketedDDP(m, bucket_size_mb=BUCKET_CAP_FLOATS * 4 / 2**20),
 }
 
 
@@ -178,6 +180,14 @@ def _double_backward_error(rank: int) -> str | None:
     return None
 
 
+def _bucket_layout() -> list[list[str]]:
+    """BucketedDDP's buckets (parameter names) for the toy model, as the training checks build it."""
+    model = ToyModel()
+    names = {p: n for n, p in model.named_parameters()}
+    ddp = VARIANTS["bucketed"](model)
+    return [[names[p] for p in b.params] for b in ddp._buckets]
+
+
 def all_checks(rank: int, world_size: int, out_dir: str) -> None:
     torch.set_num_threads(1)  # the same kernels and reduction order in the ranks and the reference
     record: dict = {"train": {}, "reference_vs_full": {}}
@@ -189,6 +199,7 @@ def all_checks(rank: int, world_size: int, out_dir: str) -> None:
             record["reference_vs_full"][kind, num_micro] = (ref, full)
             for variant in VARIANTS:
                 record["train"][variant, kind, num_micro] = (_train_ddp(variant, kind, rank, batches, num_micro), ref)
+    record["buckets"] = _bucket_layout()
     record["mismatch"] = _mismatch_error(rank)
     record["double_backward"] = _double_backward_error(rank)
     record["collectives"] = benchmark_collectives(sizes_bytes=[4096, 40_000], warmup=1, iters=3)

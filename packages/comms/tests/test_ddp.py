@@ -49,6 +49,14 @@ def test_reference_is_full_batch_training(records: list[dict], kind: str, num_mi
         assert not torch.equal(ref["extra"], initial["extra"])
 
 
+def test_buckets_close_once_they_reach_the_cap(records: list[dict]) -> None:
+    # Reverse registration order (the model's own parameters come before its children's); a bucket closes
+    # once it holds >= 50 floats, so each bias rides with the weight after it (5 + 55, 11 + 143 floats) and
+    # the small leftovers share the last bucket; the frozen scale is left out.
+    for r in records:
+        assert r["buckets"] == [["fc2.bias", "fc2.weight"], ["fc1.bias", "fc1.weight"], ["unused", "extra"]]
+
+
 def test_mismatched_shapes_raise_on_every_rank(records: list[dict]) -> None:
     for record in records:
         assert record["mismatch"] is not None and "0.weight" in record["mismatch"]

@@ -234,8 +234,9 @@ class OverlappedDDP(_GradientSync):
 
 
 class BucketedDDP(_GradientSync):
-    """Gradients grouped into buckets of at most ``bucket_size_mb`` MiB (a larger tensor gets its own),
-    in reverse registration order; a bucket is all-reduced asynchronously once all its gradients exist.
+    """Gradients grouped into buckets in reverse registration order, a bucket closed once it holds at least
+    ``bucket_size_mb`` MiB (torch DDP's rule: a small tensor rides with the large one after it rather than
+    costing a collective of its own); a bucket is all-reduced asynchronously once all its gradients exist.
     """
 
     overlap = True
@@ -250,11 +251,10 @@ class BucketedDDP(_GradientSync):
         buckets: list[list[nn.Parameter]] = [[]]
         size = 0
         for p in params:
-            nbytes = p.numel() * p.element_size()
             current = buckets[-1]
-            if current and (size + nbytes > self.bucket_size_bytes or current[0].dtype != p.dtype):
+            if current and (size >= self.bucket_size_bytes or current[0].dtype != p.dtype):
                 buckets.append([])
                 size = 0
             buckets[-1].append(p)
-            size += nbytes
+            size += p.numel() * p.element_size()
         return buckets
