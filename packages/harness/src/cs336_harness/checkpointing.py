@@ -21,10 +21,11 @@ Policies (strings, as given to ``cs336 bench --checkpoint``):
   peak memory is O(log N) segment inputs plus one block's residuals, at O(N log N) block forwards.
 - ``selective``: each block its own segment, but matmul outputs (and fused attention outputs) are
   saved, so the backward recomputes only the cheap elementwise and normalisation ops.
-- ``attention``: each block its own segment, saving only the fused attention's outputs (SDPA's kernels;
-  output and log-sum-exp, ``b * T * d_model`` elements per block), so the backward's recomputation
-  skips the one op whose cost grows as ``T^2``; the matmuls are recomputed. The model's own unfused
-  attention is not an op of this kind: use it with ``cs336 bench --attention sdpa``.
+- ``attention``: each block its own segment, saving only the fused attention's outputs (SDPA's kernels or
+  our Triton FlashAttention-2; output and log-sum-exp, about ``b * T * d_model`` elements per block), so
+  the backward's recomputation skips the one op whose cost grows as ``T^2``; the matmuls are recomputed.
+  The model's own unfused attention is not an op of this kind: pair it with ``--attention sdpa`` or
+  ``--attention triton``.
 """
 
 from __future__ import annotations
@@ -43,19 +44,18 @@ GROUP_SWEEP: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 16, 32)
 _NEEDS_ARG = {"group", "first"}
 _TAKES_ARG = {"group", "first", "nested"}
 
-# Outputs kept by the ``attention`` policy: the fused attention kernels SDPA dispatches to.
+# Outputs kept by the ``attention`` policy, by operator name: the fused attention kernels SDPA dispatches to
+# and our Triton FlashAttention-2 forward (cs336_kernels.flash_attention.flash_forward_op; named, not
+# imported, so that importing this module does not import Triton).
 _ATTENTION_OPS = frozenset({
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    "aten::_scaled_dot_product_efficient_attention",
+    "aten::_scaled_dot_product_flash_attention",
+    "aten::_scaled_dot_product_cudnn_attention",
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "cs336::flash_attention_forward",
 })
 # Outputs kept by the ``selective`` policy: the expensive ones to redo.
-_MATMUL_AND_ATTENTION_OPS = _ATTENTION_OPS | {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.bmm.default,
-    torch.ops.aten.addmm.default,
-}
+_MATMUL_AND_ATTENTION_OPS = _ATTENTION_OPS | {"aten::mm", "aten::bmm", "aten::addmm"}
 _SAVED_OPS = {"selective": _MATMUL_AND_ATTENTION_OPS, "attention": _ATTENTION_OPS}
 
 
@@ -94,8 +94,9 @@ def parse_policy(text: str) -> CheckpointPolicySpec:
     return CheckpointPolicySpec(kind, arg)
 
 
-def _save_ops(saved: frozenset, ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+def _save_ops(saved: frozenset, ctx: object, op: torch._ops.OpOverload, *args: object,
+              **kwargs: object) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op.name() in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class CheckpointedSegment(nn.Module):

@@ -600,6 +600,21 @@ def flash_forward_triton(
     return o, lse
 
 
+@torch.library.custom_op("cs336::flash_attention_forward", mutates_args=())
+def flash_forward_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`flash_forward_triton` as the operator ``torch.ops.cs336.flash_attention_forward``, so that tools
+    working at the operator level see it: selective activation checkpointing can keep its outputs instead
+    of running it again in the backward, and ``torch.compile`` treats it as one opaque op."""
+    return flash_forward_triton(q, k, v, is_causal)
+
+
+@flash_forward_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
 def flash_backward_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
     lse: torch.Tensor, is_causal: bool, deterministic: bool = True,
@@ -851,7 +866,7 @@ class FlashAttentionTriton(torch.autograd.Function):
         if Q.device.type != "cuda" and not _INTERPRET:
             raise ValueError(f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1); got device {Q.device}")
         Q, K, V = _unit_stride(Q), _unit_stride(K), _unit_stride(V)
-        o, lse = flash_forward_triton(_as_4d(Q), _as_4d(K), _as_4d(V), is_causal)
+        o, lse = flash_forward_op(_as_4d(Q), _as_4d(K), _as_4d(V), is_causal)
         o = o.view(Q.shape)
         ctx.save_for_backward(lse.view(Q.shape[:-1]), Q, K, V, o)
         ctx.is_causal = is_causal
