@@ -92,3 +92,19 @@ def test_gradient_allocations_are_backward_survivors() -> None:
 def test_kernel_names_and_classes(name: str, short: str, cls: str) -> None:
     assert profiling.short_kernel_name(name) == short
     assert profiling.kernel_class(name) == cls
+
+
+def test_host_op_times_count_only_the_first_range() -> None:
+    def ev(name: str, cat: str, ts: float, dur: float) -> dict:
+        return {"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": dur}
+
+    events = [
+        ev("backward", "user_annotation", 100, 100), ev("backward", "user_annotation", 500, 100),
+        ev("aten::mm", "cpu_op", 110, 30), ev("aten::mm", "cpu_op", 150, 10), ev("aten::mm", "cpu_op", 520, 99),
+        ev("cudaLaunchKernel", "cuda_runtime", 120, 4), ev("aten::mm", "cpu_op", 50, 7),  # before the range
+    ]
+    got = profiling.host_op_times(events, "backward", ["aten::mm", "cudaLaunchKernel", "c10d::allreduce_"])
+    assert got["aten::mm"] == {"calls": 2, "total_ms": 0.04, "median_us": 20.0}
+    assert got["cudaLaunchKernel"]["calls"] == 1 and got["c10d::allreduce_"]["calls"] == 0
+    with pytest.raises(ValueError, match="no 'forward' range"):
+        profiling.host_op_times(events, "forward", ["aten::mm"])

@@ -54,6 +54,29 @@ def load_trace(path: str | Path) -> list[dict[str, Any]]:
         return json.load(f)["traceEvents"]
 
 
+def host_op_times(events: Sequence[dict[str, Any]], within: str, names: Sequence[str]) -> dict[str, dict[str, float]]:
+    """CPU time of the host-side events ``names`` (operators, CUDA runtime calls) that start inside the first
+    ``within`` range, on any thread: per name its ``calls``, ``total_ms`` and ``median_us``.
+
+    In a step bound by how fast the CPU issues work, these say where the issuing thread spends its time
+    (e.g. ``c10d::allreduce_`` per collective against ``aten::mm`` per matmul during ``backward``).
+    """
+    spans = [e for e in events if e.get("cat") == "user_annotation" and e.get("ph") == "X" and e["name"] == within]
+    if not spans:
+        raise ValueError(f"no {within!r} range in the trace")
+    start = min(float(e["ts"]) for e in spans)
+    first = next(e for e in spans if float(e["ts"]) == start)
+    end = start + float(first["dur"])
+    out = {}
+    for name in names:
+        durs = [float(e["dur"]) for e in events
+                if e.get("ph") == "X" and e.get("name") == name and e.get("cat") in ("cpu_op", "cuda_runtime")
+                and start <= float(e["ts"]) <= end]
+        out[name] = {"calls": len(durs), "total_ms": sum(durs) / 1e3,
+                     "median_us": float(np.median(durs)) if durs else float("nan")}
+    return out
+
+
 def _ranges(events: Sequence[dict[str, Any]]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """CPU-side user ranges by name, as sorted (starts, ends) arrays in trace microseconds."""
     spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
