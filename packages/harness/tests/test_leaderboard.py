@@ -155,6 +155,22 @@ def test_command_stops_at_the_time_limit(tmp_path: Path, capsys: pytest.CaptureF
     assert not out.exists()
 
 
+def test_markdown_keeps_leaderboard_rows_fastest_first(tmp_path: Path) -> None:
+    base = dict(size="8B", context_length=32768, global_batch=2, world_size=2, compute_dtype="bf16", status="ok",
+                checkpoint="all", optimizer="fused", step_max_s=1.0, tokens_per_s=1.0, mfu=0.5, peak_init_gib=1.0,
+                peak_step_gib=2.0, commit="abc")
+    rows = [dict(base, attention="triton", step_s=7.5), dict(base, attention="sdpa", step_s=6.5),
+            dict(base, attention="sdpa", step_s=1.0, size="tiny")]  # another configuration: left out
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    section = tmp_path / "section.md"
+    section.write_text("text\n<!-- table:leaderboard -->\nold\n<!-- /table:leaderboard -->\nmore\n")
+    assert cli.main(["leaderboard", "--markdown", str(path), "--fill", str(section)]) == 0
+    lines = section.read_text().splitlines()
+    table = lines[lines.index("<!-- table:leaderboard -->") + 1: lines.index("<!-- /table:leaderboard -->")]
+    assert len(table) == 4 and "| sdpa |" in table[2] and "| triton |" in table[3] and lines[-1] == "more"
+
+
 def test_command_reports_bad_flags() -> None:
     with pytest.raises(SystemExit, match="global_batch .3. must be a multiple of world_size"):
         cli.main(["leaderboard", "--backend", "gloo", "--compute-dtype", "fp32", "--global-batch", "3"])

@@ -36,7 +36,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -52,11 +52,13 @@ from cs336_harness.attention_impls import use_attention
 from cs336_harness.bench import hidden_states
 from cs336_harness.checkpointing import apply_checkpointing, parse_policy
 from cs336_harness.presets import MODEL_SIZES, ModelSize, num_params
+from cs336_harness.results import markdown_table
 
 ATTENTIONS: tuple[str, ...] = ("triton", "sdpa")
 OPTIMIZERS: tuple[str, ...] = ("fused", "torch")
 COMPUTE_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
-# Dense bf16 tensor-core peak of one H200 (SXM), the denominator of model FLOPs utilisation.
+# The bf16 matmul rate measured on one H200 (8192^3, ../shared/ANCHORS.md), the denominator of model FLOPs
+# utilisation; the data sheet's dense bf16 peak is higher, so MFU against it would be lower.
 PEAK_TFLOPS_PER_GPU = 772.0
 GIB = 2**30
 
@@ -349,6 +351,22 @@ def run_leaderboard(config: LeaderboardConfig, progress: Callable[[str], None] |
 TABLE_COLUMNS = ("size", "context_length", "global_batch", "world_size", "compute_dtype", "attention", "checkpoint",
                  "optimizer", "loss", "step_s", "step_max_s", "tokens_per_s", "mfu", "peak_step_gib")
 
+_WRITEUP_COLUMNS = ("attention", "checkpoint", "optimizer", "step_s", "step_max_s", "tokens_per_s", "mfu",
+                    "peak_init_gib", "peak_step_gib", "commit")
+_WRITEUP_HEADERS = ("attention", "checkpointing", "AdamW", "step (s)", "slowest step (s)", "tokens/s", "MFU",
+                    "peak at init (GiB)", "peak in step (GiB)", "commit")
+
+
+def writeup_tables(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
+    """The writeup's table by marker name (``<!-- table:leaderboard -->``): the leaderboard-configuration rows
+    (8B, context 32768, batch 2, two ranks, bf16) fastest first; rows of other configurations are left out."""
+    chosen = [r for r in rows if (r["size"], r["context_length"], r["global_batch"], r["world_size"],
+                                  r["compute_dtype"]) == ("8B", 32768, 2, 2, "bf16") and r.get("status") == "ok"]
+    chosen.sort(key=lambda r: r["step_s"])
+    return {"leaderboard": markdown_table(chosen, _WRITEUP_COLUMNS, _WRITEUP_HEADERS, floatfmt=".4g")}
+
+
 __all__ = ["LeaderboardConfig", "FusedHeadLoss", "FusedLossLM", "Training", "TimeLimitExceeded", "build_model",
            "build_training", "make_batch", "rank_batch", "run_leaderboard", "step_flops", "ATTENTIONS", "OPTIMIZERS",
-           "COMPUTE_DTYPES", "LEADERBOARD_DEFAULTS", "CPU_DEFAULTS", "PEAK_TFLOPS_PER_GPU", "TABLE_COLUMNS"]
+           "COMPUTE_DTYPES", "LEADERBOARD_DEFAULTS", "CPU_DEFAULTS", "PEAK_TFLOPS_PER_GPU", "TABLE_COLUMNS",
+           "writeup_tables"]

@@ -9,6 +9,7 @@ Examples::
     uv run cs336 leaderboard --out writeup/results/leaderboard.jsonl
     uv run cs336 leaderboard --attention sdpa --optimizer torch     # ablations, one piece at a time
     uv run cs336 leaderboard --size xl --context-length 4096 --vocab-size 32000 --steps 5
+    uv run cs336 leaderboard --markdown writeup/results/leaderboard.jsonl --fill writeup/sections/10-leaderboard.md
     torchrun --nproc-per-node 2 -m cs336_harness.cli leaderboard
 """
 
@@ -16,12 +17,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
 from cs336_harness import leaderboard
 from cs336_harness.presets import MODEL_SIZES
-from cs336_harness.results import append_rows, format_table
+from cs336_harness.report import fill_tables
+from cs336_harness.results import append_rows, format_table, read_rows
 
 HELP = "time one full training step of the leaderboard model (FSDP, Triton attention, fused loss and AdamW)"
 
@@ -57,6 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 600)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="append the row (with provenance) to this JSONL file")
+    parser.add_argument("--markdown", metavar="ROWS", default=None,
+                        help="print this JSONL file's leaderboard-configuration rows as a markdown table; run nothing")
+    parser.add_argument("--fill", metavar="SECTION", default=None,
+                        help="with --markdown: rewrite the <!-- table:leaderboard --> block of this markdown file")
 
 
 def config_from_args(args: argparse.Namespace) -> leaderboard.LeaderboardConfig:
@@ -71,6 +78,14 @@ def config_from_args(args: argparse.Namespace) -> leaderboard.LeaderboardConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.markdown:
+        tables = leaderboard.writeup_tables(read_rows(args.markdown))
+        if args.fill:
+            section = Path(args.fill)
+            section.write_text(fill_tables(section.read_text(), tables))
+        else:
+            print(*tables.values(), sep="\n\n")
+        return 0
     try:
         config = config_from_args(args)
     except ValueError as e:
