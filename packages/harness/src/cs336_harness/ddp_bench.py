@@ -377,11 +377,11 @@ def plot_timelines(traces: dict[str, Sequence[dict[str, Any]]], path: str | Path
     return path
 
 
-DDP_COLUMNS = ("dtype", "variant", "step_ms", "step_max_ms", "overhead_ms", "comm_ms", "exposed_comm_ms",
-               "exposed_share", "peak_mem_gib", "params_in_sync")
-DDP_HEADERS = ("dtype", "wrapper", "median step (ms)", "slowest step (ms)", "vs no-comm step (ms)",
-               "NCCL kernels (ms)", "NCCL not overlapped (ms)", "not overlapped / step", "peak memory (GiB)",
-               "replicas equal")
+DDP_COLUMNS = ("dtype", "variant", "bucket_size_mb", "step_ms", "step_max_ms", "overhead_ms", "comm_ms",
+               "exposed_comm_ms", "exposed_share", "host_backward_ms", "peak_mem_gib", "params_in_sync", "commit")
+DDP_HEADERS = ("dtype", "wrapper", "bucket (MiB)", "median step (ms)", "slowest step (ms)", "vs no-comm step (ms)",
+               "NCCL kernels (ms)", "NCCL not overlapped (ms)", "not overlapped / step", "backward host time (ms)",
+               "peak memory (GiB)", "replicas equal", "commit")
 
 
 def ddp_markdown(rows: Sequence[dict[str, Any]]) -> str:
