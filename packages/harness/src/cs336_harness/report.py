@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -48,3 +49,12 @@ def fill_tables(text: str, tables: Mapping[str, str]) -> str:
             raise ValueError(f"no '<!-- table:{name} -->' ... '<!-- /table:{name} -->' block in the text")
         text = pattern.sub(lambda m, t=table: m.group(1) + t + "\n" + m.group(2), text)
     return text
+
+
+def print_or_fill(tables: Mapping[str, str], section: str | Path | None) -> None:
+    """Print ``tables`` (marker name -> markdown), or, given a ``section`` file, rewrite its marked blocks."""
+    if section is None:
+        print(*tables.values(), sep="\n\n")
+        return
+    path = Path(section)
+    path.write_text(fill_tables(path.read_text(), tables))

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
 from cs336_harness import leaderboard
 from cs336_harness.presets import MODEL_SIZES
-from cs336_harness.report import fill_tables
+from cs336_harness.report import print_or_fill
 from cs336_harness.results import append_rows, format_table, read_rows
 
 HELP = "time one full training step of the leaderboard model (FSDP, Triton attention, fused loss and AdamW)"
@@ -79,12 +78,7 @@ def config_from_args(args: argparse.Namespace) -> leaderboard.LeaderboardConfig:
 
 def run(args: argparse.Namespace) -> int:
     if args.markdown:
-        tables = leaderboard.writeup_tables(read_rows(args.markdown))
-        if args.fill:
-            section = Path(args.fill)
-            section.write_text(fill_tables(section.read_text(), tables))
-        else:
-            print(*tables.values(), sep="\n\n")
+        print_or_fill(leaderboard.writeup_tables(read_rows(args.markdown)), args.fill)
         return 0
     try:
         config = config_from_args(args)

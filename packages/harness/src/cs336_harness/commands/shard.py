@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-from pathlib import Path
 
 from cs336_harness import shard_bench
 from cs336_harness.cli import add_distributed_run_arguments, distributed_run_fields
-from cs336_harness.report import fill_tables
+from cs336_harness.report import print_or_fill
 from cs336_harness.results import append_rows, format_table, read_rows
 
 HELP = "peak memory and step time of DDP, ZeRO-1, our FSDP and FSDP2, with an FSDP timeline figure"
@@ -38,12 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.markdown:
-        tables = shard_bench.writeup_tables(read_rows(args.markdown))
-        if args.fill:
-            section = Path(args.fill)
-            section.write_text(fill_tables(section.read_text(), tables))
-        else:
-            print(*tables.values(), sep="\n\n")
+        print_or_fill(shard_bench.writeup_tables(read_rows(args.markdown)), args.fill)
         return 0
     try:
         config = shard_bench.ShardBenchConfig(**distributed_run_fields(args))
