@@ -16,6 +16,12 @@ What is measured, per (dtype, variant):
   phase, the device not synchronised inside the step. When a phase's host time is close to the step's
   share of it, the CPU's launch rate, not the GPU, bounds that phase (the bf16 steps here), and any
   Python a wrapper runs during it (hooks, collective calls) adds to the step.
+- ``sync_tail_ms``: in every timed step, the device time from the end of the backward's compute (a CUDA
+  event recorded when its last gradient is accumulated; which parameter that is comes from the first
+  warm-up step) to the end of gradient synchronisation (an event after ``finish_gradient_synchronization``,
+  or after ``backward`` for torch DDP, which waits inside it); the slowest rank's median, and
+  ``sync_tail_share`` of the step. It is the communication left after backward, measured without the
+  profiler and the same way for every wrapper; it needs a warm-up step (on CPU it is host time).
 - ``comm_ms`` and ``exposed_comm_ms`` from a ``torch.profiler`` trace of one more step on rank 0: the
   time NCCL kernels run, and the part of it when no compute kernel runs. Only the exposed part can
   lengthen the step; the trace measures it directly for every variant, torch's DDP included (whose
@@ -134,9 +140,42 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class _Stamp:
+    """A point on the device's timeline: a CUDA event on the current stream, or the host clock on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.event = torch.cuda.Event(enable_timing=True) if device.type == "cuda" else None
+        self.t = 0.0
+
+    def record(self) -> None:
+        if self.event is not None:
+            self.event.record()
+        else:
+            self.t = time.perf_counter()
+
+    def ms_until(self, later: _Stamp) -> float:
+        """Milliseconds from this stamp to ``later`` (both recorded; CUDA: call after synchronising)."""
+        return self.event.elapsed_time(later.event) if self.event is not None else (later.t - self.t) * 1e3
+
+
+def _last_gradient(step: Callable[[], Any], params: list[nn.Parameter]) -> nn.Parameter:
+    """The parameter whose gradient one run of ``step`` accumulates last (its backward's final gradient)."""
+    order: list[nn.Parameter] = []
+    handles = [p.register_post_accumulate_grad_hook(order.append) for p in params]
+    try:
+        step()
+    finally:
+        for h in handles:
+            h.remove()
+    if not order:
+        raise ValueError("the step produced no gradient")
+    return order[-1]
+
+
 def _make_step(config: DDPBenchConfig, wrapped: nn.Module, optimizer: torch.optim.Optimizer, dtype: str,
-               device: torch.device, rank: int) -> Callable[[], dict[str, float]]:
-    """One training step as a function returning the host (CPU) seconds each phase took to issue."""
+               device: torch.device, rank: int, sync_end: _Stamp) -> Callable[[], dict[str, float]]:
+    """One training step as a function returning the host (CPU) seconds each phase took to issue; ``sync_end``
+    is recorded once the gradients are synchronised (for torch DDP, which waits inside backward: after it)."""
     local_batch = config.global_batch // config.world_size
     g = torch.Generator().manual_seed(1000 + rank)  # each rank its own shard of the global batch
     tokens = torch.randint(0, config.vocab_size, (local_batch, config.context_length + 1), generator=g).to(device)
@@ -156,6 +195,7 @@ def _make_step(config: DDPBenchConfig, wrapped: nn.Module, optimizer: torch.opti
         t2 = time.perf_counter()
         with profiling.annotate("grad_sync"):
             finish()
+        sync_end.record()
         t3 = time.perf_counter()
         with profiling.annotate("optimizer"):
             optimizer.step()
@@ -176,13 +216,20 @@ def _bench_variant(config: DDPBenchConfig, variant: str, dtype: str, rank: int, 
     )
     wrapped = _wrap(variant, model, device, config.bucket_size_mb)
     optimizer = AdamW(model.parameters(), lr=config.lr)
-    step = _make_step(config, wrapped, optimizer, dtype, device, rank)
+    compute_end, sync_end = _Stamp(device), _Stamp(device)
+    step = _make_step(config, wrapped, optimizer, dtype, device, rank, sync_end)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    for _ in range(config.warmup):
+    last = None
+    for i in range(config.warmup):
         with profiling.annotate("warmup"):
-            step()
-    times, host = [], []
+            if i == 0:
+                last = _last_gradient(step, [p for p in model.parameters() if p.requires_grad])
+            else:
+                step()
+    # The backward's last gradient marks the end of its compute: every backward kernel has been issued then.
+    tail_hook = last.register_post_accumulate_grad_hook(lambda _: compute_end.record()) if last is not None else None
+    times, host, tails = [], [], []
     for _ in range(config.steps):
         _sync(device)
         t0 = time.perf_counter()
@@ -190,6 +237,10 @@ def _bench_variant(config: DDPBenchConfig, variant: str, dtype: str, rank: int, 
             host.append(step())
         _sync(device)
         times.append(time.perf_counter() - t0)
+        if tail_hook is not None:
+            tails.append(compute_end.ms_until(sync_end))
+    if tail_hook is not None:
+        tail_hook.remove()
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -201,7 +252,8 @@ def _bench_variant(config: DDPBenchConfig, variant: str, dtype: str, rank: int, 
     if rank == 0:
         prof.export_chrome_trace(str(trace_path))
     host_ms = {f"host_{phase}_ms": statistics.median(h[phase] for h in host) * 1e3 for phase in STEP_PHASES}
-    slowest = torch.tensor([statistics.median(times), max(times)], dtype=torch.float64, device=device)
+    tail = statistics.median(tails) if tails else float("nan")
+    slowest = torch.tensor([statistics.median(times), max(times), tail], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     in_sync = _params_in_sync(model)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
@@ -213,6 +265,7 @@ def _bench_variant(config: DDPBenchConfig, variant: str, dtype: str, rank: int, 
         "variant": variant, "dtype": dtype, "step_ms": float(slowest[0]) * 1e3,
         "step_max_ms": float(slowest[1]) * 1e3, "peak_mem_gib": peak, "trace": trace_path.name,
         "params_in_sync": in_sync, **host_ms,
+        "sync_tail_ms": None if not tails else float(slowest[2]),
     }
 
 
@@ -313,6 +366,7 @@ def run_ddp_bench(config: DDPBenchConfig) -> list[dict[str, Any]]:
         base = nocomm.get(row["dtype"])
         row["overhead_ms"] = None if base is None else row["step_ms"] - base
         row["exposed_share"] = None if row["exposed_comm_ms"] is None else row["exposed_comm_ms"] / row["step_ms"]
+        row["sync_tail_share"] = None if row["sync_tail_ms"] is None else row["sync_tail_ms"] / row["step_ms"]
         row.update(fields)
     return rows
 
@@ -378,10 +432,12 @@ def plot_timelines(traces: dict[str, Sequence[dict[str, Any]]], path: str | Path
 
 
 DDP_COLUMNS = ("dtype", "variant", "bucket_size_mb", "step_ms", "step_max_ms", "overhead_ms", "comm_ms",
-               "exposed_comm_ms", "exposed_share", "host_backward_ms", "peak_mem_gib", "params_in_sync", "commit")
+               "exposed_comm_ms", "exposed_share", "sync_tail_ms", "sync_tail_share", "host_backward_ms",
+               "peak_mem_gib", "params_in_sync", "commit")
 DDP_HEADERS = ("dtype", "wrapper", "bucket (MiB)", "median step (ms)", "slowest step (ms)", "vs no-comm step (ms)",
-               "NCCL kernels (ms)", "NCCL not overlapped (ms)", "not overlapped / step", "backward host time (ms)",
-               "peak memory (GiB)", "replicas equal", "commit")
+               "NCCL kernels (ms)", "NCCL not overlapped (ms)", "not overlapped / step", "sync after backward (ms)",
+               "sync after backward / step", "backward host time (ms)", "peak memory (GiB)", "replicas equal",
+               "commit")
 
 
 def ddp_markdown(rows: Sequence[dict[str, Any]]) -> str:
