@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The bf16 DDP comparison repeated (about 3 minutes on a two-GPU machine): bucketed against torch DDP at the
+# The bf16 DDP comparison repeated (about 4 minutes on a two-GPU machine): bucketed against torch DDP at the
 # same bucket size (default 25 MiB), xl, context 512, global batch 4, 12 timed steps, in alternating order
 # over 4 processes, so drift between runs shows up in both wrappers alike. The first process also times the
 # compute-only step. Rows carry sync_tail_ms (communication left after backward, CUDA events, no profiler).
-# Results in $OUT: ddp_bf16_repeats.jsonl, log.txt. No run starts after $DDP_DEADLINE_S seconds (default 200).
+# Results in $OUT: ddp_bf16_repeats.jsonl, log.txt. No run starts after $DDP_DEADLINE_S seconds (default 260).
 #   run (GPU machine, repo root): bash tools/gpu_ddp_bf16.sh [BUCKET_MIB]
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -11,7 +11,7 @@ cd "$root"
 OUT="${OUT:-$root/gpu_out}"
 mkdir -p "$OUT"
 bucket="${1:-25}"
-deadline=$(($(date +%s) + ${DDP_DEADLINE_S:-200}))
+deadline=$(($(date +%s) + ${DDP_DEADLINE_S:-260}))
 cs336=(bash tools/gpu.sh python3 -m cs336_harness.cli)
 {
   for variants in nocomm,bucketed,torch_ddp torch_ddp,bucketed bucketed,torch_ddp torch_ddp,bucketed; do

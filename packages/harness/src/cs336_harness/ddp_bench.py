@@ -206,8 +206,17 @@ def _make_step(config: DDPBenchConfig, wrapped: nn.Module, optimizer: torch.opti
     return step
 
 
-def _bench_variant(config: DDPBenchConfig, variant: str, dtype: str, rank: int, device: torch.device,
-                   trace_path: Path) -> dict[str, Any]:
+@dataclass
+class _Run:
+    """One variant ready to train: the bare model, a step function, the stamps the step records."""
+
+    model: nn.Module
+    step: Callable[[], dict[str, float]]
+    sync_end: _Stamp
+    compute_end: _Stamp
+
+
+def _build(config: DDPBenchConfig, variant: str, dtype: str, rank: int, device: torch.device) -> _Run:
     size = MODEL_SIZES[config.size]
     torch.manual_seed(rank)  # different weights per rank: the wrappers must broadcast rank 0's
     model = BasicsTransformerLM(
@@ -216,57 +225,79 @@ def _bench_variant(config: DDPBenchConfig, variant: str, dtype: str, rank: int, 
     )
     wrapped = _wrap(variant, model, device, config.bucket_size_mb)
     optimizer = AdamW(model.parameters(), lr=config.lr)
-    compute_end, sync_end = _Stamp(device), _Stamp(device)
-    step = _make_step(config, wrapped, optimizer, dtype, device, rank, sync_end)
+    sync_end = _Stamp(device)
+    return _Run(model, _make_step(config, wrapped, optimizer, dtype, device, rank, sync_end), sync_end, _Stamp(device))
+
+
+def _release(device: torch.device) -> None:
+    """Give the previous variant's memory back (call once its ``_Run`` is no longer referenced)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _time_variant(config: DDPBenchConfig, variant: str, dtype: str, rank: int, device: torch.device) -> dict[str, Any]:
+    """Warm-up, then ``config.steps`` timed steps without the profiler; the row's timing fields."""
+    run = _build(config, variant, dtype, rank, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     last = None
     for i in range(config.warmup):
         with profiling.annotate("warmup"):
             if i == 0:
-                last = _last_gradient(step, [p for p in model.parameters() if p.requires_grad])
+                last = _last_gradient(run.step, [p for p in run.model.parameters() if p.requires_grad])
             else:
-                step()
+                run.step()
     # The backward's last gradient marks the end of its compute: every backward kernel has been issued then.
-    tail_hook = last.register_post_accumulate_grad_hook(lambda _: compute_end.record()) if last is not None else None
+    compute_end, tail_hook = run.compute_end, None
+    if last is not None:
+        tail_hook = last.register_post_accumulate_grad_hook(lambda _: compute_end.record())
     times, host, tails = [], [], []
     for _ in range(config.steps):
         _sync(device)
         t0 = time.perf_counter()
         with profiling.annotate("step"):
-            host.append(step())
+            host.append(run.step())
         _sync(device)
         times.append(time.perf_counter() - t0)
         if tail_hook is not None:
-            tails.append(compute_end.ms_until(sync_end))
+            tails.append(compute_end.ms_until(run.sync_end))
     if tail_hook is not None:
         tail_hook.remove()
+    host_ms = {f"host_{phase}_ms": statistics.median(h[phase] for h in host) * 1e3 for phase in STEP_PHASES}
+    tail = statistics.median(tails) if tails else float("nan")
+    slowest = torch.tensor([statistics.median(times), max(times), tail], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    in_sync = _params_in_sync(run.model)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    del run, last
+    _release(device)
+    return {
+        "variant": variant, "dtype": dtype, "step_ms": float(slowest[0]) * 1e3,
+        "step_max_ms": float(slowest[1]) * 1e3, "peak_mem_gib": peak, "params_in_sync": in_sync, **host_ms,
+        "sync_tail_ms": None if not tails else float(slowest[2]),
+    }
+
+
+def _trace_variant(config: DDPBenchConfig, variant: str, dtype: str, rank: int, device: torch.device,
+                   trace_path: Path) -> None:
+    """Warm-up, then one step under ``torch.profiler``; rank 0 writes the trace."""
+    run = _build(config, variant, dtype, rank, device)
+    for _ in range(config.warmup):
+        with profiling.annotate("warmup"):
+            run.step()
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     _sync(device)
     with torch.profiler.profile(activities=activities) as prof:
         with profiling.annotate("step"):
-            step()
+            run.step()
         _sync(device)
     if rank == 0:
         prof.export_chrome_trace(str(trace_path))
-    host_ms = {f"host_{phase}_ms": statistics.median(h[phase] for h in host) * 1e3 for phase in STEP_PHASES}
-    tail = statistics.median(tails) if tails else float("nan")
-    slowest = torch.tensor([statistics.median(times), max(times), tail], dtype=torch.float64, device=device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    in_sync = _params_in_sync(model)
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    del step, optimizer, wrapped, model, prof
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return {
-        "variant": variant, "dtype": dtype, "step_ms": float(slowest[0]) * 1e3,
-        "step_max_ms": float(slowest[1]) * 1e3, "peak_mem_gib": peak, "trace": trace_path.name,
-        "params_in_sync": in_sync, **host_ms,
-        "sync_tail_ms": None if not tails else float(slowest[2]),
-    }
+    del run, prof
+    _release(device)
 
 
 def _params_in_sync(model: nn.Module) -> bool:
@@ -284,11 +315,14 @@ def _params_in_sync(model: nn.Module) -> bool:
 
 def _rank_main(rank: int, world_size: int, config: DDPBenchConfig, trace_dir: str, out_path: str) -> None:
     device = current_device()
-    rows = []
-    for dtype in config.dtypes:
-        for variant in config.variants:
-            rows.append(_bench_variant(config, variant, dtype, rank, device,
-                                       Path(trace_dir) / f"{dtype}_{variant}.json"))
+    runs = [(dtype, variant) for dtype in config.dtypes for variant in config.variants]
+    # Every variant is timed before any is profiled. When each variant was profiled right after its timed
+    # steps, the variant timed next in the same process was 35-90 ms slower on the H200s, whichever it
+    # was (writeup/results/ddp_bf16_repeats.jsonl); the profiler is the one thing those steps had in common.
+    rows = [_time_variant(config, variant, dtype, rank, device) for dtype, variant in runs]
+    for row in rows:
+        row["trace"] = f"{row['dtype']}_{row['variant']}.json"
+        _trace_variant(config, row["variant"], row["dtype"], rank, device, Path(trace_dir) / row["trace"])
     if rank == 0:
         Path(out_path).write_text(json.dumps(rows))
 
