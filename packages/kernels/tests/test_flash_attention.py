@@ -139,7 +139,7 @@ def test_keys_past_the_last_query_get_zero_gradient_when_causal(deterministic):
 
 
 def test_atomic_dq_buffer_starts_from_zero_on_every_call():
-    # The fp32 dQ accumulator is cleared by the D pass; a second backward must not add onto the first.
+    # The fp32 dQ accumulator is cleared before every launch; a second backward must not add onto the first.
     q, k, v, do = _inputs((1, 2, 37, 32), (1, 1, 37, 32), torch.float32, seed=6)
     first = _run(_triton(False), q, k, v, do, True)[2][0]
     second = _run(_triton(False), q, k, v, do, True)[2][0]

@@ -19,7 +19,7 @@ from ``cs336 attention --part anchors`` on the committed lists. Run on the GPU m
 ``--builds`` needs no GPU: it compiles each kernel (bf16, causal, d = 64 and 128) for sm_90 with every
 listed and candidate config and records what ptxas and the SASS say (``bench = "build"`` rows: registers
 per thread, stack frame bytes, and static counts in the SASS of local-memory spill stores and loads,
-wgmma and mma.sync instructions and vector reductions)::
+wgmma and mma.sync instructions, vector reductions and TMA reductions)::
 
     uv run python -m cs336_harness.attention_tuning --builds --out writeup/results/attention_builds.jsonl
 """
@@ -84,7 +84,7 @@ def widen() -> None:
             tables[name][key] = list(dict.fromkeys([*tables[name][key], *entries]))
     kernels = _kernels()
     kernels["fwd"].configs = fa._configs(fa._FWD_TABLE)
-    kernels["dkdv"].configs = fa._configs(fa._DKDV_TABLE, fa._DKDVQ_TABLE)
+    kernels["dkdv"].configs = fa.dkdv_configs()
     kernels["dq"].configs = fa._configs(fa._DQ_TABLE)
     for kernel in kernels.values():
         kernel.cache.clear()
@@ -180,11 +180,15 @@ def build_row(name: str, head_dim: int, entry: Entry) -> dict[str, Any]:
                                  "DOT_PRECISION": "tf32", "BLOCK_M": block_m, "BLOCK_N": block_n}
     if "ATOMIC_DQ" in fn.arg_names:
         constants["ATOMIC_DQ"] = name == "dkdvq"
+        if name == "dkdv":
+            constants["DQ_DESC"] = None
     constants |= {arg: 1 for arg in _UNIT_STRIDES & set(fn.arg_names)}
     signature = {}
     for arg in fn.arg_names:
         if arg in constants:
             signature[arg] = "constexpr"
+        elif arg == "DQ_DESC":
+            signature[arg] = f"tensordesc<fp32[1,{block_m},{head_dim}]>"
         elif arg in _BF16_POINTERS or (arg == "DQ" and name == "dq"):
             signature[arg] = "*bf16"
         elif arg in ("L", "DELTA", "DQ"):
@@ -206,7 +210,8 @@ def build_row(name: str, head_dim: int, entry: Entry) -> dict[str, Any]:
             "target": "sm_90", "registers": int(found[1]) if found else None,
             "stack_bytes": int(found[2]) if found else None, "shared_bytes": compiled.metadata.shared,
             "spill_stores": sass.count("STL"), "spill_loads": sass.count("LDL"), "wgmma": sass.count("HGMMA"),
-            "mma_sync": sass.count("HMMA"), "vector_reductions": sass.count("REDG.E.ADD.F32x4")}
+            "mma_sync": sass.count("HMMA"), "vector_reductions": sass.count("REDG.E.ADD.F32x4"),
+            "tma_reductions": sass.count("UTMAREDG")}
 
 
 def build_rows(out: str | None) -> list[dict[str, Any]]:

@@ -23,8 +23,9 @@ Conventions:
 - The default backward pass is two kernels without atomics, so it is deterministic: one program per key
   tile accumulates dK and dV over every query tile (and every query head of its group), one program per
   query tile accumulates dQ over every key tile. ``deterministic=False`` drops the dQ kernel: the dK/dV
-  program adds each tile's dS K into an fp32 dQ buffer with atomics (five matmuls per tile pair
-  instead of seven), at the price of run-to-run differences in dQ's rounding.
+  program adds each tile's dS K into an fp32 dQ buffer with one TMA reduce-add per (query tile, key
+  tile) pair (five matmuls per tile pair instead of seven), at the price of run-to-run differences in
+  dQ's rounding.
 - fp32 inputs use true fp32 products (``input_precision="ieee"``), not TF32.
 
 Run the tests with ``uv run pytest packages/kernels/tests/test_flash_attention.py`` (on CPU they use
@@ -40,6 +41,7 @@ from typing import Literal
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -103,14 +105,32 @@ _DQ_TABLE = {
 _INTERPRETER_CONFIG = (16, 16, 1, 1)
 
 
-def _configs(*tables: dict[tuple[int, int], list[tuple[int, int, int, int]]]) -> list[triton.Config]:
+def _configs(
+    *tables: dict[tuple[int, int], list[tuple[int, int, int, int]]], pre_hook=None
+) -> list[triton.Config]:
     if _INTERPRET:
         entries = [_INTERPRETER_CONFIG]
     else:
         entries = sorted({entry for table in tables for entries in table.values() for entry in entries})
     return [
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in entries
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s, pre_hook=pre_hook)
+        for m, n, w, s in entries
     ]
+
+
+def _prepare_dq_accumulator(nargs: dict) -> None:
+    # Runs before every launch of the dK/dV kernel, autotuning launches included. With dQ by TMA
+    # reductions, the descriptor's block is one (BLOCK_M, BLOCK_D) query tile of one head, which depends
+    # on the config, and every launch must add into a cleared accumulator.
+    desc = nargs["DQ_DESC"]
+    if desc is not None:
+        desc.block_shape = [1, nargs["BLOCK_M"], desc.shape[-1]]
+        desc.base.zero_()
+
+
+def dkdv_configs() -> list[triton.Config]:
+    """The dK/dV kernel's candidate configs (both backward modes), with the dQ accumulator's launch hook."""
+    return _configs(_DKDV_TABLE, _DKDVQ_TABLE, pre_hook=_prepare_dq_accumulator)
 
 
 def _pruner(
@@ -267,16 +287,14 @@ def _attn_fwd_kernel(
 
 @triton.jit
 def _bwd_preprocess_kernel(
-    O, DO, DELTA, DQ,
+    O, DO, DELTA,
     stride_ob, stride_oh, stride_ot, stride_od,
     stride_dob, stride_doh, stride_dot, stride_dod,
     stride_deltab, stride_deltah,
-    stride_dqb, stride_dqh, stride_dqt,
     H_Q, N_QUERIES,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, ZERO_DQ: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     # D = rowsum(dO * O), which equals rowsum(P * dP) and replaces the softmax Jacobian in the backward.
-    # With ZERO_DQ the same pass also clears the fp32 dQ accumulator of the atomic backward (unit d stride).
     pid_bh = tl.program_id(1)
     b = (pid_bh // H_Q).to(tl.int64)
     h = (pid_bh % H_Q).to(tl.int64)
@@ -293,17 +311,12 @@ def _bwd_preprocess_kernel(
     )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(DELTA + b * stride_deltab + h * stride_deltah + offs_m, delta, mask=offs_m < N_QUERIES)
-    if ZERO_DQ:
-        tl.store(
-            DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :],
-            tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), mask=mask,
-        )
 
 
 @triton.jit
 def _dkdv_inner(
-    dk, dv, k, v, Q_BASE, DO_BASE, L_BASE, DELTA_BASE, DQ_BASE,
-    stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt,
+    dk, dv, k, v, Q_BASE, DO_BASE, L_BASE, DELTA_BASE, DQ_DESC, dq_head,
+    stride_qt, stride_qd, stride_dot, stride_dod,
     offs_n, lo, hi, N_QUERIES, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
     CHECK_ROWS: tl.constexpr, CAUSAL_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
@@ -339,32 +352,23 @@ def _dkdv_inner(
         if ATOMIC_DQ:
             # This key tile's share of dQ = dS K, added in fp32 straight into the global accumulator: the
             # fifth matmul replaces the dQ kernel's recomputation of S and dP (two matmuls) at the price of
-            # a summation order that depends on scheduling. Relaxed ordering: nothing reads dQ until the
-            # kernel has finished.
+            # a summation order that depends on scheduling. One TMA reduce-add moves the whole tile
+            # (staged through shared memory) instead of per-element atomics from registers; the copy
+            # engine drops rows past N_QUERIES, which hold zeros anyway (P = 0 there).
             dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * sm_scale  # (BLOCK_M, BLOCK_D)
-            offs_d = tl.arange(0, BLOCK_D)
-            dq_ptrs = DQ_BASE + offs_m[:, None] * stride_dqt + offs_d[None, :]
-            if CHECK_ROWS:
-                tl.atomic_add(dq_ptrs, dq, mask=(offs_m[:, None] < N_QUERIES) & (offs_d[None, :] < HEAD_DIM),
-                              sem="relaxed")
-            elif EVEN_D:
-                tl.atomic_add(dq_ptrs, dq, sem="relaxed")
-            else:
-                tl.atomic_add(dq_ptrs, dq, mask=offs_d[None, :] < HEAD_DIM, sem="relaxed")
+            DQ_DESC.atomic_add([dq_head, start, 0], dq[None, :, :])
         Q_BLOCK = tl.advance(Q_BLOCK, (BLOCK_M, 0))
         DO_BLOCK = tl.advance(DO_BLOCK, (BLOCK_M, 0))
     return dk, dv
 
 
 @triton.autotune(
-    configs=_configs(_DKDV_TABLE, _DKDVQ_TABLE), key=[*_AUTOTUNE_KEY, "ATOMIC_DQ"],
+    configs=dkdv_configs(), key=[*_AUTOTUNE_KEY, "ATOMIC_DQ"],
     prune_configs_by=_pruner(_DKDV_TABLE, _DKDVQ_TABLE), do_bench=_quick_bench,
-    # Every timed launch adds into the dQ accumulator, so it must start from zero each time.
-    reset_to_zero=["DQ"],
 )
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, L, DELTA, DK, DV, DQ,
+    Q, K, V, DO, L, DELTA, DK, DV, DQ_DESC,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
@@ -372,7 +376,6 @@ def _attn_bwd_dkdv_kernel(
     stride_lb, stride_lh,
     stride_dkb, stride_dkh, stride_dkt, stride_dkd,
     stride_dvb, stride_dvh, stride_dvt, stride_dvd,
-    stride_dqb, stride_dqh, stride_dqt,
     H_KV, GROUP, N_QUERIES, N_KEYS, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
@@ -380,8 +383,8 @@ def _attn_bwd_dkdv_kernel(
 ):
     # Grid: (key tiles, batch * key/value heads). Each program owns its dK, dV tile: no atomics needed,
     # and a GQA group's query heads are summed here in a fixed order, so dK and dV are deterministic.
-    # With ATOMIC_DQ the program also adds its share of dQ into DQ, an fp32 (B, Hq, Tq, d) accumulator
-    # with a unit stride on d (otherwise DQ is not touched and a separate kernel computes dQ).
+    # With ATOMIC_DQ the program also adds its share of dQ through DQ_DESC, a tensor descriptor over an
+    # fp32 (B * Hq, Tq, BLOCK_D) accumulator (otherwise DQ_DESC is None and a separate kernel computes dQ).
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H_KV).to(tl.int64)
@@ -413,23 +416,23 @@ def _attn_bwd_dkdv_kernel(
         DO_BASE = DO + b * stride_dob + h * stride_doh
         L_BASE = L + b * stride_lb + h * stride_lh
         DELTA_BASE = DELTA + b * stride_lb + h * stride_lh
-        DQ_BASE = DQ + b * stride_dqb + h * stride_dqh
+        dq_head = (b * H_KV * GROUP + h).to(tl.int32)
         if IS_CAUSAL:
             dk, dv = _dkdv_inner(
-                dk, dv, k, v, Q_BASE, DO_BASE, L_BASE, DELTA_BASE, DQ_BASE,
-                stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt,
+                dk, dv, k, v, Q_BASE, DO_BASE, L_BASE, DELTA_BASE, DQ_DESC, dq_head,
+                stride_qt, stride_qd, stride_dot, stride_dod,
                 offs_n, k0, tl.minimum(k0 + BLOCK_N, N_QUERIES), N_QUERIES, qk_scale, sm_scale,
                 HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_M, True, True, DOT_PRECISION, ATOMIC_DQ,
             )
         dk, dv = _dkdv_inner(
-            dk, dv, k, v, Q_BASE, DO_BASE, L_BASE, DELTA_BASE, DQ_BASE,
-            stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt,
+            dk, dv, k, v, Q_BASE, DO_BASE, L_BASE, DELTA_BASE, DQ_DESC, dq_head,
+            stride_qt, stride_qd, stride_dot, stride_dod,
             offs_n, lo_full, q_full, N_QUERIES, qk_scale, sm_scale,
             HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_M, False, False, DOT_PRECISION, ATOMIC_DQ,
         )
         dk, dv = _dkdv_inner(
-            dk, dv, k, v, Q_BASE, DO_BASE, L_BASE, DELTA_BASE, DQ_BASE,
-            stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt,
+            dk, dv, k, v, Q_BASE, DO_BASE, L_BASE, DELTA_BASE, DQ_DESC, dq_head,
+            stride_qt, stride_qd, stride_dot, stride_dod,
             offs_n, lo_tail, N_QUERIES, N_QUERIES, qk_scale, sm_scale,
             HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_M, True, False, DOT_PRECISION, ATOMIC_DQ,
         )
@@ -612,27 +615,30 @@ def flash_backward_triton(
     """dQ, dK, dV in the input dtypes, from the saved logsumexp.
 
     ``deterministic=True``: three launches (D, dK/dV, dQ), no atomics, bitwise reproducible; the dQ kernel
-    recomputes S and dP, so seven matmuls per tile pair. ``deterministic=False``: two launches; the dK/dV
-    kernel also adds dS K into an fp32 dQ accumulator with atomics (five matmuls), so dQ's rounding
-    depends on the order in which programs finish.
+    recomputes S and dP, so seven matmuls per tile pair. ``deterministic=False``: the dK/dV kernel also
+    adds dS K into an fp32 dQ accumulator with TMA reduce-adds (five matmuls), so dQ's rounding depends
+    on the order in which programs finish.
     """
     batch, heads_q, n_queries, head_dim = q.shape
     heads_kv, n_keys = k.shape[1], k.shape[2]
     constants = _kernel_constants(q, is_causal)
     sm_scale = 1.0 / math.sqrt(head_dim)
+    block_d = constants["BLOCK_D"]
     atomic = not deterministic
 
     delta = torch.empty_like(lse)
-    # Atomic mode accumulates in fp32 and casts at the end; otherwise the dQ kernel writes dq directly.
-    dq_acc = torch.empty(q.shape, device=q.device, dtype=torch.float32) if atomic else None
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    dq_target = dq_acc if atomic else dq
     preprocess_block = 64 if not _INTERPRET else 16
     _bwd_preprocess_kernel[(triton.cdiv(n_queries, preprocess_block), batch * heads_q)](
-        o, do, delta, dq_target, *o.stride(), *do.stride(), delta.stride(0), delta.stride(1),
-        *dq_target.stride()[:3], heads_q, n_queries,
-        HEAD_DIM=head_dim, BLOCK_D=constants["BLOCK_D"], BLOCK_M=preprocess_block, ZERO_DQ=atomic,
+        o, do, delta, *o.stride(), *do.stride(), delta.stride(0), delta.stride(1), heads_q, n_queries,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=preprocess_block,
     )
+    dq_desc = None
+    if atomic:
+        # fp32 accumulator, cleared before each launch by _prepare_dq_accumulator, which also sets the
+        # block shape. Rows padded to BLOCK_D give TMA the 16-byte row stride it needs for any d, and one
+        # head per leading index keeps a partial query tile from reaching into the next head's rows.
+        dq_acc = torch.empty((batch * heads_q, n_queries, block_d), device=q.device, dtype=torch.float32)
+        dq_desc = TensorDescriptor.from_tensor(dq_acc, block_shape=[1, 16, block_d])
 
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
@@ -642,14 +648,15 @@ def flash_backward_triton(
         return (triton.cdiv(n_keys, meta["BLOCK_N"]), batch * heads_kv)
 
     _attn_bwd_dkdv_kernel[dkdv_grid](
-        q, k, v, do, lse, delta, dk, dv, dq_target,
+        q, k, v, do, lse, delta, dk, dv, dq_desc,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), lse.stride(0), lse.stride(1),
-        *dk.stride(), *dv.stride(), *dq_target.stride()[:3],
+        *dk.stride(), *dv.stride(),
         heads_kv, group, n_queries, n_keys, sm_scale * LOG2E, sm_scale,
         ATOMIC_DQ=atomic, **constants,
     )
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     if atomic:
-        return dq.copy_(dq_acc), dk, dv
+        return dq.copy_(dq_acc.view(q.shape[:-1] + (block_d,))[..., :head_dim]), dk, dv
 
     def dq_grid(meta):
         return (triton.cdiv(n_queries, meta["BLOCK_M"]), batch * heads_q)
