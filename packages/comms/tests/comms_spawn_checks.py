@@ -12,7 +12,9 @@ plain full-batch training with a tolerance, so it cannot drift from what "the la
 
 from __future__ import annotations
 
+import gc
 import pickle
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -180,6 +182,22 @@ def _double_backward_error(rank: int) -> str | None:
     return None
 
 
+def _freed_with_wrapper() -> dict[str, bool]:
+    """Per variant: whether a trained model's memory is freed once the wrapper and the model are dropped
+    (hooks that held the wrapper strongly kept the whole model and its gradients alive)."""
+    freed = {}
+    for variant, cls in VARIANTS.items():
+        model = ToyModel()
+        ddp = cls(model)
+        _loss(ddp, *_batches("toy", 1, 1)[0][0][0], use_extra=True).backward()
+        ddp.finish_gradient_synchronization()
+        alive = weakref.ref(model.fc1.weight)
+        del ddp, model
+        gc.collect()
+        freed[variant] = alive() is None
+    return freed
+
+
 def _bucket_layout() -> list[list[str]]:
     """BucketedDDP's buckets (parameter names) for the toy model, as the training checks build it."""
     model = ToyModel()
@@ -200,6 +218,7 @@ def all_checks(rank: int, world_size: int, out_dir: str) -> None:
             for variant in VARIANTS:
                 record["train"][variant, kind, num_micro] = (_train_ddp(variant, kind, rank, batches, num_micro), ref)
     record["buckets"] = _bucket_layout()
+    record["freed"] = _freed_with_wrapper()
     record["mismatch"] = _mismatch_error(rank)
     record["double_backward"] = _double_backward_error(rank)
     record["collectives"] = benchmark_collectives(sizes_bytes=[4096, 40_000], warmup=1, iters=3)

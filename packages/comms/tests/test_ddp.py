@@ -57,6 +57,11 @@ def test_buckets_close_once_they_reach_the_cap(records: list[dict]) -> None:
         assert r["buckets"] == [["fc2.bias", "fc2.weight"], ["fc1.bias", "fc1.weight"], ["unused", "extra"]]
 
 
+def test_dropping_the_wrapper_frees_the_model(records: list[dict]) -> None:
+    for record in records:
+        assert record["freed"] == {variant: True for variant in VARIANTS}
+
+
 def test_mismatched_shapes_raise_on_every_rank(records: list[dict]) -> None:
     for record in records:
         assert record["mismatch"] is not None and "0.weight" in record["mismatch"]

@@ -35,6 +35,7 @@ by issue order; this is the same rule torch's DistributedDataParallel follows.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -104,8 +105,18 @@ class _GradientSync(nn.Module):
         self._zero_filled: list[nn.Parameter] = []
         self._sync = True
         if self.overlap:
+            # The hooks are stored with the parameters. Were they to hold the wrapper strongly, the wrapper,
+            # the model and its gradients would stay alive after the user drops them: a reference cycle
+            # through autograd's hook storage, which the garbage collector cannot see.
+            wrapper = weakref.ref(self)
+
+            def on_grad_ready(param: nn.Parameter) -> None:
+                sync = wrapper()
+                if sync is not None:
+                    sync._on_grad_ready(param)
+
             for p in trainable:
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                p.register_post_accumulate_grad_hook(on_grad_ready)
 
     def _bucket_params(self, params: list[nn.Parameter]) -> Sequence[list[nn.Parameter]]:
         raise NotImplementedError
