@@ -2,10 +2,10 @@
 # FlashAttention-2 on one GPU of the lent machine, in one call. Two modes:
 #   explore: the kernels' GPU tests once, then the wide autotuning sweep (python -m
 #            cs336_harness.attention_tuning: every candidate config timed at the real shapes, then ours
-#            with the deterministic and the atomic-dQ backward against SDPA in one process).
+#            against SDPA in one process).
 #            Rows: $OUT/attention_tuning.jsonl (about 5 minutes).
-#   final:   the attention GPU tests 5 times in a row, then `cs336 attention --part anchors` (ours, both
-#            backward modes, and SDPA at the two anchor shapes). Rows: $OUT/attention_anchors.jsonl.
+#   final:   the attention GPU tests 5 times in a row, then `cs336 attention --part anchors` (ours and
+#            SDPA at the two anchor shapes). Rows: $OUT/attention_anchors.jsonl.
 # Every step has its own timeout and no step starts after $ATTN_DEADLINE_S seconds (default 420), so
 # rows written before a hang still come back. Log: $OUT/log.txt.
 #   run (GPU machine, repo root): bash tools/gpu_attention.sh explore

@@ -52,6 +52,20 @@ def test_markdown_pivots_rows_and_marks_oom():
     assert "| 64 | 128 | 0.01 | 0.02 | 0.03 | 0.04 | OOM | OOM | - | - | - | 1.5 | - |" in text
 
 
+def test_anchor_table_keeps_the_latest_row_of_each_timed_impl():
+    def row(impl, date, fwd_bwd_ms):
+        return {"bench": "anchors", "impl": impl, "batch": 1, "heads": 16, "seq": 16384, "d": 64, "date": date,
+                "device": "test-gpu", "fwd_ms": 1.0, "bwd_ms": 2.0, "fwd_bwd_ms": fwd_bwd_ms,
+                "fwd_tflops": 1.0, "bwd_tflops": 1.0, "fwd_bwd_tflops": 1.0, "target_fwd_bwd_ms": 4.0}
+
+    rows = [row("sdpa", "2026-01-02", 4.5), row("triton", "2026-01-02", 5.5), row("triton", "2026-01-01", 9.9),
+            row("triton_atomic", "2026-01-01", 6.0)]
+    text = attention_markdown(rows)
+    lines = [line for line in text.splitlines() if line.startswith("| (1, 16, 16384, 64)")]
+    # Ours first, then SDPA; the older triton row and the removed atomic variant are left out.
+    assert [line.split(" | ")[1:5] for line in lines] == [["triton", "1", "2", "5.5"], ["sdpa", "1", "2", "4.5"]]
+
+
 def test_cli_quick_flag_parses():
     args = build_parser().parse_args(["attention", "--quick", "--part", "flash", "--flash-dtypes", "bf16"])
     assert args.quick and args.part == ["flash"] and args.flash_dtypes == ("bf16",)

@@ -80,17 +80,12 @@ CPU_SHAPES = [
 ]
 
 
-def _triton(deterministic: bool):
-    return lambda q, k, v, is_causal: flash_attention(q, k, v, is_causal, deterministic=deterministic)
-
-
-@pytest.mark.parametrize("deterministic", [True, False], ids=["two_kernels", "dq_atomics"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize(("shape_q", "shape_kv"), CPU_SHAPES)
-def test_triton_matches_reference(shape_q, shape_kv, is_causal, dtype, deterministic):
+def test_triton_matches_reference(shape_q, shape_kv, is_causal, dtype):
     q, k, v, do = _inputs(shape_q, shape_kv, dtype, seed=len(shape_q) + shape_q[-2])
-    _check_against_reference(_triton(deterministic), q, k, v, do, is_causal)
+    _check_against_reference(flash_attention, q, k, v, do, is_causal)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -130,20 +125,11 @@ def test_causal_alignment_is_top_left_like_sdpa():
     torch.testing.assert_close(FlashAttentionPytorch.apply(q, k, v, True), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("deterministic", [True, False], ids=["two_kernels", "dq_atomics"])
-def test_keys_past_the_last_query_get_zero_gradient_when_causal(deterministic):
+def test_keys_past_the_last_query_get_zero_gradient_when_causal():
     q, k, v, do = _inputs((1, 1, 5, 16), (1, 1, 40, 16), torch.float32, seed=5)
-    _, _, (_, dk, dv) = _run(_triton(deterministic), q, k, v, do, True)
+    _, _, (_, dk, dv) = _run(flash_attention, q, k, v, do, True)
     assert dk[..., 5:, :].abs().max() == 0 and dv[..., 5:, :].abs().max() == 0
     assert dk[..., :5, :].abs().max() > 0
-
-
-def test_atomic_dq_buffer_starts_from_zero_on_every_call():
-    # The fp32 dQ accumulator is cleared before every launch; a second backward must not add onto the first.
-    q, k, v, do = _inputs((1, 2, 37, 32), (1, 1, 37, 32), torch.float32, seed=6)
-    first = _run(_triton(False), q, k, v, do, True)[2][0]
-    second = _run(_triton(False), q, k, v, do, True)[2][0]
-    torch.testing.assert_close(second, first, rtol=1e-6, atol=1e-6)
 
 
 def _bad(shape_q, shape_kv=None, dtype=torch.float32):
@@ -182,10 +168,6 @@ def test_bad_flags_raise():
         flash_attention(q, k, v, 1)
     with pytest.raises(ValueError, match="backward"):
         flash_attention(q, k, v, backward="cuda")
-    with pytest.raises(TypeError, match="deterministic"):
-        flash_attention(q, k, v, deterministic=0)
-    with pytest.raises(ValueError, match="deterministic=False"):
-        flash_attention(q, k, v, backward="pytorch", deterministic=False)
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -205,11 +187,10 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("deterministic", [True, False], ids=["two_kernels", "dq_atomics"])
 @pytest.mark.parametrize(("shape_q", "shape_kv", "dtype", "is_causal"), GPU_CASES)
-def test_gpu_matches_reference(shape_q, shape_kv, dtype, is_causal, deterministic):
+def test_gpu_matches_reference(shape_q, shape_kv, dtype, is_causal):
     q, k, v, do = _inputs(shape_q, shape_kv, dtype, seed=shape_q[-2])
-    _check_against_reference(_triton(deterministic), q, k, v, do, is_causal)
+    _check_against_reference(flash_attention, q, k, v, do, is_causal)
 
 
 @pytest.mark.gpu
@@ -220,13 +201,12 @@ def test_gpu_pytorch_function_and_compiled_backward():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("deterministic", [True, False], ids=["two_kernels", "dq_atomics"])
 @pytest.mark.parametrize(("shape", "heads_kv"), [((1, 16, 8192, 64), 16), ((1, 8, 4096, 128), 2)])
-def test_gpu_large_bf16_matches_sdpa_in_fp32(shape, heads_kv, deterministic):
+def test_gpu_large_bf16_matches_sdpa_in_fp32(shape, heads_kv):
     # A float64 reference would not fit; fp32 SDPA on the same bf16-rounded inputs stands in for it.
     shape_kv = (shape[0], heads_kv, *shape[2:])
     q, k, v, do = _inputs(shape, shape_kv, torch.bfloat16, seed=8)
-    o, _, grads = _run(_triton(deterministic), q, k, v, do, True)
+    o, _, grads = _run(flash_attention, q, k, v, do, True)
     q32, k32, v32 = (t.float().requires_grad_() for t in (q, k, v))
     o_ref = F.scaled_dot_product_attention(q32, k32, v32, is_causal=True, enable_gqa=True)
     o_ref.backward(do.float())
@@ -244,13 +224,3 @@ def test_gpu_backward_is_deterministic():
     for a, b in zip((first[0], first[1], *first[2]), (second[0], second[1], *second[2]), strict=True):
         assert torch.equal(a, b)
 
-
-@pytest.mark.gpu
-def test_gpu_atomic_dq_runs_agree_within_rounding():
-    # Atomic dQ may change its last bits between runs, never more; dK, dV and O stay bitwise equal.
-    q, k, v, do = _inputs((2, 8, 2048, 128), (2, 2, 2048, 128), torch.bfloat16, seed=10)
-    first = _run(_triton(False), q, k, v, do, True)
-    second = _run(_triton(False), q, k, v, do, True)
-    for a, b in zip((first[0], first[1], *first[2][1:]), (second[0], second[1], *second[2][1:]), strict=True):
-        assert torch.equal(a, b)
-    assert _rel_err(second[2][0], first[2][0].double()) < 1e-2

@@ -12,8 +12,7 @@ Parts (handout section 4):
   (dtype, d, seq) of ``flash_dtypes`` x ``flash_head_dims`` x ``flash_seq_lens``: forward, backward and
   forward+backward of our Triton FlashAttention-2, the plain PyTorch attention and torch SDPA.
 - ``anchors``: the two targets of ANCHORS.md, (1, 32, 32768, 128) and (1, 16, 16384, 64), bf16, causal,
-  ours with the deterministic backward (``triton``) and with dQ by atomics (``triton_atomic``,
-  ``deterministic=False``) against SDPA, all measured in the same run.
+  ours (``triton``) against SDPA, measured in the same run.
 
 FLOPs of causal attention, counted as in ANCHORS.md (two matmuls of 2*s*s*d FLOPs per head, half of the
 score matrix kept by the mask; the backward pass has five such matmuls, so 2.5x the forward)::
@@ -46,6 +45,9 @@ DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32,
 BF16_MATMUL_FLOPS = 772e12  # H200 bf16 8192^3 matmul on random data (ANCHORS.md)
 ANCHOR_SHAPES: tuple[tuple[int, int, int, int], ...] = ((1, 32, 32768, 128), (1, 16, 16384, 64))
 ANCHOR_TARGET_MS = {(1, 16, 16384, 64): 4.0}  # fwd+bwd; the other shape's target is SDPA's own time
+# What the anchors part times and its table shows, in this order. Older rows of other impls (the removed
+# atomic-dQ backward, ``triton_atomic``) stay in the results file but not in the table.
+ANCHOR_IMPLS: tuple[str, ...] = ("triton", "sdpa")
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,6 @@ def _plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 def _impls(mask: torch.Tensor) -> dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]]:
     return {
         "triton": lambda q, k, v: flash_attention(q, k, v, is_causal=True),
-        "triton_atomic": lambda q, k, v: flash_attention(q, k, v, is_causal=True, deterministic=False),
         "pytorch": lambda q, k, v: _plain(q, k, v, mask),
         "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
     }
@@ -218,16 +219,16 @@ def _flash_rows(
         yield row
 
 
-def _warm_one(shape: tuple[int, int, int, int], dtype_name: str, deterministic: bool = True) -> None:
+def _warm_one(shape: tuple[int, int, int, int], dtype_name: str) -> None:
     q, k, v = (torch.randn(*shape, device="cuda", dtype=DTYPES[dtype_name], requires_grad=True) for _ in range(3))
-    flash_attention(q, k, v, is_causal=True, deterministic=deterministic).sum().backward()
+    flash_attention(q, k, v, is_causal=True).sum().backward()
     torch.cuda.synchronize()
 
 
-def precompile(jobs: Sequence[tuple[tuple[int, int, int, int], str, bool]], processes: int) -> None:
+def precompile(jobs: Sequence[tuple[tuple[int, int, int, int], str]], processes: int) -> None:
     """Compile every autotuning candidate of our kernels in parallel processes to fill Triton's disk cache.
 
-    Each job is (shape, dtype, deterministic backward). Its shape must share the launch specialisation
+    Each job is (shape, dtype). Its shape must share the launch specialisation
     (dtype, head dim, divisibility of sizes and strides by 16) of the shapes timed later, so that their
     compilation is a cache hit.
     """
@@ -244,9 +245,9 @@ def run_attention_bench(
     if cfg.precompile_jobs:
         jobs = []
         if "flash" in cfg.parts:
-            jobs += [((1, 1, 256, d), dt, True) for dt in cfg.flash_dtypes for d in cfg.flash_head_dims]
+            jobs += [((1, 1, 256, d), dt) for dt in cfg.flash_dtypes for d in cfg.flash_head_dims]
         if "anchors" in cfg.parts:
-            jobs += [((b, h, 256, d), "bf16", det) for b, h, _, d in ANCHOR_SHAPES for det in (True, False)]
+            jobs += [((b, h, 256, d), "bf16") for b, h, _, d in ANCHOR_SHAPES]
         precompile(jobs, cfg.precompile_jobs)
     rows: list[dict[str, Any]] = []
 
@@ -257,8 +258,7 @@ def run_attention_bench(
 
     if "anchors" in cfg.parts:
         for shape in ANCHOR_SHAPES:
-            for row in _flash_rows(shape, "bf16", ("triton", "triton_atomic", "sdpa"), cfg.anchor_rep_ms, cfg,
-                                   "anchors"):
+            for row in _flash_rows(shape, "bf16", ANCHOR_IMPLS, cfg.anchor_rep_ms, cfg, "anchors"):
                 row["target_fwd_bwd_ms"] = ANCHOR_TARGET_MS.get(shape)
                 if row["fwd_bwd_tflops"] is not None:
                     row["fraction_of_772_tflops"] = row["fwd_bwd_tflops"] * 1e12 / BF16_MATMUL_FLOPS
@@ -341,10 +341,10 @@ def attention_tables(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
         )
     # Anchor rows accumulate over sessions; the table shows the latest run of each (shape, impl).
     latest: dict[tuple, dict[str, Any]] = {}
-    for r in sorted((r for r in rows if r.get("bench") == "anchors"), key=lambda r: r.get("date", "")):
+    for r in sorted((r for r in rows if r.get("bench") == "anchors" and r["impl"] in ANCHOR_IMPLS),
+                    key=lambda r: r.get("date", "")):
         latest[(r["batch"], r["heads"], r["seq"], r["d"], r["impl"])] = r
-    order = {"triton": 0, "triton_atomic": 1, "sdpa": 2}
-    anchors = sorted(latest.values(), key=lambda r: (-r["seq"] * r["d"], order.get(r["impl"], 3), r["impl"]))
+    anchors = sorted(latest.values(), key=lambda r: (-r["seq"] * r["d"], ANCHOR_IMPLS.index(r["impl"])))
     if anchors:
         table = [{**r, "shape": f"({r['batch']}, {r['heads']}, {r['seq']}, {r['d']})",
                   "fwd": _ms(r, "fwd_ms"), "bwd": _ms(r, "bwd_ms"), "fb": _ms(r, "fwd_bwd_ms")} for r in anchors]

@@ -1,4 +1,4 @@
-"""Wide autotuning sweep for our FlashAttention-2 kernels, then ours (both backward modes) vs SDPA.
+"""Wide autotuning sweep for our FlashAttention-2 kernels, then ours vs SDPA.
 
 The kernels in :mod:`cs336_kernels.flash_attention` autotune over a short pruned list of
 (BLOCK_M, BLOCK_N, num_warps, num_stages) per regime (dtype width, padded head dim), so that a cold
@@ -7,9 +7,8 @@ lets the autotuner time every candidate at the real shapes and records:
 
 - one ``bench = "tune"`` row per (shape, kernel, candidate) with the autotuner's median (a short
   ``do_bench``, so a guide for pruning, not a result);
-- ``bench = "variants"`` rows: ``do_bench`` medians of forward, backward and forward+backward of SDPA,
-  ours with the deterministic backward (``triton``) and ours with dQ by atomics (``triton_atomic``), all
-  in one process, with the winning config of each kernel.
+- ``bench = "variants"`` rows: ``do_bench`` medians of forward, backward and forward+backward of SDPA
+  and ours (``triton``) in one process, with the winning config of each kernel.
 
 The short lists in the kernel module are then edited from the ``tune`` rows, and the final numbers come
 from ``cs336 attention --part anchors`` on the committed lists. Run on the GPU machine::
@@ -19,7 +18,7 @@ from ``cs336 attention --part anchors`` on the committed lists. Run on the GPU m
 ``--builds`` needs no GPU: it compiles each kernel (bf16, causal, d = 64 and 128) for sm_90 with every
 listed and candidate config and records what ptxas and the SASS say (``bench = "build"`` rows: registers
 per thread, stack frame bytes, and static counts in the SASS of local-memory spill stores and loads,
-wgmma and mma.sync instructions, vector reductions and TMA reductions)::
+and of wgmma and mma.sync instructions)::
 
     uv run python -m cs336_harness.attention_tuning --builds --out writeup/results/attention_builds.jsonl
 """
@@ -56,10 +55,6 @@ CANDIDATES: dict[str, dict[tuple[int, int], list[Entry]]] = {
         (2, 64): [(32, 128, 8, 3), (64, 128, 8, 1), (32, 128, 8, 2), (64, 64, 8, 2)],
         (2, 128): [(32, 128, 8, 1), (64, 64, 8, 1), (32, 128, 8, 2)],
     },
-    "dkdvq": {
-        (2, 64): [(64, 128, 8, 1), (64, 64, 8, 1), (32, 128, 8, 2), (32, 128, 8, 3)],
-        (2, 128): [(32, 128, 8, 1), (64, 64, 8, 1), (64, 64, 8, 2)],
-    },
     "dq": {
         (2, 64): [(128, 128, 8, 3), (64, 64, 4, 4), (128, 64, 8, 4)],
         (2, 128): [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
@@ -68,7 +63,7 @@ CANDIDATES: dict[str, dict[tuple[int, int], list[Entry]]] = {
 SHAPES: tuple[tuple[int, int, int, int], ...] = (
     (1, 32, 32768, 128), (1, 16, 16384, 64), (1, 16, 16384, 128), (2, 16, 8192, 64),
 )
-IMPLS = ("sdpa", "triton", "triton_atomic")
+IMPLS = ("sdpa", "triton")
 
 
 def _kernels() -> dict[str, Any]:
@@ -77,42 +72,41 @@ def _kernels() -> dict[str, Any]:
 
 def widen() -> None:
     """Add :data:`CANDIDATES` to the kernels' lists and forget earlier autotuning results."""
-    tables = {"fwd": fa._FWD_TABLE, "dkdv": fa._DKDV_TABLE, "dkdvq": fa._DKDVQ_TABLE, "dq": fa._DQ_TABLE}
+    tables = {"fwd": fa._FWD_TABLE, "dkdv": fa._DKDV_TABLE, "dq": fa._DQ_TABLE}
     for name, extra in CANDIDATES.items():
         for key, entries in extra.items():
             # In place: the kernels' pruners hold these very dicts.
             tables[name][key] = list(dict.fromkeys([*tables[name][key], *entries]))
     kernels = _kernels()
     kernels["fwd"].configs = fa._configs(fa._FWD_TABLE)
-    kernels["dkdv"].configs = fa.dkdv_configs()
+    kernels["dkdv"].configs = fa._configs(fa._DKDV_TABLE)
     kernels["dq"].configs = fa._configs(fa._DQ_TABLE)
     for kernel in kernels.values():
         kernel.cache.clear()
 
 
-def _warm_wide(shape: tuple[int, int, int, int], dtype_name: str, deterministic: bool) -> None:
+def _warm_wide(shape: tuple[int, int, int, int], dtype_name: str) -> None:
     widen()
-    _warm_one(shape, dtype_name, deterministic)
+    _warm_one(shape, dtype_name)
 
 
 def _entry(config: Any) -> list[int]:
     return [config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages]
 
 
-def _tune_rows(shape: tuple[int, int, int, int], deterministic: bool) -> Iterator[dict[str, Any]]:
+def _tune_rows(shape: tuple[int, int, int, int]) -> Iterator[dict[str, Any]]:
     """Run forward+backward once (autotuning anything new) and report every kernel it just tuned."""
     kernels = _kernels()
     before = {name: id(getattr(k, "configs_timings", None)) for name, k in kernels.items()}
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    fa.flash_attention(q, k, v, is_causal=True, deterministic=deterministic).sum().backward()
+    fa.flash_attention(q, k, v, is_causal=True).sum().backward()
     torch.cuda.synchronize()
     for name, kernel in kernels.items():
         timings = getattr(kernel, "configs_timings", None)
         if timings is None or id(timings) == before[name]:
             continue
-        label = "dkdvq" if name == "dkdv" and not deterministic else name
         for config, (median, p20, p80) in sorted(timings.items(), key=lambda item: item[1][0]):
-            yield {"bench": "tune", "kernel": label, "batch": shape[0], "heads": shape[1], "seq": shape[2],
+            yield {"bench": "tune", "kernel": name, "batch": shape[0], "heads": shape[1], "seq": shape[2],
                    "d": shape[3], "dtype": "bf16", "config": _entry(config), "ms": median, "p20_ms": p20,
                    "p80_ms": p80, "best": config is kernel.best_config}
 
@@ -131,28 +125,25 @@ def run_tuning(shapes: Sequence[tuple[int, int, int, int]], rep_ms: int, out: st
 
     widen()
     if precompile_jobs:
-        jobs = [((b, h, 256, d), "bf16", det) for b, h, _, d in shapes for det in (True, False)]
+        jobs = [((b, h, 256, d), "bf16") for b, h, _, d in shapes]
         with multiprocessing.get_context("spawn").Pool(precompile_jobs) as pool:
             pool.starmap(_warm_wide, list(dict.fromkeys(jobs)))
     cfg = AttentionBenchConfig(parts=("anchors",), anchor_rep_ms=rep_ms)
     kernels = _kernels()
     for shape in shapes:
-        for deterministic in (True, False):
-            for row in _tune_rows(shape, deterministic):
-                emit(row)
+        for row in _tune_rows(shape):
+            emit(row)
         for row in _flash_rows(shape, "bf16", IMPLS, rep_ms, cfg, "variants"):
-            if row["impl"].startswith("triton"):
+            if row["impl"] == "triton":
                 # The configs of the row's last launches (its forward+backward timing), per kernel.
-                deterministic = row["impl"] == "triton"
-                row["configs"] = {name: _entry(kernel.best_config) for name, kernel in kernels.items()
-                                  if deterministic or name != "dq"}
+                row["configs"] = {name: _entry(kernel.best_config) for name, kernel in kernels.items()}
             emit(row)
     return rows
 
 
 # ------------------------------------------------------------------------------ offline sm_90 builds
 
-_BF16_POINTERS = {"Q", "K", "V", "O", "DO", "DK", "DV"}
+_BF16_POINTERS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
 _UNIT_STRIDES = {"stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_dod", "stride_dkd", "stride_dvd",
                  "stride_dqd"}
 
@@ -169,29 +160,23 @@ def _cuobjdump() -> str:
 
 def build_row(name: str, head_dim: int, entry: Entry) -> dict[str, Any]:
     """Compile one kernel for sm_90 as the launcher would specialise it (bf16, causal, unit d stride,
-    16-divisible sizes) and read its resources; ``name`` is fwd, dkdv, dkdvq or dq."""
+    16-divisible sizes) and read its resources; ``name`` is fwd, dkdv or dq."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = _kernels()["dkdv" if name == "dkdvq" else name].fn
+    fn = _kernels()[name].fn
     block_m, block_n, num_warps, num_stages = entry
     constants: dict[str, Any] = {"HEAD_DIM": head_dim, "BLOCK_D": head_dim, "EVEN_D": True, "IS_CAUSAL": True,
                                  "DOT_PRECISION": "tf32", "BLOCK_M": block_m, "BLOCK_N": block_n}
-    if "ATOMIC_DQ" in fn.arg_names:
-        constants["ATOMIC_DQ"] = name == "dkdvq"
-        if name == "dkdv":
-            constants["DQ_DESC"] = None
     constants |= {arg: 1 for arg in _UNIT_STRIDES & set(fn.arg_names)}
     signature = {}
     for arg in fn.arg_names:
         if arg in constants:
             signature[arg] = "constexpr"
-        elif arg == "DQ_DESC":
-            signature[arg] = f"tensordesc<fp32[1,{block_m},{head_dim}]>"
-        elif arg in _BF16_POINTERS or (arg == "DQ" and name == "dq"):
+        elif arg in _BF16_POINTERS:
             signature[arg] = "*bf16"
-        elif arg in ("L", "DELTA", "DQ"):
+        elif arg in ("L", "DELTA"):
             signature[arg] = "*fp32"
         else:
             signature[arg] = "fp32" if arg in ("qk_scale", "sm_scale") else "i32"
@@ -210,14 +195,13 @@ def build_row(name: str, head_dim: int, entry: Entry) -> dict[str, Any]:
             "target": "sm_90", "registers": int(found[1]) if found else None,
             "stack_bytes": int(found[2]) if found else None, "shared_bytes": compiled.metadata.shared,
             "spill_stores": sass.count("STL"), "spill_loads": sass.count("LDL"), "wgmma": sass.count("HGMMA"),
-            "mma_sync": sass.count("HMMA"), "vector_reductions": sass.count("REDG.E.ADD.F32x4"),
-            "tma_reductions": sass.count("UTMAREDG")}
+            "mma_sync": sass.count("HMMA")}
 
 
 def build_rows(out: str | None) -> list[dict[str, Any]]:
     """:func:`build_row` for every listed and candidate config of the 16-bit d = 64 and 128 regimes."""
     meta = provenance()
-    tables = {"fwd": fa._FWD_TABLE, "dkdv": fa._DKDV_TABLE, "dkdvq": fa._DKDVQ_TABLE, "dq": fa._DQ_TABLE}
+    tables = {"fwd": fa._FWD_TABLE, "dkdv": fa._DKDV_TABLE, "dq": fa._DQ_TABLE}
     rows = []
     for name, table in tables.items():
         for head_dim in (64, 128):

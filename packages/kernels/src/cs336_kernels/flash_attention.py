@@ -20,12 +20,11 @@ Conventions:
 - ``L`` is the natural-log logsumexp of the scaled scores, fp32, shaped like ``Q`` without its last dim.
 - Causal tile skipping: key tiles wholly above the diagonal are never loaded, tiles that straddle it
   are masked element-wise, all others run unmasked. Heavier query tiles are launched first.
-- The default backward pass is two kernels without atomics, so it is deterministic: one program per key
+- The Triton backward pass is two kernels without atomics, so it is deterministic: one program per key
   tile accumulates dK and dV over every query tile (and every query head of its group), one program per
-  query tile accumulates dQ over every key tile. ``deterministic=False`` drops the dQ kernel: the dK/dV
-  program adds each tile's dS K into an fp32 dQ buffer with one TMA reduce-add per (query tile, key
-  tile) pair (five matmuls per tile pair instead of seven), at the price of run-to-run differences in
-  dQ's rounding.
+  query tile accumulates dQ over every key tile. S and dP are computed in both, so the backward runs
+  seven matmuls per tile pair instead of five; dQ by atomics inside the dK/dV kernel (five matmuls) was
+  measured slower on an H200 with per-element and with TMA reductions (writeup/results/attention_notes.md).
 - fp32 inputs use true fp32 products (``input_precision="ieee"``), not TF32.
 
 Run the tests with ``uv run pytest packages/kernels/tests/test_flash_attention.py`` (on CPU they use
@@ -41,7 +40,6 @@ from typing import Literal
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -87,9 +85,6 @@ _DKDV_TABLE = {
     (4, 128): [(16, 32, 8, 2), (16, 16, 4, 2)],
     (4, 256): [(16, 16, 8, 1), (16, 16, 4, 1)],
 }
-# The dK/dV kernel with dQ atomics (ATOMIC_DQ) holds one more fp32 (BLOCK_M, d) tile per step; the H200 sweep
-# kept the same configurations except their order at 16-bit d = 64.
-_DKDVQ_TABLE = {**_DKDV_TABLE, (2, 64): [(64, 128, 8, 3), (64, 64, 4, 3)]}
 _DQ_TABLE = {
     (2, 16): [(128, 64, 8, 3), (128, 128, 8, 2)],
     (2, 32): [(128, 64, 8, 3), (128, 128, 8, 2)],
@@ -105,41 +100,19 @@ _DQ_TABLE = {
 _INTERPRETER_CONFIG = (16, 16, 1, 1)
 
 
-def _configs(
-    *tables: dict[tuple[int, int], list[tuple[int, int, int, int]]], pre_hook=None
-) -> list[triton.Config]:
+def _configs(table: dict[tuple[int, int], list[tuple[int, int, int, int]]]) -> list[triton.Config]:
     if _INTERPRET:
         entries = [_INTERPRETER_CONFIG]
     else:
-        entries = sorted({entry for table in tables for entries in table.values() for entry in entries})
+        entries = sorted({entry for entries in table.values() for entry in entries})
     return [
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s, pre_hook=pre_hook)
-        for m, n, w, s in entries
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in entries
     ]
 
 
-def _prepare_dq_accumulator(nargs: dict) -> None:
-    # Runs before every launch of the dK/dV kernel, autotuning launches included. With dQ by TMA
-    # reductions, the descriptor's block is one (BLOCK_M, BLOCK_D) query tile of one head, which depends
-    # on the config, and every launch must add into a cleared accumulator.
-    desc = nargs["DQ_DESC"]
-    if desc is not None:
-        desc.block_shape = [1, nargs["BLOCK_M"], desc.shape[-1]]
-        desc.base.zero_()
-
-
-def dkdv_configs() -> list[triton.Config]:
-    """The dK/dV kernel's candidate configs (both backward modes), with the dQ accumulator's launch hook."""
-    return _configs(_DKDV_TABLE, _DKDVQ_TABLE, pre_hook=_prepare_dq_accumulator)
-
-
-def _pruner(
-    table: dict[tuple[int, int], list[tuple[int, int, int, int]]],
-    atomic_table: dict[tuple[int, int], list[tuple[int, int, int, int]]] | None = None,
-):
+def _pruner(table: dict[tuple[int, int], list[tuple[int, int, int, int]]]):
     def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-        chosen = atomic_table if kwargs.get("ATOMIC_DQ") else table
-        wanted = chosen[(named_args["Q"].element_size(), kwargs["BLOCK_D"])]
+        wanted = table[(named_args["Q"].element_size(), kwargs["BLOCK_D"])]
         return [
             c for c in configs
             if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted
@@ -315,11 +288,11 @@ def _bwd_preprocess_kernel(
 
 @triton.jit
 def _dkdv_inner(
-    dk, dv, k, v, Q_BASE, DO_BASE, L_BASE, DELTA_BASE, DQ_DESC, dq_head,
+    dk, dv, k, v, Q_BASE, DO_BASE, L_BASE, DELTA_BASE,
     stride_qt, stride_qd, stride_dot, stride_dod,
-    offs_n, lo, hi, N_QUERIES, qk_scale, sm_scale,
+    offs_n, lo, hi, N_QUERIES, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    CHECK_ROWS: tl.constexpr, CAUSAL_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    CHECK_ROWS: tl.constexpr, CAUSAL_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     Q_BLOCK = tl.make_block_ptr(
         Q_BASE, shape=(N_QUERIES, HEAD_DIM), strides=(stride_qt, stride_qd),
@@ -349,26 +322,18 @@ def _dkdv_inner(
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
         ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
         dk = tl.dot(ds_t, q, acc=dk, input_precision=DOT_PRECISION)
-        if ATOMIC_DQ:
-            # This key tile's share of dQ = dS K, added in fp32 straight into the global accumulator: the
-            # fifth matmul replaces the dQ kernel's recomputation of S and dP (two matmuls) at the price of
-            # a summation order that depends on scheduling. One TMA reduce-add moves the whole tile
-            # (staged through shared memory) instead of per-element atomics from registers; the copy
-            # engine drops rows past N_QUERIES, which hold zeros anyway (P = 0 there).
-            dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * sm_scale  # (BLOCK_M, BLOCK_D)
-            DQ_DESC.atomic_add([dq_head, start, 0], dq[None, :, :])
         Q_BLOCK = tl.advance(Q_BLOCK, (BLOCK_M, 0))
         DO_BLOCK = tl.advance(DO_BLOCK, (BLOCK_M, 0))
     return dk, dv
 
 
 @triton.autotune(
-    configs=dkdv_configs(), key=[*_AUTOTUNE_KEY, "ATOMIC_DQ"],
-    prune_configs_by=_pruner(_DKDV_TABLE, _DKDVQ_TABLE), do_bench=_quick_bench,
+    configs=_configs(_DKDV_TABLE), key=_AUTOTUNE_KEY, prune_configs_by=_pruner(_DKDV_TABLE),
+    do_bench=_quick_bench,
 )
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, L, DELTA, DK, DV, DQ_DESC,
+    Q, K, V, DO, L, DELTA, DK, DV,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
@@ -378,13 +343,11 @@ def _attn_bwd_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvt, stride_dvd,
     H_KV, GROUP, N_QUERIES, N_KEYS, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Grid: (key tiles, batch * key/value heads). Each program owns its dK, dV tile: no atomics needed,
     # and a GQA group's query heads are summed here in a fixed order, so dK and dV are deterministic.
-    # With ATOMIC_DQ the program also adds its share of dQ through DQ_DESC, a tensor descriptor over an
-    # fp32 (B * Hq, Tq, BLOCK_D) accumulator (otherwise DQ_DESC is None and a separate kernel computes dQ).
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H_KV).to(tl.int64)
@@ -416,25 +379,24 @@ def _attn_bwd_dkdv_kernel(
         DO_BASE = DO + b * stride_dob + h * stride_doh
         L_BASE = L + b * stride_lb + h * stride_lh
         DELTA_BASE = DELTA + b * stride_lb + h * stride_lh
-        dq_head = (b * H_KV * GROUP + h).to(tl.int32)
         if IS_CAUSAL:
             dk, dv = _dkdv_inner(
-                dk, dv, k, v, Q_BASE, DO_BASE, L_BASE, DELTA_BASE, DQ_DESC, dq_head,
+                dk, dv, k, v, Q_BASE, DO_BASE, L_BASE, DELTA_BASE,
                 stride_qt, stride_qd, stride_dot, stride_dod,
-                offs_n, k0, tl.minimum(k0 + BLOCK_N, N_QUERIES), N_QUERIES, qk_scale, sm_scale,
-                HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_M, True, True, DOT_PRECISION, ATOMIC_DQ,
+                offs_n, k0, tl.minimum(k0 + BLOCK_N, N_QUERIES), N_QUERIES, qk_scale,
+                HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_M, True, True, DOT_PRECISION,
             )
         dk, dv = _dkdv_inner(
-            dk, dv, k, v, Q_BASE, DO_BASE, L_BASE, DELTA_BASE, DQ_DESC, dq_head,
+            dk, dv, k, v, Q_BASE, DO_BASE, L_BASE, DELTA_BASE,
             stride_qt, stride_qd, stride_dot, stride_dod,
-            offs_n, lo_full, q_full, N_QUERIES, qk_scale, sm_scale,
-            HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_M, False, False, DOT_PRECISION, ATOMIC_DQ,
+            offs_n, lo_full, q_full, N_QUERIES, qk_scale,
+            HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_M, False, False, DOT_PRECISION,
         )
         dk, dv = _dkdv_inner(
-            dk, dv, k, v, Q_BASE, DO_BASE, L_BASE, DELTA_BASE, DQ_DESC, dq_head,
+            dk, dv, k, v, Q_BASE, DO_BASE, L_BASE, DELTA_BASE,
             stride_qt, stride_qd, stride_dot, stride_dod,
-            offs_n, lo_tail, N_QUERIES, N_QUERIES, qk_scale, sm_scale,
-            HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_M, True, False, DOT_PRECISION, ATOMIC_DQ,
+            offs_n, lo_tail, N_QUERIES, N_QUERIES, qk_scale,
+            HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_M, True, False, DOT_PRECISION,
         )
 
     dk = dk * sm_scale
@@ -610,36 +572,26 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> tup
 
 def flash_backward_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
-    lse: torch.Tensor, is_causal: bool, deterministic: bool = True,
+    lse: torch.Tensor, is_causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV in the input dtypes, from the saved logsumexp.
 
-    ``deterministic=True``: three launches (D, dK/dV, dQ), no atomics, bitwise reproducible; the dQ kernel
-    recomputes S and dP, so seven matmuls per tile pair. ``deterministic=False``: the dK/dV kernel also
-    adds dS K into an fp32 dQ accumulator with TMA reduce-adds (five matmuls), so dQ's rounding depends
-    on the order in which programs finish.
+    Three launches (D, dK/dV, dQ), no atomics, bitwise reproducible; the dQ kernel recomputes S and dP,
+    so seven matmuls per tile pair.
     """
     batch, heads_q, n_queries, head_dim = q.shape
     heads_kv, n_keys = k.shape[1], k.shape[2]
     constants = _kernel_constants(q, is_causal)
     sm_scale = 1.0 / math.sqrt(head_dim)
-    block_d = constants["BLOCK_D"]
-    atomic = not deterministic
 
     delta = torch.empty_like(lse)
     preprocess_block = 64 if not _INTERPRET else 16
     _bwd_preprocess_kernel[(triton.cdiv(n_queries, preprocess_block), batch * heads_q)](
         o, do, delta, *o.stride(), *do.stride(), delta.stride(0), delta.stride(1), heads_q, n_queries,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=preprocess_block,
+        HEAD_DIM=head_dim, BLOCK_D=constants["BLOCK_D"], BLOCK_M=preprocess_block,
     )
-    dq_desc = None
-    if atomic:
-        # fp32 accumulator, cleared before each launch by _prepare_dq_accumulator, which also sets the
-        # block shape. Rows padded to BLOCK_D give TMA the 16-byte row stride it needs for any d, and one
-        # head per leading index keeps a partial query tile from reaching into the next head's rows.
-        dq_acc = torch.empty((batch * heads_q, n_queries, block_d), device=q.device, dtype=torch.float32)
-        dq_desc = TensorDescriptor.from_tensor(dq_acc, block_shape=[1, 16, block_d])
 
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     group = heads_q // heads_kv
@@ -648,15 +600,12 @@ def flash_backward_triton(
         return (triton.cdiv(n_keys, meta["BLOCK_N"]), batch * heads_kv)
 
     _attn_bwd_dkdv_kernel[dkdv_grid](
-        q, k, v, do, lse, delta, dk, dv, dq_desc,
+        q, k, v, do, lse, delta, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), lse.stride(0), lse.stride(1),
         *dk.stride(), *dv.stride(),
         heads_kv, group, n_queries, n_keys, sm_scale * LOG2E, sm_scale,
-        ATOMIC_DQ=atomic, **constants,
+        **constants,
     )
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    if atomic:
-        return dq.copy_(dq_acc.view(q.shape[:-1] + (block_d,))[..., :head_dim]), dk, dv
 
     def dq_grid(meta):
         return (triton.cdiv(n_queries, meta["BLOCK_M"]), batch * heads_q)
@@ -851,15 +800,11 @@ class FlashAttentionTriton(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, is_causal: bool = False,
-        backward: BackwardImpl = "triton", deterministic: bool = True,
+        backward: BackwardImpl = "triton",
     ) -> torch.Tensor:
         _check_inputs(Q, K, V, is_causal)
         if backward not in ("triton", "pytorch"):
             raise ValueError(f"backward must be 'triton' or 'pytorch', got {backward!r}")
-        if not isinstance(deterministic, bool):
-            raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
-        if backward == "pytorch" and not deterministic:
-            raise ValueError("deterministic=False (dQ by atomics) needs backward='triton', got backward='pytorch'")
         if Q.device.type != "cuda" and not _INTERPRET:
             raise ValueError(f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1); got device {Q.device}")
         Q, K, V = _unit_stride(Q), _unit_stride(K), _unit_stride(V)
@@ -868,7 +813,6 @@ class FlashAttentionTriton(torch.autograd.Function):
         ctx.save_for_backward(lse.view(Q.shape[:-1]), Q, K, V, o)
         ctx.is_causal = is_causal
         ctx.backward_impl = backward
-        ctx.deterministic = deterministic
         return o
 
     @staticmethod
@@ -876,16 +820,14 @@ class FlashAttentionTriton(torch.autograd.Function):
         lse, Q, K, V, O = ctx.saved_tensors
         q4 = _as_4d(Q)
         args = (q4, _as_4d(K), _as_4d(V), _as_4d(O), _as_4d(_unit_stride(dO)), lse.view(q4.shape[:-1]), ctx.is_causal)
-        if ctx.backward_impl == "triton":
-            dq, dk, dv = flash_backward_triton(*args, deterministic=ctx.deterministic)
-        else:
-            dq, dk, dv = _flash_backward_compiled(*args)
-        return dq.view(Q.shape), dk.view(K.shape), dv.view(V.shape), None, None, None
+        backward = flash_backward_triton if ctx.backward_impl == "triton" else _flash_backward_compiled
+        dq, dk, dv = backward(*args)
+        return dq.view(Q.shape), dk.view(K.shape), dv.view(V.shape), None, None
 
 
 def flash_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False, *,
-    backward: BackwardImpl = "triton", deterministic: bool = True,
+    backward: BackwardImpl = "triton",
 ) -> torch.Tensor:
     """``softmax(q k^T / sqrt(d)) v`` without materialising the score matrix (Triton, differentiable).
 
@@ -893,12 +835,10 @@ def flash_attention(
         q: (batch, seq_q, d) or (batch, heads_q, seq_q, d); fp16, bf16 or fp32; d in [16, 256].
         k, v: (batch, seq_k, d) or (batch, heads_kv, seq_k, d) with heads_q a multiple of heads_kv.
         is_causal: mask keys after the query, aligned top-left (query i sees keys 0..i).
-        backward: "triton" (Triton kernels) or "pytorch" (compiled recomputation).
-        deterministic: with the Triton backward, True (default) runs separate dK/dV and dQ kernels and
-            gives bitwise-reproducible gradients; False adds dQ with fp32 atomics inside the dK/dV kernel
-            (fewer matmuls, faster), so dQ may differ in its last bits from run to run.
+        backward: "triton" (Triton kernels: separate dK/dV and dQ kernels, bitwise-reproducible
+            gradients) or "pytorch" (compiled recomputation).
 
     Returns:
         The attention output, shaped and typed like ``q``.
     """
-    return FlashAttentionTriton.apply(q, k, v, is_causal, backward, deterministic)
+    return FlashAttentionTriton.apply(q, k, v, is_causal, backward)
