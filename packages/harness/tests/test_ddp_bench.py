@@ -49,6 +49,8 @@ def test_ddp_command_on_cpu(tmp_path, capsys) -> None:
         assert all(h > 0 for h in host)
         # The sync tail lies inside the step: from the backward's last gradient to the end of the sync.
         assert 0 <= r["sync_tail_ms"] <= r["step_max_ms"] and r["sync_tail_share"] == r["sync_tail_ms"] / r["step_ms"]
+        # Per step the smallest tail over the ranks: never above the slowest rank's, and never negative.
+        assert 0 <= r["comm_tail_ms"] <= r["sync_tail_ms"] and r["comm_tail_share"] == r["comm_tail_ms"] / r["step_ms"]
     assert (figs / "ddp_timeline_fp32.png").stat().st_size > 0
     table = ddp_bench.ddp_markdown(rows)
     assert table.count("\n") == len(rows) + 1 and "| fp32 | bucketed |" in table

@@ -20,8 +20,13 @@ What is measured, per (dtype, variant):
   event recorded when its last gradient is accumulated; which parameter that is comes from the first
   warm-up step) to the end of gradient synchronisation (an event after ``finish_gradient_synchronization``,
   or after ``backward`` for torch DDP, which waits inside it); the slowest rank's median, and
-  ``sync_tail_share`` of the step. It is the communication left after backward, measured without the
+  ``sync_tail_share`` of the step. It is what a rank waits for after its backward, measured without the
   profiler and the same way for every wrapper; it needs a warm-up step (on CPU it is host time).
+- ``comm_tail_ms``: the same tail, but per step the smallest over the ranks, then the median over steps
+  (and ``comm_tail_share``). A collective ends at about the same moment on every rank, so the rank whose
+  backward finished last has the smallest tail: this is the communication left once every rank has
+  finished its backward. ``sync_tail_ms`` minus it is time spent waiting for a slower rank (ranks drift
+  apart when their CPUs, not the GPUs, set the pace, as in the bf16 steps).
 - ``comm_ms`` and ``exposed_comm_ms`` from a ``torch.profiler`` trace of one more step on rank 0: the
   time NCCL kernels run, and the part of it when no compute kernel runs. Only the exposed part can
   lengthen the step; the trace measures it directly for every variant, torch's DDP included (whose
@@ -268,6 +273,8 @@ def _time_variant(config: DDPBenchConfig, variant: str, dtype: str, rank: int, d
     tail = statistics.median(tails) if tails else float("nan")
     slowest = torch.tensor([statistics.median(times), max(times), tail], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    last_rank_tails = torch.tensor(tails, dtype=torch.float64, device=device)
+    dist.all_reduce(last_rank_tails, op=dist.ReduceOp.MIN)
     in_sync = _params_in_sync(run.model)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     del run, last
@@ -276,6 +283,7 @@ def _time_variant(config: DDPBenchConfig, variant: str, dtype: str, rank: int, d
         "variant": variant, "dtype": dtype, "step_ms": float(slowest[0]) * 1e3,
         "step_max_ms": float(slowest[1]) * 1e3, "peak_mem_gib": peak, "params_in_sync": in_sync, **host_ms,
         "sync_tail_ms": None if not tails else float(slowest[2]),
+        "comm_tail_ms": None if not tails else statistics.median(last_rank_tails.tolist()),
     }
 
 
@@ -400,7 +408,8 @@ def run_ddp_bench(config: DDPBenchConfig) -> list[dict[str, Any]]:
         base = nocomm.get(row["dtype"])
         row["overhead_ms"] = None if base is None else row["step_ms"] - base
         row["exposed_share"] = None if row["exposed_comm_ms"] is None else row["exposed_comm_ms"] / row["step_ms"]
-        row["sync_tail_share"] = None if row["sync_tail_ms"] is None else row["sync_tail_ms"] / row["step_ms"]
+        for tail in ("sync_tail", "comm_tail"):
+            row[f"{tail}_share"] = None if row[f"{tail}_ms"] is None else row[f"{tail}_ms"] / row["step_ms"]
         row.update(fields)
     return rows
 
@@ -466,12 +475,13 @@ def plot_timelines(traces: dict[str, Sequence[dict[str, Any]]], path: str | Path
 
 
 DDP_COLUMNS = ("dtype", "variant", "bucket_size_mb", "step_ms", "step_max_ms", "overhead_ms", "comm_ms",
-               "exposed_comm_ms", "exposed_share", "sync_tail_ms", "sync_tail_share", "host_backward_ms",
-               "peak_mem_gib", "params_in_sync", "commit")
+               "exposed_comm_ms", "exposed_share", "sync_tail_ms", "sync_tail_share", "comm_tail_ms",
+               "comm_tail_share", "host_backward_ms", "peak_mem_gib", "params_in_sync", "commit")
 DDP_HEADERS = ("dtype", "wrapper", "bucket (MiB)", "median step (ms)", "slowest step (ms)", "vs no-comm step (ms)",
                "NCCL kernels (ms)", "NCCL not overlapped (ms)", "not overlapped / step", "sync after backward (ms)",
-               "sync after backward / step", "backward host time (ms)", "peak memory (GiB)", "replicas equal",
-               "commit")
+               "sync after backward / step", "comm after last rank's backward (ms)",
+               "comm after last rank's backward / step", "backward host time (ms)", "peak memory (GiB)",
+               "replicas equal", "commit")
 
 
 def ddp_markdown(rows: Sequence[dict[str, Any]]) -> str:
