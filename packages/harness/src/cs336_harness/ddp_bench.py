@@ -325,8 +325,8 @@ def _rank_main(rank: int, world_size: int, config: DDPBenchConfig, trace_dir: st
     device = current_device()
     runs = [(dtype, variant) for dtype in config.dtypes for variant in config.variants]
     # Every variant is timed before any is profiled. When each variant was profiled right after its timed
-    # steps, the variant timed next in the same process was 35-90 ms slower on the H200s, whichever it
-    # was (writeup/results/ddp_bf16_repeats.jsonl); the profiler is the one thing those steps had in common.
+    # steps, the variant timed next in the same process was 21-93 ms slower on the H200s, whichever it
+    # was (writeup/results/ddp_bf16_repeats.jsonl, commit ee317fe); timed first, the difference is gone.
     rows = [_time_variant(config, variant, dtype, rank, device) for dtype, variant in runs]
     for row in rows:
         row["trace"] = f"{row['dtype']}_{row['variant']}.json"
