@@ -7,9 +7,11 @@ the backward pass is bitwise deterministic.
 
 from __future__ import annotations
 
+import cs336_kernels.flash_attention as fa
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 from cs336_kernels.flash_attention import (
     FlashAttentionPytorch,
     FlashAttentionTriton,
@@ -118,6 +120,27 @@ def test_compiled_pytorch_backward(impl):
     _check_against_reference(fn, q, k, v, do, True)
 
 
+def _check_forward(q, k, v, is_causal):
+    o, lse = fa.flash_forward_triton(q, k, v, is_causal)
+    o_ref, lse_ref = attention_reference(q.double(), k.double(), v.double(), is_causal)
+    assert _rel_err(o, o_ref) < REL_TOL[q.dtype]
+    assert (lse.double() - lse_ref).abs().max().item() < LSE_TOL[q.dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize(("shape_q", "shape_kv"), [CPU_SHAPES[2], CPU_SHAPES[4], CPU_SHAPES[6]])
+def test_forward_with_tma_loads_matches_reference(monkeypatch, shape_q, shape_kv, is_causal, dtype):
+    # The KV_TMA configs are only autotuned on a GPU; force the interpreter onto that path. Covers a partial
+    # last key tile, Tq < Tk with grouped heads, and d = 40 inside a 64-wide tile (TMA's zero fill).
+    monkeypatch.setattr(
+        fa._attn_fwd_kernel, "configs",
+        [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "KV_TMA": True}, num_warps=1, num_stages=1)],
+    )
+    q, k, v, _ = _inputs(shape_q, shape_kv, dtype, seed=shape_q[-2])
+    _check_forward(q, k, v, is_causal)
+
+
 def test_causal_alignment_is_top_left_like_sdpa():
     q, k, v, _ = _inputs((1, 2, 19, 16), (1, 2, 40, 16), torch.float32, seed=4)
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -191,6 +214,19 @@ GPU_CASES = [
 def test_gpu_matches_reference(shape_q, shape_kv, dtype, is_causal):
     q, k, v, do = _inputs(shape_q, shape_kv, dtype, seed=shape_q[-2])
     _check_against_reference(flash_attention, q, k, v, do, is_causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("head_dim", "entry"), [(d, e) for (_, d), es in fa._FWD_TMA_TABLE.items() for e in es])
+def test_gpu_forward_with_tma_loads_matches_reference(monkeypatch, head_dim, entry):
+    # Each KV_TMA config on its own: the autotuner would run only the fastest one.
+    block_m, block_n, num_warps, num_stages = entry
+    config = triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "KV_TMA": True}, num_warps=num_warps,
+                           num_stages=num_stages)
+    monkeypatch.setattr(fa._attn_fwd_kernel, "configs", [config])
+    for is_causal in (False, True):
+        q, k, v, _ = _inputs((2, 4, 777, head_dim), (2, 2, 1000, head_dim), torch.bfloat16, seed=head_dim)
+        _check_forward(q, k, v, is_causal)
 
 
 @pytest.mark.gpu

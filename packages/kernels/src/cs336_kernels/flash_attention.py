@@ -33,6 +33,7 @@ the Triton interpreter) and the benchmarks with ``cs336 attention --help``.
 
 from __future__ import annotations
 
+import contextvars
 import math
 import os
 from typing import Literal
@@ -97,28 +98,63 @@ _DQ_TABLE = {
     (4, 128): [(32, 16, 8, 2), (16, 16, 4, 2)],
     (4, 256): [(16, 16, 8, 1), (16, 16, 4, 1)],
 }
+# Forward only, untimed: the two listed tiles per 16-bit regime again, with K and V loaded by TMA (device-side
+# tensor descriptors, KV_TMA=True), so that the autotuner times both load paths on the GPU. Chosen from sm_90
+# builds (writeup/results/attention_notes.md, 2026-11-30): same HGMMA count, no spills, fewer registers.
+_FWD_TMA_TABLE = {
+    (2, 64): [(64, 64, 4, 3), (128, 64, 4, 4)],
+    (2, 128): [(128, 128, 8, 3), (128, 64, 8, 3)],
+}
 _INTERPRETER_CONFIG = (16, 16, 1, 1)
 
 
-def _configs(table: dict[tuple[int, int], list[tuple[int, int, int, int]]]) -> list[triton.Config]:
+def _configs(
+    table: dict[tuple[int, int], list[tuple[int, int, int, int]]],
+    tma_table: dict[tuple[int, int], list[tuple[int, int, int, int]]] | None = None,
+) -> list[triton.Config]:
+    """One config per distinct entry; those from ``tma_table`` (the forward's) also set KV_TMA=True."""
     if _INTERPRET:
-        entries = [_INTERPRETER_CONFIG]
+        entries = {(*_INTERPRETER_CONFIG, False)}
     else:
-        entries = sorted({entry for entries in table.values() for entry in entries})
+        entries = {(*entry, False) for entries in table.values() for entry in entries}
+        entries |= {(*entry, True) for entries in (tma_table or {}).values() for entry in entries}
     return [
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in entries
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n} | ({"KV_TMA": True} if tma else {}), num_warps=w, num_stages=s)
+        for m, n, w, s, tma in sorted(entries)
     ]
 
 
-def _pruner(table: dict[tuple[int, int], list[tuple[int, int, int, int]]]):
+def _tma_ok(named_args: dict) -> bool:
+    # A tensor descriptor needs a Hopper-or-newer GPU, a 16-byte-aligned base for every (batch, head) and
+    # 16-byte row strides (TMA's rules); the d stride is already 1 here.
+    k, v = named_args["K"], named_args["V"]
+    if not k.is_cuda or torch.cuda.get_device_capability(k.device)[0] < 9:
+        return False
+    strides = [named_args[f"stride_{t}{axis}"] for t in "kv" for axis in "bht"]
+    return all(t.data_ptr() % 16 == 0 for t in (k, v)) and all(s * k.element_size() % 16 == 0 for s in strides)
+
+
+def _pruner(
+    table: dict[tuple[int, int], list[tuple[int, int, int, int]]],
+    tma_table: dict[tuple[int, int], list[tuple[int, int, int, int]]] | None = None,
+):
     def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-        wanted = table[(named_args["Q"].element_size(), kwargs["BLOCK_D"])]
+        key = (named_args["Q"].element_size(), kwargs["BLOCK_D"])
+        wanted = {(*entry, False) for entry in table[key]}
+        if tma_table is not None and _tma_ok(named_args):
+            wanted |= {(*entry, True) for entry in tma_table.get(key, [])}
         return [
             c for c in configs
-            if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted
+            if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, c.kwargs.get("KV_TMA", False))
+            in wanted
         ]
 
     return {"early_config_prune": prune}
+
+
+def _tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    # Global memory in which each program of a KV_TMA launch writes its two tensor descriptors.
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _quick_bench(fn, quantiles=None):
@@ -149,11 +185,11 @@ def _load_tile(block_ptr, CHECK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
 
 @triton.jit
 def _fwd_inner(
-    acc, l_i, m_i, q, K_BASE, V_BASE,
+    acc, l_i, m_i, q, K_BASE, V_BASE, K_DESC, V_DESC,
     stride_kt, stride_kd, stride_vt, stride_vd,
     offs_m, lo, hi, N_KEYS, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_TMA: tl.constexpr,
 ):
     K_BLOCK = tl.make_block_ptr(
         K_BASE, shape=(N_KEYS, HEAD_DIM), strides=(stride_kt, stride_kd),
@@ -164,8 +200,13 @@ def _fwd_inner(
         offsets=(lo, 0), block_shape=(BLOCK_N, BLOCK_D), order=(1, 0),
     )
     for start in range(lo, hi, BLOCK_N):
-        k = _load_tile(K_BLOCK, MASKED, EVEN_D)
-        v = _load_tile(V_BLOCK, MASKED, EVEN_D)
+        if KV_TMA:
+            # Rows past N_KEYS and columns past HEAD_DIM arrive as zeros, so no tile needs a bounds check.
+            k = K_DESC.load([start, 0])
+            v = V_DESC.load([start, 0])
+        else:
+            k = _load_tile(K_BLOCK, MASKED, EVEN_D)
+            v = _load_tile(V_BLOCK, MASKED, EVEN_D)
         # Scores in log2 units (scale * log2(e) folded in) so the exponentials are exp2. Unmasked tiles
         # take the row max of the raw scores (the scale is positive) and fold the scaling into the
         # subtraction, one FMA per score instead of a multiply and a subtract.
@@ -193,7 +234,8 @@ def _fwd_inner(
 
 
 @triton.autotune(
-    configs=_configs(_FWD_TABLE), key=_AUTOTUNE_KEY, prune_configs_by=_pruner(_FWD_TABLE), do_bench=_quick_bench
+    configs=_configs(_FWD_TABLE, _FWD_TMA_TABLE), key=_AUTOTUNE_KEY,
+    prune_configs_by=_pruner(_FWD_TABLE, _FWD_TMA_TABLE), do_bench=_quick_bench,
 )
 @triton.jit
 def _attn_fwd_kernel(
@@ -206,7 +248,7 @@ def _attn_fwd_kernel(
     H_Q, GROUP, N_QUERIES, N_KEYS, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_TMA: tl.constexpr = False,
 ):
     # Grid: (query tiles, batch * query heads). Causal tiles near the end do the most work; start them first.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if IS_CAUSAL else tl.program_id(0)
@@ -237,15 +279,27 @@ def _attn_fwd_kernel(
         hi = N_KEYS
     K_BASE = K + b * stride_kb + h_kv * stride_kh
     V_BASE = V + b * stride_vb + h_kv * stride_vh
+    if KV_TMA:
+        # One descriptor per head, shared by both key loops: TMA copies whole tiles into shared memory
+        # without per-thread addresses, which frees registers (sm_90 builds: 231 instead of 254 at d = 128).
+        K_DESC = tl.make_tensor_descriptor(
+            K_BASE, shape=[N_KEYS, HEAD_DIM], strides=[stride_kt, 1], block_shape=[BLOCK_N, BLOCK_D]
+        )
+        V_DESC = tl.make_tensor_descriptor(
+            V_BASE, shape=[N_KEYS, HEAD_DIM], strides=[stride_vt, 1], block_shape=[BLOCK_N, BLOCK_D]
+        )
+    else:
+        K_DESC = None
+        V_DESC = None
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, K_BASE, V_BASE, stride_kt, stride_kd, stride_vt, stride_vd,
+        acc, l_i, m_i, q, K_BASE, V_BASE, K_DESC, V_DESC, stride_kt, stride_kd, stride_vt, stride_vd,
         offs_m, 0, full_end, N_KEYS, qk_scale,
-        HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_N, False, IS_CAUSAL, DOT_PRECISION,
+        HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_N, False, IS_CAUSAL, DOT_PRECISION, KV_TMA,
     )
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, K_BASE, V_BASE, stride_kt, stride_kd, stride_vt, stride_vd,
+        acc, l_i, m_i, q, K_BASE, V_BASE, K_DESC, V_DESC, stride_kt, stride_kd, stride_vt, stride_vd,
         offs_m, full_end, hi, N_KEYS, qk_scale,
-        HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_N, True, IS_CAUSAL, DOT_PRECISION,
+        HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_N, True, IS_CAUSAL, DOT_PRECISION, KV_TMA,
     )
 
     acc = acc / l_i[:, None]
@@ -546,12 +600,18 @@ def flash_forward_triton(
     def grid(meta):
         return (triton.cdiv(n_queries, meta["BLOCK_M"]), batch * heads_q)
 
-    _attn_fwd_kernel[grid](
-        q, k, v, o, lse,
-        *q.stride(), *k.stride(), *v.stride(), *o.stride(), lse.stride(0), lse.stride(1),
-        heads_q, heads_q // heads_kv, n_queries, n_keys, sm_scale * LOG2E,
-        **_kernel_constants(q, is_causal),
-    )
+    def launch() -> None:
+        # KV_TMA configs need scratch memory for their descriptors; the allocator is set in a copy of the
+        # caller's context so that an allocator the caller installed stays in place.
+        triton.set_allocator(_tma_scratch)
+        _attn_fwd_kernel[grid](
+            q, k, v, o, lse,
+            *q.stride(), *k.stride(), *v.stride(), *o.stride(), lse.stride(0), lse.stride(1),
+            heads_q, heads_q // heads_kv, n_queries, n_keys, sm_scale * LOG2E,
+            **_kernel_constants(q, is_causal),
+        )
+
+    contextvars.copy_context().run(launch)
     return o, lse
 
 
