@@ -78,7 +78,7 @@ def widen() -> None:
             # In place: the kernels' pruners hold these very dicts.
             tables[name][key] = list(dict.fromkeys([*tables[name][key], *entries]))
     kernels = _kernels()
-    kernels["fwd"].configs = fa._configs(fa._FWD_TABLE)
+    kernels["fwd"].configs = fa._configs(fa._FWD_TABLE, fa._FWD_TMA_TABLE)
     kernels["dkdv"].configs = fa._configs(fa._DKDV_TABLE)
     kernels["dq"].configs = fa._configs(fa._DQ_TABLE)
     for kernel in kernels.values():
@@ -90,8 +90,10 @@ def _warm_wide(shape: tuple[int, int, int, int], dtype_name: str) -> None:
     _warm_one(shape, dtype_name)
 
 
-def _entry(config: Any) -> list[int]:
-    return [config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages]
+def _entry(config: Any) -> list[int | str]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages), and "kv_tma" last for a forward config loading K and V by TMA."""
+    entry: list[int | str] = [config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages]
+    return entry + ["kv_tma"] if config.kwargs.get("KV_TMA") else entry
 
 
 def _tune_rows(shape: tuple[int, int, int, int]) -> Iterator[dict[str, Any]]:
@@ -158,9 +160,10 @@ def _cuobjdump() -> str:
     return found
 
 
-def build_row(name: str, head_dim: int, entry: Entry) -> dict[str, Any]:
+def build_row(name: str, head_dim: int, entry: Entry, kv_tma: bool = False) -> dict[str, Any]:
     """Compile one kernel for sm_90 as the launcher would specialise it (bf16, causal, unit d stride,
-    16-divisible sizes) and read its resources; ``name`` is fwd, dkdv or dq."""
+    16-divisible sizes) and read its resources; ``name`` is fwd, dkdv or dq; ``kv_tma`` (forward only)
+    builds the config that loads K and V by TMA."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -169,6 +172,10 @@ def build_row(name: str, head_dim: int, entry: Entry) -> dict[str, Any]:
     block_m, block_n, num_warps, num_stages = entry
     constants: dict[str, Any] = {"HEAD_DIM": head_dim, "BLOCK_D": head_dim, "EVEN_D": True, "IS_CAUSAL": True,
                                  "DOT_PRECISION": "tf32", "BLOCK_M": block_m, "BLOCK_N": block_n}
+    if "KV_TMA" in fn.arg_names:
+        constants["KV_TMA"] = kv_tma
+    elif kv_tma:
+        raise ValueError(f"kv_tma applies to the forward kernel only, got kernel {name!r}")
     constants |= {arg: 1 for arg in _UNIT_STRIDES & set(fn.arg_names)}
     signature = {}
     for arg in fn.arg_names:
@@ -191,11 +198,12 @@ def build_row(name: str, head_dim: int, entry: Entry) -> dict[str, Any]:
         usage = subprocess.run([_cuobjdump(), "-res-usage", cubin.name], capture_output=True, text=True).stdout
         sass = subprocess.run([_cuobjdump(), "-sass", cubin.name], capture_output=True, text=True).stdout
     found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
-    return {"bench": "build", "kernel": name, "d": head_dim, "dtype": "bf16", "config": list(entry),
+    return {"bench": "build", "kernel": name, "d": head_dim, "dtype": "bf16",
+            "config": list(entry) + (["kv_tma"] if kv_tma else []),
             "target": "sm_90", "registers": int(found[1]) if found else None,
             "stack_bytes": int(found[2]) if found else None, "shared_bytes": compiled.metadata.shared,
             "spill_stores": sass.count("STL"), "spill_loads": sass.count("LDL"), "wgmma": sass.count("HGMMA"),
-            "mma_sync": sass.count("HMMA")}
+            "mma_sync": sass.count("HMMA"), "tma_loads": sass.count("UTMALDG")}
 
 
 def build_rows(out: str | None) -> list[dict[str, Any]]:
@@ -206,8 +214,11 @@ def build_rows(out: str | None) -> list[dict[str, Any]]:
     for name, table in tables.items():
         for head_dim in (64, 128):
             entries = dict.fromkeys([*table[(2, head_dim)], *CANDIDATES[name].get((2, head_dim), [])])
-            for entry in entries:
-                row = build_row(name, head_dim, entry)
+            builds = [(entry, False) for entry in entries]
+            if name == "fwd":
+                builds += [(entry, True) for entry in fa._FWD_TMA_TABLE.get((2, head_dim), [])]
+            for entry, kv_tma in builds:
+                row = build_row(name, head_dim, entry, kv_tma)
                 print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
                 rows.append(row)
                 if out:
