@@ -98,9 +98,10 @@ _DQ_TABLE = {
     (4, 128): [(32, 16, 8, 2), (16, 16, 4, 2)],
     (4, 256): [(16, 16, 8, 1), (16, 16, 4, 1)],
 }
-# Forward only, untimed: the two listed tiles per 16-bit regime again, with K and V loaded by TMA (device-side
-# tensor descriptors, KV_TMA=True), so that the autotuner times both load paths on the GPU. Chosen from sm_90
-# builds (writeup/results/attention_notes.md, 2026-11-30): same HGMMA count, no spills, fewer registers.
+# Forward only: the two listed tiles per 16-bit regime again, with K and V loaded by TMA (device-side tensor
+# descriptors, KV_TMA=True), so that the autotuner times both load paths on the GPU. sm_90 builds: same HGMMA
+# count, no spills, fewer registers; on an H200 the autotuner picked a TMA config at both anchor shapes, the
+# 32k forward 15.7 instead of 16.9 ms (writeup/results/attention_notes.md, 2026-11-30).
 _FWD_TMA_TABLE = {
     (2, 64): [(64, 64, 4, 3), (128, 64, 4, 4)],
     (2, 128): [(128, 128, 8, 3), (128, 64, 8, 3)],
