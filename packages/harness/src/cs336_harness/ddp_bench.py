@@ -213,12 +213,12 @@ def _make_step(config: DDPBenchConfig, wrapped: nn.Module, optimizer: torch.opti
 
 @dataclass
 class _Run:
-    """One variant ready to train: the bare model, a step function, the stamps the step records."""
+    """One variant ready to train: the bare model, a step function, and the stamp it records at the end of
+    gradient synchronisation."""
 
     model: nn.Module
     step: Callable[[], dict[str, float]]
     sync_end: _Stamp
-    compute_end: _Stamp
 
 
 def _build(config: DDPBenchConfig, variant: str, dtype: str, rank: int, device: torch.device) -> _Run:
@@ -231,7 +231,7 @@ def _build(config: DDPBenchConfig, variant: str, dtype: str, rank: int, device: 
     wrapped = _wrap(variant, model, device, config.bucket_size_mb)
     optimizer = AdamW(model.parameters(), lr=config.lr)
     sync_end = _Stamp(device)
-    return _Run(model, _make_step(config, wrapped, optimizer, dtype, device, rank, sync_end), sync_end, _Stamp(device))
+    return _Run(model, _make_step(config, wrapped, optimizer, dtype, device, rank, sync_end), sync_end)
 
 
 def _release(device: torch.device) -> None:
@@ -254,7 +254,7 @@ def _time_variant(config: DDPBenchConfig, variant: str, dtype: str, rank: int, d
             else:
                 run.step()
     # The backward's last gradient marks the end of its compute: every backward kernel has been issued then.
-    compute_end, tail_hook = run.compute_end, None
+    compute_end, tail_hook = _Stamp(device), None
     if last is not None:
         tail_hook = last.register_post_accumulate_grad_hook(lambda _: compute_end.record())
     times, host, tails = [], [], []
