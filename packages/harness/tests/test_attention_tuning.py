@@ -1,4 +1,4 @@
-"""Offline sm_90 builds of the attention kernels (no GPU): the forward's TMA configs really load by TMA."""
+"""Offline sm_90 builds of the attention kernels (no GPU): the TMA configs really load by TMA."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 import triton
 from cs336_harness import attention_tuning
 
@@ -15,26 +14,48 @@ from cs336_harness import attention_tuning
 _BUILDS = """
 import json
 from cs336_harness.attention_tuning import build_row
-print(json.dumps([build_row("fwd", 64, (64, 64, 4, 3), kv_tma=True), build_row("fwd", 64, (64, 64, 4, 3))]))
+print(json.dumps([build_row(name, 64, entry, tma) for name, entry in (("fwd", (64, 64, 4, 3)), ("dkdv", (64, 64, 4, 3)))
+                  for tma in (True, False)]))
 """
 
 
-def test_forward_build_with_and_without_kv_tma() -> None:
+def test_builds_with_and_without_tma_loads() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _BUILDS], env=env, capture_output=True, text=True, check=True)
-    tma, plain = json.loads(done.stdout.strip().splitlines()[-1])
-    assert tma["config"] == [64, 64, 4, 3, "kv_tma"] and plain["config"] == [64, 64, 4, 3]
-    assert tma["tma_loads"] > 0 and plain["tma_loads"] == 0
-    assert tma["wgmma"] > 0 and tma["wgmma"] == plain["wgmma"]
+    fwd_tma, fwd, dkdv_tma, dkdv = json.loads(done.stdout.strip().splitlines()[-1])
+    assert fwd_tma["config"] == [64, 64, 4, 3, "kv_tma"] and fwd["config"] == [64, 64, 4, 3]
+    assert dkdv_tma["config"] == [64, 64, 4, 3, "qdo_tma"] and dkdv["config"] == [64, 64, 4, 3]
+    for tma, plain in ((fwd_tma, fwd), (dkdv_tma, dkdv)):
+        assert tma["tma_loads"] > 0 and plain["tma_loads"] == 0
+        assert tma["wgmma"] > 0 and tma["wgmma"] == plain["wgmma"]
+    # Main loops: two key loops in the forward, three query loops in the dK/dV kernel.
+    assert len(fwd["loops"]) == len(fwd_tma["loops"]) == 2
+    assert len(dkdv["loops"]) == len(dkdv_tma["loops"]) == 3
 
 
-def test_kv_tma_is_forward_only() -> None:
-    with pytest.raises(ValueError, match="forward kernel only"):
-        attention_tuning.build_row("dq", 64, (64, 64, 4, 3), kv_tma=True)
+def test_loop_spills_counts_innermost_loops_with_wgmma() -> None:
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   STL [R1], R2 ;
+        /*0020*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24 ;
+        /*0030*/                   LDL R3, [R1] ;
+        /*0040*/                   STL [R1+0x4], R3 ;
+        /*0050*/               @P0 BRA 0x20 ;
+        /*0060*/               @P1 BRA 0x10 ;
+        /*0070*/                   IADD3 R4, R4, 0x1, RZ ;
+        /*0080*/               @P2 BRA 0x70 ;
+        /*0090*/                   BRA 0x20 ;
+        /*00a0*/                   EXIT ;
+    """
+    # The loop at 0x20..0x50 sits inside 0x10..0x60; 0x70..0x80 has no wgmma; the unpredicated branch back
+    # from 0x90 is not a loop.
+    assert attention_tuning.loop_spills(sass) == [[1, 1, 4]]
 
 
 def test_entry_marks_tma_configs() -> None:
     config = triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "KV_TMA": True}, num_warps=8, num_stages=3)
     assert attention_tuning._entry(config) == [128, 64, 8, 3, "kv_tma"]
+    config = triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "QDO_TMA": True}, num_warps=8, num_stages=2)
+    assert attention_tuning._entry(config) == [64, 128, 8, 2, "qdo_tma"]
     config = triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3)
     assert attention_tuning._entry(config) == [128, 64, 8, 3]

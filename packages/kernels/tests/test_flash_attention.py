@@ -141,6 +141,27 @@ def test_forward_with_tma_loads_matches_reference(monkeypatch, shape_q, shape_kv
     _check_forward(q, k, v, is_causal)
 
 
+def _force_backward_tma(monkeypatch, configs):
+    # configs: kernel name -> (BLOCK_M, BLOCK_N, num_warps, num_stages) launched with that kernel's TMA flag.
+    kernels = {"dkdv": fa._attn_bwd_dkdv_kernel, "dq": fa._attn_bwd_dq_kernel}
+    for name, (block_m, block_n, num_warps, num_stages) in configs.items():
+        config = triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, fa._TMA_FLAGS[name]: True},
+                               num_warps=num_warps, num_stages=num_stages)
+        monkeypatch.setattr(kernels[name], "configs", [config])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize(("shape_q", "shape_kv"), [CPU_SHAPES[2], CPU_SHAPES[4], CPU_SHAPES[6]])
+def test_backward_with_tma_loads_matches_reference(monkeypatch, shape_q, shape_kv, is_causal, dtype):
+    # Q, dO by TMA in the dK/dV kernel and K, V by TMA in the dQ kernel, forced (only a GPU autotunes them).
+    # Covers partial last tiles, Tq < Tk with two query heads per K/V head (a descriptor per query head) and
+    # d = 40 inside a 64-wide tile (TMA's zero fill).
+    _force_backward_tma(monkeypatch, {"dkdv": fa._INTERPRETER_CONFIG, "dq": fa._INTERPRETER_CONFIG})
+    q, k, v, do = _inputs(shape_q, shape_kv, dtype, seed=shape_q[-2])
+    _check_against_reference(flash_attention, q, k, v, do, is_causal)
+
+
 def test_causal_alignment_is_top_left_like_sdpa():
     q, k, v, _ = _inputs((1, 2, 19, 16), (1, 2, 40, 16), torch.float32, seed=4)
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -227,6 +248,22 @@ def test_gpu_forward_with_tma_loads_matches_reference(monkeypatch, head_dim, ent
     for is_causal in (False, True):
         q, k, v, _ = _inputs((2, 4, 777, head_dim), (2, 2, 1000, head_dim), torch.bfloat16, seed=head_dim)
         _check_forward(q, k, v, is_causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("name", "head_dim", "entry"),
+    [(name, d, e) for name in ("dkdv", "dq") for (_, d), entries in fa._TABLES[name][1].items() for e in entries],
+)
+def test_gpu_backward_with_tma_loads_matches_reference_and_is_deterministic(monkeypatch, name, head_dim, entry):
+    # Each backward TMA config on its own (the autotuner would run only the fastest one), twice: the TMA path
+    # must stay bitwise reproducible.
+    _force_backward_tma(monkeypatch, {name: entry})
+    for is_causal in (False, True):
+        q, k, v, do = _inputs((2, 4, 777, head_dim), (2, 2, 1000, head_dim), torch.bfloat16, seed=head_dim)
+        _check_against_reference(flash_attention, q, k, v, do, is_causal)
+        first, second = (_run(flash_attention, q, k, v, do, is_causal)[2] for _ in range(2))
+        assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
 @pytest.mark.gpu

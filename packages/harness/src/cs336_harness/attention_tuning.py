@@ -18,7 +18,7 @@ from ``cs336 attention --part anchors`` on the committed lists. Run on the GPU m
 ``--builds`` needs no GPU: it compiles each kernel (bf16, causal, d = 64 and 128) for sm_90 with every
 listed and candidate config and records what ptxas and the SASS say (``bench = "build"`` rows: registers
 per thread, stack frame bytes, and static counts in the SASS of local-memory spill stores and loads,
-and of wgmma and mma.sync instructions)::
+of wgmma, mma.sync and TMA-load instructions, and spill stores, loads and instructions per main loop)::
 
     uv run python -m cs336_harness.attention_tuning --builds --out writeup/results/attention_builds.jsonl
 """
@@ -72,16 +72,13 @@ def _kernels() -> dict[str, Any]:
 
 def widen() -> None:
     """Add :data:`CANDIDATES` to the kernels' lists and forget earlier autotuning results."""
-    tables = {"fwd": fa._FWD_TABLE, "dkdv": fa._DKDV_TABLE, "dq": fa._DQ_TABLE}
     for name, extra in CANDIDATES.items():
+        table = fa._TABLES[name][0]
         for key, entries in extra.items():
             # In place: the kernels' pruners hold these very dicts.
-            tables[name][key] = list(dict.fromkeys([*tables[name][key], *entries]))
-    kernels = _kernels()
-    kernels["fwd"].configs = fa._configs(fa._FWD_TABLE, fa._FWD_TMA_TABLE)
-    kernels["dkdv"].configs = fa._configs(fa._DKDV_TABLE)
-    kernels["dq"].configs = fa._configs(fa._DQ_TABLE)
-    for kernel in kernels.values():
+            table[key] = list(dict.fromkeys([*table[key], *entries]))
+    for name, kernel in _kernels().items():
+        kernel.configs = fa._configs(name)
         kernel.cache.clear()
 
 
@@ -91,9 +88,10 @@ def _warm_wide(shape: tuple[int, int, int, int], dtype_name: str) -> None:
 
 
 def _entry(config: Any) -> list[int | str]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages), and "kv_tma" last for a forward config loading K and V by TMA."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages), and last the lower-cased TMA flag ("kv_tma" in the forward
+    and dQ kernels, "qdo_tma" in the dK/dV kernel) for a config whose main loop loads by TMA."""
     entry: list[int | str] = [config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages]
-    return entry + ["kv_tma"] if config.kwargs.get("KV_TMA") else entry
+    return entry + [flag.lower() for flag in sorted(set(fa._TMA_FLAGS.values())) if config.kwargs.get(flag)]
 
 
 def _tune_rows(shape: tuple[int, int, int, int]) -> Iterator[dict[str, Any]]:
@@ -160,10 +158,30 @@ def _cuobjdump() -> str:
     return found
 
 
-def build_row(name: str, head_dim: int, entry: Entry, kv_tma: bool = False) -> dict[str, Any]:
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
+_BRANCH = re.compile(r"\bBRA\s+(0x[0-9a-f]+)")
+
+
+def loop_spills(sass: str) -> list[list[int]]:
+    """[spill stores, spill loads, instructions] of each innermost loop with wgmma in it, in SASS order.
+
+    A loop is the address range from a predicated backward branch's target to the branch; unpredicated
+    backward branches are returns from out-of-line code such as mbarrier wait retries. Whole-kernel spill
+    counts mix the main loops with code that runs once per program; only spills inside the loops cost per tile.
+    """
+    code = [(int(m[1], 16), m[2]) for m in _SASS_LINE.finditer(sass)]
+    ranges = {(int(b[1], 16), addr) for addr, text in code
+              if text.startswith("@") and (b := _BRANCH.search(text)) and int(b[1], 16) <= addr}
+    body = {r: [text for addr, text in code if r[0] <= addr <= r[1]] for r in ranges}
+    with_mma = [r for r in sorted(ranges) if any("HGMMA" in text for text in body[r])]
+    innermost = [r for r in with_mma if not any(o != r and r[0] <= o[0] and o[1] <= r[1] for o in with_mma)]
+    return [[sum("STL" in t for t in body[r]), sum("LDL" in t for t in body[r]), len(body[r])] for r in innermost]
+
+
+def build_row(name: str, head_dim: int, entry: Entry, tma: bool = False) -> dict[str, Any]:
     """Compile one kernel for sm_90 as the launcher would specialise it (bf16, causal, unit d stride,
-    16-divisible sizes) and read its resources; ``name`` is fwd, dkdv or dq; ``kv_tma`` (forward only)
-    builds the config that loads K and V by TMA."""
+    16-divisible sizes) and read its resources; ``name`` is fwd, dkdv or dq; ``tma`` sets the kernel's TMA
+    flag (``fa._TMA_FLAGS``: K and V by TMA in the forward and dQ kernels, Q and dO in the dK/dV kernel)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -171,11 +189,8 @@ def build_row(name: str, head_dim: int, entry: Entry, kv_tma: bool = False) -> d
     fn = _kernels()[name].fn
     block_m, block_n, num_warps, num_stages = entry
     constants: dict[str, Any] = {"HEAD_DIM": head_dim, "BLOCK_D": head_dim, "EVEN_D": True, "IS_CAUSAL": True,
-                                 "DOT_PRECISION": "tf32", "BLOCK_M": block_m, "BLOCK_N": block_n}
-    if "KV_TMA" in fn.arg_names:
-        constants["KV_TMA"] = kv_tma
-    elif kv_tma:
-        raise ValueError(f"kv_tma applies to the forward kernel only, got kernel {name!r}")
+                                 "DOT_PRECISION": "tf32", "BLOCK_M": block_m, "BLOCK_N": block_n,
+                                 fa._TMA_FLAGS[name]: tma}
     constants |= {arg: 1 for arg in _UNIT_STRIDES & set(fn.arg_names)}
     signature = {}
     for arg in fn.arg_names:
@@ -199,26 +214,24 @@ def build_row(name: str, head_dim: int, entry: Entry, kv_tma: bool = False) -> d
         sass = subprocess.run([_cuobjdump(), "-sass", cubin.name], capture_output=True, text=True).stdout
     found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
     return {"bench": "build", "kernel": name, "d": head_dim, "dtype": "bf16",
-            "config": list(entry) + (["kv_tma"] if kv_tma else []),
+            "config": list(entry) + ([fa._TMA_FLAGS[name].lower()] if tma else []),
             "target": "sm_90", "registers": int(found[1]) if found else None,
             "stack_bytes": int(found[2]) if found else None, "shared_bytes": compiled.metadata.shared,
             "spill_stores": sass.count("STL"), "spill_loads": sass.count("LDL"), "wgmma": sass.count("HGMMA"),
-            "mma_sync": sass.count("HMMA"), "tma_loads": sass.count("UTMALDG")}
+            "mma_sync": sass.count("HMMA"), "tma_loads": sass.count("UTMALDG"), "loops": loop_spills(sass)}
 
 
 def build_rows(out: str | None) -> list[dict[str, Any]]:
     """:func:`build_row` for every listed and candidate config of the 16-bit d = 64 and 128 regimes."""
     meta = provenance()
-    tables = {"fwd": fa._FWD_TABLE, "dkdv": fa._DKDV_TABLE, "dq": fa._DQ_TABLE}
     rows = []
-    for name, table in tables.items():
+    for name, (table, _) in fa._TABLES.items():
         for head_dim in (64, 128):
             entries = dict.fromkeys([*table[(2, head_dim)], *CANDIDATES[name].get((2, head_dim), [])])
             builds = [(entry, False) for entry in entries]
-            if name == "fwd":
-                builds += [(entry, True) for entry in fa._FWD_TMA_TABLE.get((2, head_dim), [])]
-            for entry, kv_tma in builds:
-                row = build_row(name, head_dim, entry, kv_tma)
+            builds += [(entry, True) for entry in fa._TABLES[name][1].get((2, head_dim), [])]
+            for entry, tma in builds:
+                row = build_row(name, head_dim, entry, tma)
                 print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
                 rows.append(row)
                 if out:

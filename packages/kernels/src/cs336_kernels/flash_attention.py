@@ -98,7 +98,7 @@ _DQ_TABLE = {
     (4, 128): [(32, 16, 8, 2), (16, 16, 4, 2)],
     (4, 256): [(16, 16, 8, 1), (16, 16, 4, 1)],
 }
-# Forward only: the two listed tiles per 16-bit regime again, with K and V loaded by TMA (device-side tensor
+# Forward: the two listed tiles per 16-bit regime again, with K and V loaded by TMA (device-side tensor
 # descriptors, KV_TMA=True), so that the autotuner times both load paths on the GPU. sm_90 builds: same HGMMA
 # count, no spills, fewer registers; on an H200 the autotuner picked a TMA config at both anchor shapes, the
 # 32k forward 15.7 instead of 16.9 ms (writeup/results/attention_notes.md, 2026-11-30).
@@ -106,47 +106,70 @@ _FWD_TMA_TABLE = {
     (2, 64): [(64, 64, 4, 3), (128, 64, 4, 4)],
     (2, 128): [(128, 128, 8, 3), (128, 64, 8, 3)],
 }
+# Backward: the listed tiles again with the tiles each kernel re-reads in its main loop loaded by TMA, Q and dO in
+# the dK/dV kernel (QDO_TMA=True), K and V in the dQ kernel (KV_TMA=True). UNTIMED on a GPU. Each one's sm_90
+# build has UTMALDG, the same HGMMA count and fewer registers or spills, e.g. dK/dV at d = 128 (64, 128, 8, 2):
+# 233 -> 61 spill stores, 4 + 10 -> 2 + 6 spills per main-loop iteration (writeup/results/attention_notes.md).
+_DKDV_TMA_TABLE = {
+    (2, 64): [(64, 64, 4, 3), (64, 128, 8, 3)],
+    (2, 128): [(64, 128, 8, 2), (32, 128, 8, 3)],
+}
+_DQ_TMA_TABLE = {
+    (2, 64): [(64, 64, 4, 4), (128, 128, 8, 3)],
+    (2, 128): [(128, 64, 8, 3), (128, 32, 8, 3)],
+}
 _INTERPRETER_CONFIG = (16, 16, 1, 1)
+# Per kernel: its table, its TMA table, the constexpr that switches its main-loop loads to TMA, and the tensors
+# (with their stride prefixes) that those loads read.
+_TABLES = {
+    "fwd": (_FWD_TABLE, _FWD_TMA_TABLE), "dkdv": (_DKDV_TABLE, _DKDV_TMA_TABLE), "dq": (_DQ_TABLE, _DQ_TMA_TABLE)
+}
+_TMA_FLAGS = {"fwd": "KV_TMA", "dkdv": "QDO_TMA", "dq": "KV_TMA"}
+_TMA_TENSORS = {"fwd": {"K": "k", "V": "v"}, "dkdv": {"Q": "q", "DO": "do"}, "dq": {"K": "k", "V": "v"}}
 
 
-def _configs(
-    table: dict[tuple[int, int], list[tuple[int, int, int, int]]],
-    tma_table: dict[tuple[int, int], list[tuple[int, int, int, int]]] | None = None,
-) -> list[triton.Config]:
-    """One config per distinct entry; those from ``tma_table`` (the forward's) also set KV_TMA=True."""
+def _configs(kernel: str) -> list[triton.Config]:
+    """One config per distinct entry of ``kernel``'s tables; those of its TMA table also set its TMA flag."""
+    table, tma_table = _TABLES[kernel]
     if _INTERPRET:
         entries = {(*_INTERPRETER_CONFIG, False)}
     else:
         entries = {(*entry, False) for entries in table.values() for entry in entries}
-        entries |= {(*entry, True) for entries in (tma_table or {}).values() for entry in entries}
+        entries |= {(*entry, True) for entries in tma_table.values() for entry in entries}
+    flag = _TMA_FLAGS[kernel]
     return [
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n} | ({"KV_TMA": True} if tma else {}), num_warps=w, num_stages=s)
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n} | ({flag: True} if tma else {}), num_warps=w, num_stages=s)
         for m, n, w, s, tma in sorted(entries)
     ]
 
 
-def _tma_ok(named_args: dict) -> bool:
+def _tma_ok(named_args: dict, tensors: dict[str, str]) -> bool:
     # A tensor descriptor needs a Hopper-or-newer GPU, a 16-byte-aligned base for every (batch, head) and
-    # 16-byte row strides (TMA's rules); the d stride is already 1 here.
-    k, v = named_args["K"], named_args["V"]
-    if not k.is_cuda or torch.cuda.get_device_capability(k.device)[0] < 9:
+    # positive 16-byte row strides (TMA's rules; an upstream expand can leave dO with row stride 0); the d
+    # stride is already 1 here.
+    loaded = [named_args[name] for name in tensors]
+    if not loaded[0].is_cuda or torch.cuda.get_device_capability(loaded[0].device)[0] < 9:
         return False
-    strides = [named_args[f"stride_{t}{axis}"] for t in "kv" for axis in "bht"]
-    return all(t.data_ptr() % 16 == 0 for t in (k, v)) and all(s * k.element_size() % 16 == 0 for s in strides)
+    strides = [named_args[f"stride_{prefix}{axis}"] for prefix in tensors.values() for axis in "bht"]
+    rows_ok = all(named_args[f"stride_{prefix}t"] > 0 for prefix in tensors.values())
+    return rows_ok and all(t.data_ptr() % 16 == 0 for t in loaded) and all(
+        s * loaded[0].element_size() % 16 == 0 for s in strides
+    )
 
 
-def _pruner(
-    table: dict[tuple[int, int], list[tuple[int, int, int, int]]],
-    tma_table: dict[tuple[int, int], list[tuple[int, int, int, int]]] | None = None,
-):
+def _pruner(kernel: str):
+    # Holds the tables themselves, not copies: attention_tuning.widen() edits them in place.
+    table, tma_table = _TABLES[kernel]
+    flag = _TMA_FLAGS[kernel]
+
     def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
         key = (named_args["Q"].element_size(), kwargs["BLOCK_D"])
         wanted = {(*entry, False) for entry in table[key]}
-        if tma_table is not None and _tma_ok(named_args):
+        if _tma_ok(named_args, _TMA_TENSORS[kernel]):
             wanted |= {(*entry, True) for entry in tma_table.get(key, [])}
         return [
             c for c in configs
-            if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, c.kwargs.get("KV_TMA", False))
+            if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, c.kwargs.get(flag, False))
             in wanted
         ]
 
@@ -154,8 +177,18 @@ def _pruner(
 
 
 def _tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    # Global memory in which each program of a KV_TMA launch writes its two tensor descriptors.
+    # Global memory in which each program of a TMA config writes its tensor descriptors.
     return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _with_tma_scratch(launch) -> None:
+    # TMA configs need scratch memory for their descriptors; the allocator is set in a copy of the caller's
+    # context so that an allocator the caller installed stays in place.
+    def run() -> None:
+        triton.set_allocator(_tma_scratch)
+        launch()
+
+    contextvars.copy_context().run(run)
 
 
 def _quick_bench(fn, quantiles=None):
@@ -185,6 +218,36 @@ def _load_tile(block_ptr, CHECK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
 
 
 @triton.jit
+def _tma_descriptors(
+    A_BASE, B_BASE, stride_at, stride_bt, N_ROWS, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # Descriptors for the two (rows, d) tensors of one head that a main loop re-reads. TMA copies whole tiles
+    # into shared memory without per-thread addresses, which frees registers, and fills rows past N_ROWS and
+    # columns past HEAD_DIM with zeros, so no tile needs a bounds check.
+    a = tl.make_tensor_descriptor(
+        A_BASE, shape=[N_ROWS, HEAD_DIM], strides=[stride_at, 1], block_shape=[BLOCK_ROWS, BLOCK_D]
+    )
+    b = tl.make_tensor_descriptor(
+        B_BASE, shape=[N_ROWS, HEAD_DIM], strides=[stride_bt, 1], block_shape=[BLOCK_ROWS, BLOCK_D]
+    )
+    return a, b
+
+
+@triton.jit
+def _load_tiles(A_BLOCK, B_BLOCK, A_DESC, B_DESC, start, CHECK_ROWS: tl.constexpr, EVEN_D: tl.constexpr,
+                USE_TMA: tl.constexpr):
+    # The two tiles a main loop reads at row `start`: by TMA (no bounds checks needed), or by block pointers.
+    if USE_TMA:
+        a = A_DESC.load([start, 0])
+        b = B_DESC.load([start, 0])
+    else:
+        a = _load_tile(A_BLOCK, CHECK_ROWS, EVEN_D)
+        b = _load_tile(B_BLOCK, CHECK_ROWS, EVEN_D)
+    return a, b
+
+
+@triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, K_BASE, V_BASE, K_DESC, V_DESC,
     stride_kt, stride_kd, stride_vt, stride_vd,
@@ -201,13 +264,7 @@ def _fwd_inner(
         offsets=(lo, 0), block_shape=(BLOCK_N, BLOCK_D), order=(1, 0),
     )
     for start in range(lo, hi, BLOCK_N):
-        if KV_TMA:
-            # Rows past N_KEYS and columns past HEAD_DIM arrive as zeros, so no tile needs a bounds check.
-            k = K_DESC.load([start, 0])
-            v = V_DESC.load([start, 0])
-        else:
-            k = _load_tile(K_BLOCK, MASKED, EVEN_D)
-            v = _load_tile(V_BLOCK, MASKED, EVEN_D)
+        k, v = _load_tiles(K_BLOCK, V_BLOCK, K_DESC, V_DESC, start, MASKED, EVEN_D, KV_TMA)
         # Scores in log2 units (scale * log2(e) folded in) so the exponentials are exp2. Unmasked tiles
         # take the row max of the raw scores (the scale is positive) and fold the scaling into the
         # subtraction, one FMA per score instead of a multiply and a subtract.
@@ -235,8 +292,7 @@ def _fwd_inner(
 
 
 @triton.autotune(
-    configs=_configs(_FWD_TABLE, _FWD_TMA_TABLE), key=_AUTOTUNE_KEY,
-    prune_configs_by=_pruner(_FWD_TABLE, _FWD_TMA_TABLE), do_bench=_quick_bench,
+    configs=_configs("fwd"), key=_AUTOTUNE_KEY, prune_configs_by=_pruner("fwd"), do_bench=_quick_bench,
 )
 @triton.jit
 def _attn_fwd_kernel(
@@ -281,17 +337,10 @@ def _attn_fwd_kernel(
     K_BASE = K + b * stride_kb + h_kv * stride_kh
     V_BASE = V + b * stride_vb + h_kv * stride_vh
     if KV_TMA:
-        # One descriptor per head, shared by both key loops: TMA copies whole tiles into shared memory
-        # without per-thread addresses, which frees registers (sm_90 builds: 231 instead of 254 at d = 128).
-        K_DESC = tl.make_tensor_descriptor(
-            K_BASE, shape=[N_KEYS, HEAD_DIM], strides=[stride_kt, 1], block_shape=[BLOCK_N, BLOCK_D]
-        )
-        V_DESC = tl.make_tensor_descriptor(
-            V_BASE, shape=[N_KEYS, HEAD_DIM], strides=[stride_vt, 1], block_shape=[BLOCK_N, BLOCK_D]
-        )
+        # One descriptor per head for both key loops (sm_90 builds: 231 instead of 254 registers at d = 128).
+        K_DESC, V_DESC = _tma_descriptors(K_BASE, V_BASE, stride_kt, stride_vt, N_KEYS, HEAD_DIM, BLOCK_N, BLOCK_D)
     else:
-        K_DESC = None
-        V_DESC = None
+        K_DESC, V_DESC = None, None
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, K_BASE, V_BASE, K_DESC, V_DESC, stride_kt, stride_kd, stride_vt, stride_vd,
         offs_m, 0, full_end, N_KEYS, qk_scale,
@@ -343,11 +392,11 @@ def _bwd_preprocess_kernel(
 
 @triton.jit
 def _dkdv_inner(
-    dk, dv, k, v, Q_BASE, DO_BASE, L_BASE, DELTA_BASE,
+    dk, dv, k, v, Q_BASE, DO_BASE, Q_DESC, DO_DESC, L_BASE, DELTA_BASE,
     stride_qt, stride_qd, stride_dot, stride_dod,
     offs_n, lo, hi, N_QUERIES, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    CHECK_ROWS: tl.constexpr, CAUSAL_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CHECK_ROWS: tl.constexpr, CAUSAL_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, QDO_TMA: tl.constexpr,
 ):
     Q_BLOCK = tl.make_block_ptr(
         Q_BASE, shape=(N_QUERIES, HEAD_DIM), strides=(stride_qt, stride_qd),
@@ -359,8 +408,7 @@ def _dkdv_inner(
     )
     for start in range(lo, hi, BLOCK_M):
         offs_m = start + tl.arange(0, BLOCK_M)
-        q = _load_tile(Q_BLOCK, CHECK_ROWS, EVEN_D)
-        do = _load_tile(DO_BLOCK, CHECK_ROWS, EVEN_D)
+        q, do = _load_tiles(Q_BLOCK, DO_BLOCK, Q_DESC, DO_DESC, start, CHECK_ROWS, EVEN_D, QDO_TMA)
         if CHECK_ROWS:
             # Padded query rows get L = +inf, hence P = 0: they add nothing to dK or dV.
             lse = tl.load(L_BASE + offs_m, mask=offs_m < N_QUERIES, other=float("inf"))
@@ -383,8 +431,7 @@ def _dkdv_inner(
 
 
 @triton.autotune(
-    configs=_configs(_DKDV_TABLE), key=_AUTOTUNE_KEY, prune_configs_by=_pruner(_DKDV_TABLE),
-    do_bench=_quick_bench,
+    configs=_configs("dkdv"), key=_AUTOTUNE_KEY, prune_configs_by=_pruner("dkdv"), do_bench=_quick_bench,
 )
 @triton.jit
 def _attn_bwd_dkdv_kernel(
@@ -399,7 +446,7 @@ def _attn_bwd_dkdv_kernel(
     H_KV, GROUP, N_QUERIES, N_KEYS, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QDO_TMA: tl.constexpr = False,
 ):
     # Grid: (key tiles, batch * key/value heads). Each program owns its dK, dV tile: no atomics needed,
     # and a GQA group's query heads are summed here in a fixed order, so dK and dV are deterministic.
@@ -434,24 +481,31 @@ def _attn_bwd_dkdv_kernel(
         DO_BASE = DO + b * stride_dob + h * stride_doh
         L_BASE = L + b * stride_lb + h * stride_lh
         DELTA_BASE = DELTA + b * stride_lb + h * stride_lh
+        if QDO_TMA:
+            # One descriptor per query head for its three query loops.
+            Q_DESC, DO_DESC = _tma_descriptors(
+                Q_BASE, DO_BASE, stride_qt, stride_dot, N_QUERIES, HEAD_DIM, BLOCK_M, BLOCK_D
+            )
+        else:
+            Q_DESC, DO_DESC = None, None
         if IS_CAUSAL:
             dk, dv = _dkdv_inner(
-                dk, dv, k, v, Q_BASE, DO_BASE, L_BASE, DELTA_BASE,
+                dk, dv, k, v, Q_BASE, DO_BASE, Q_DESC, DO_DESC, L_BASE, DELTA_BASE,
                 stride_qt, stride_qd, stride_dot, stride_dod,
                 offs_n, k0, tl.minimum(k0 + BLOCK_N, N_QUERIES), N_QUERIES, qk_scale,
-                HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_M, True, True, DOT_PRECISION,
+                HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_M, True, True, DOT_PRECISION, QDO_TMA,
             )
         dk, dv = _dkdv_inner(
-            dk, dv, k, v, Q_BASE, DO_BASE, L_BASE, DELTA_BASE,
+            dk, dv, k, v, Q_BASE, DO_BASE, Q_DESC, DO_DESC, L_BASE, DELTA_BASE,
             stride_qt, stride_qd, stride_dot, stride_dod,
             offs_n, lo_full, q_full, N_QUERIES, qk_scale,
-            HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_M, False, False, DOT_PRECISION,
+            HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_M, False, False, DOT_PRECISION, QDO_TMA,
         )
         dk, dv = _dkdv_inner(
-            dk, dv, k, v, Q_BASE, DO_BASE, L_BASE, DELTA_BASE,
+            dk, dv, k, v, Q_BASE, DO_BASE, Q_DESC, DO_DESC, L_BASE, DELTA_BASE,
             stride_qt, stride_qd, stride_dot, stride_dod,
             offs_n, lo_tail, N_QUERIES, N_QUERIES, qk_scale,
-            HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_M, True, False, DOT_PRECISION,
+            HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_M, True, False, DOT_PRECISION, QDO_TMA,
         )
 
     dk = dk * sm_scale
@@ -469,11 +523,11 @@ def _attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_inner(
-    dq, q, do, lse2, delta, K_BASE, V_BASE,
+    dq, q, do, lse2, delta, K_BASE, V_BASE, K_DESC, V_DESC,
     stride_kt, stride_kd, stride_vt, stride_vd,
     offs_m, lo, hi, N_KEYS, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_TMA: tl.constexpr,
 ):
     K_BLOCK = tl.make_block_ptr(
         K_BASE, shape=(N_KEYS, HEAD_DIM), strides=(stride_kt, stride_kd),
@@ -484,8 +538,7 @@ def _dq_inner(
         offsets=(lo, 0), block_shape=(BLOCK_N, BLOCK_D), order=(1, 0),
     )
     for start in range(lo, hi, BLOCK_N):
-        k = _load_tile(K_BLOCK, MASKED, EVEN_D)
-        v = _load_tile(V_BLOCK, MASKED, EVEN_D)
+        k, v = _load_tiles(K_BLOCK, V_BLOCK, K_DESC, V_DESC, start, MASKED, EVEN_D, KV_TMA)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         p = tl.exp2(s * qk_scale - lse2[:, None])
         if MASKED:
@@ -503,7 +556,7 @@ def _dq_inner(
 
 
 @triton.autotune(
-    configs=_configs(_DQ_TABLE), key=_AUTOTUNE_KEY, prune_configs_by=_pruner(_DQ_TABLE), do_bench=_quick_bench
+    configs=_configs("dq"), key=_AUTOTUNE_KEY, prune_configs_by=_pruner("dq"), do_bench=_quick_bench
 )
 @triton.jit
 def _attn_bwd_dq_kernel(
@@ -517,7 +570,7 @@ def _attn_bwd_dq_kernel(
     H_Q, GROUP, N_QUERIES, N_KEYS, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_TMA: tl.constexpr = False,
 ):
     # Grid: (query tiles, batch * query heads); the same tile walk as the forward pass.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if IS_CAUSAL else tl.program_id(0)
@@ -553,15 +606,19 @@ def _attn_bwd_dq_kernel(
         hi = N_KEYS
     K_BASE = K + b * stride_kb + h_kv * stride_kh
     V_BASE = V + b * stride_vb + h_kv * stride_vh
+    if KV_TMA:
+        K_DESC, V_DESC = _tma_descriptors(K_BASE, V_BASE, stride_kt, stride_vt, N_KEYS, HEAD_DIM, BLOCK_N, BLOCK_D)
+    else:
+        K_DESC, V_DESC = None, None
     dq = _dq_inner(
-        dq, q, do, lse2, delta, K_BASE, V_BASE, stride_kt, stride_kd, stride_vt, stride_vd,
+        dq, q, do, lse2, delta, K_BASE, V_BASE, K_DESC, V_DESC, stride_kt, stride_kd, stride_vt, stride_vd,
         offs_m, 0, full_end, N_KEYS, qk_scale,
-        HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_N, False, IS_CAUSAL, DOT_PRECISION,
+        HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_N, False, IS_CAUSAL, DOT_PRECISION, KV_TMA,
     )
     dq = _dq_inner(
-        dq, q, do, lse2, delta, K_BASE, V_BASE, stride_kt, stride_kd, stride_vt, stride_vd,
+        dq, q, do, lse2, delta, K_BASE, V_BASE, K_DESC, V_DESC, stride_kt, stride_kd, stride_vt, stride_vd,
         offs_m, full_end, hi, N_KEYS, qk_scale,
-        HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_N, True, IS_CAUSAL, DOT_PRECISION,
+        HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_N, True, IS_CAUSAL, DOT_PRECISION, KV_TMA,
     )
     dq = dq * sm_scale
     DQ_BLOCK = tl.make_block_ptr(
@@ -602,9 +659,6 @@ def flash_forward_triton(
         return (triton.cdiv(n_queries, meta["BLOCK_M"]), batch * heads_q)
 
     def launch() -> None:
-        # KV_TMA configs need scratch memory for their descriptors; the allocator is set in a copy of the
-        # caller's context so that an allocator the caller installed stays in place.
-        triton.set_allocator(_tma_scratch)
         _attn_fwd_kernel[grid](
             q, k, v, o, lse,
             *q.stride(), *k.stride(), *v.stride(), *o.stride(), lse.stride(0), lse.stride(1),
@@ -612,7 +666,7 @@ def flash_forward_triton(
             **_kernel_constants(q, is_causal),
         )
 
-    contextvars.copy_context().run(launch)
+    _with_tma_scratch(launch)
     return o, lse
 
 
@@ -660,24 +714,26 @@ def flash_backward_triton(
     def dkdv_grid(meta):
         return (triton.cdiv(n_keys, meta["BLOCK_N"]), batch * heads_kv)
 
-    _attn_bwd_dkdv_kernel[dkdv_grid](
-        q, k, v, do, lse, delta, dk, dv,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), lse.stride(0), lse.stride(1),
-        *dk.stride(), *dv.stride(),
-        heads_kv, group, n_queries, n_keys, sm_scale * LOG2E, sm_scale,
-        **constants,
-    )
-
     def dq_grid(meta):
         return (triton.cdiv(n_queries, meta["BLOCK_M"]), batch * heads_q)
 
-    _attn_bwd_dq_kernel[dq_grid](
-        q, k, v, do, lse, delta, dq,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), lse.stride(0), lse.stride(1),
-        *dq.stride(),
-        heads_q, group, n_queries, n_keys, sm_scale * LOG2E, sm_scale,
-        **constants,
-    )
+    def launch() -> None:
+        _attn_bwd_dkdv_kernel[dkdv_grid](
+            q, k, v, do, lse, delta, dk, dv,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), lse.stride(0), lse.stride(1),
+            *dk.stride(), *dv.stride(),
+            heads_kv, group, n_queries, n_keys, sm_scale * LOG2E, sm_scale,
+            **constants,
+        )
+        _attn_bwd_dq_kernel[dq_grid](
+            q, k, v, do, lse, delta, dq,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), lse.stride(0), lse.stride(1),
+            *dq.stride(),
+            heads_q, group, n_queries, n_keys, sm_scale * LOG2E, sm_scale,
+            **constants,
+        )
+
+    _with_tma_scratch(launch)
     return dq, dk, dv
 
 
