@@ -12,7 +12,7 @@ ALLOWED = {
     "basics": set(),
     "kernels": set(),
     "comms": set(),
-    "sharding": {"comms"},
+    "sharding": {"kernels", "comms"},
     "harness": {"basics", "kernels", "comms", "sharding"},
 }
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cs336_harness.profiling import host_op_times, load_trace
-from cs336_harness.results import markdown_table
+from cs336_harness.analysis.tables import markdown_table
+from cs336_harness.analysis.trace import host_op_times, load_trace
 
 NAMES = ("c10d::allreduce_", "aten::mm", "aten::mul", "cudaLaunchKernel")
 
@@ -29,7 +29,7 @@ def main() -> None:
         for name, t in times.items():
             row[name] = f"{t['calls']} x {t['median_us']:.0f} us = {t['total_ms']:.1f} ms" if t["calls"] else "-"
         rows.append(row)
-    print(markdown_table(rows, ["trace", *NAMES], ["trace (backward range)", *NAMES]))
+    print(markdown_table(rows, list(zip(["trace", *NAMES], ["trace (backward range)", *NAMES], strict=True))))
 
 
 if __name__ == "__main__":

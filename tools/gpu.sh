@@ -11,4 +11,7 @@ for src in "$root"/packages/*/src; do paths="$paths:$src"; done
 export PYTHONPATH="${paths#:}:$root${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"
+# One id for every row written during this call on the GPU machine (a script calling gpu.sh many times sets it
+# once, before the first call).
+export CS336_CALL_ID="${CS336_CALL_ID:-$(date -u +%Y%m%dT%H%M%SZ)-$$}"
 exec "$@"

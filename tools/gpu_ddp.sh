@@ -16,6 +16,6 @@ cs336=(bash tools/gpu.sh python3 -m cs336_harness.cli)
     --warmup 3 --iters 10 --out "$OUT/collectives.jsonl" --plot "$OUT/collectives.png"
   for dtype in fp32 bf16; do
     timeout "$([ "$dtype" = fp32 ] && echo 150 || echo 120)" "${cs336[@]}" ddp --size xl --world-size 2 --context-length 512 --global-batch 4 \
-      --dtypes "$dtype" --warmup 2 --steps 8 --out "$OUT/ddp.jsonl" --figure-dir "$OUT"
+      --compute-dtype "$dtype" --warmup 2 --steps 8 --out "$OUT/ddp.jsonl" --figure-dir "$OUT"
   done
 } 2>&1 | tee "$OUT/log.txt"

@@ -18,7 +18,7 @@ cs336=(bash tools/gpu.sh python3 -m cs336_harness.cli)
     left=$((deadline - $(date +%s)))
     if [ "$left" -lt 45 ]; then echo "[skip: deadline] $variants"; continue; fi
     timeout "$left" "${cs336[@]}" ddp --size xl --world-size 2 --context-length 512 --global-batch 4 \
-      --dtypes bf16 --variants "$variants" --bucket-size-mb "$bucket" --warmup 2 --steps 12 \
+      --compute-dtype bf16 --variants "$variants" --bucket-size-mb "$bucket" --warmup 2 --steps 12 \
       --out "$OUT/ddp_bf16_repeats.jsonl"
   done
 } 2>&1 | grep -v -i warn | tee "$OUT/log.txt"

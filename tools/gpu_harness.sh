@@ -54,11 +54,11 @@ gpu0() {
     echo "bench --size small,large --warmup $w --steps 10 --out $r/bench_warmup.jsonl" | run_jobs
   done
   run_jobs <<EOF
-bench --size small,medium,large,xl --warmup 5 --steps 10 --dtype fp32,bf16 --out $r/bench_sizes.jsonl
-bench --size 10B --mode forward --warmup 2 --steps 3 --dtype fp32,bf16 --out $r/bench_sizes.jsonl
-bench --size 10B --mode forward-backward --warmup 1 --steps 2 --dtype bf16 --out $r/bench_sizes.jsonl
+bench --size small,medium,large,xl --warmup 5 --steps 10 --compute-dtype fp32,bf16 --out $r/bench_sizes.jsonl
+bench --size 10B --mode forward --warmup 2 --steps 3 --compute-dtype fp32,bf16 --out $r/bench_sizes.jsonl
+bench --size 10B --mode forward-backward --warmup 1 --steps 2 --compute-dtype bf16 --out $r/bench_sizes.jsonl
 bench --size small,medium --compile --warmup 3 --steps 10 --out $r/bench_compile.jsonl
-bench --size small,medium --compile --warmup 3 --steps 10 --dtype bf16 --out $r/bench_compile.jsonl
+bench --size small,medium --compile --warmup 3 --steps 10 --compute-dtype bf16 --out $r/bench_compile.jsonl
 EOF
 }
 
@@ -69,10 +69,10 @@ gpu1() {
 precision --device cuda --out $r/precision.jsonl
 bench --size small,medium --context-length 256,512,1024 --attention annotated --warmup 2 --steps 2 --profile $r/profile --out $r/bench_profile.jsonl
 bench --size small --mode forward --attention annotated --warmup 2 --steps 2 --profile $r/profile_fwd --out $r/bench_profile.jsonl
-bench --size xl --context-length 128,2048 --mode forward --dtype fp32,bf16 --warmup 1 --steps 1 --memory $r/memory --out $r/bench_memory.jsonl
-bench --size xl --context-length 128 --mode train --dtype fp32,bf16 --warmup 1 --steps 1 --memory $r/memory --out $r/bench_memory.jsonl
+bench --size xl --context-length 128,2048 --mode forward --compute-dtype fp32,bf16 --warmup 1 --steps 1 --memory $r/memory --out $r/bench_memory.jsonl
+bench --size xl --context-length 128 --mode train --compute-dtype fp32,bf16 --warmup 1 --steps 1 --memory $r/memory --out $r/bench_memory.jsonl
 # Without checkpointing this runs out of memory; no warm-up, so the snapshot holds the step that fails.
-bench --size xl --context-length 2048 --mode train --dtype fp32,bf16 --warmup 0 --steps 1 --memory $r/memory_oom --out $r/bench_memory.jsonl
+bench --size xl --context-length 2048 --mode train --compute-dtype fp32,bf16 --warmup 0 --steps 1 --memory $r/memory_oom --out $r/bench_memory.jsonl
 bench --size xl --context-length 2048 --checkpoint group:1 --warmup 0 --steps 1 --memory $r/memory_ckpt --out $r/bench_memory.jsonl
 bench --size xl --context-length 2048 --checkpoint none,groups,nested:2,selective --warmup 0 --steps 1 --out $r/bench_checkpoint.jsonl
 residuals --device cuda --out $r/residuals.jsonl

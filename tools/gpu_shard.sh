@@ -21,7 +21,7 @@ cs336=(bash tools/gpu.sh python3 -m cs336_harness.cli)
   for dtype in bf16 fp32; do
     if [ "$(left)" -lt 30 ]; then echo "[skip: deadline] shard $dtype"; continue; fi
     timeout "$(left)" "${cs336[@]}" shard --size xl --world-size 2 --context-length 512 --global-batch 4 \
-      --dtypes "$dtype" --warmup 2 --steps 5 --trace-dir "$traces" --out "$OUT/shard.jsonl" \
+      --compute-dtype "$dtype" --warmup 2 --steps 5 --trace-dir "$traces" --out "$OUT/shard.jsonl" \
       --figure "$OUT/fsdp_timeline_$dtype.png"
   done
   for variant in fsdp fsdp2; do

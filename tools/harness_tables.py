@@ -14,9 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cs336_harness import memory
-from cs336_harness.profiling import kernel_class, short_kernel_name
-from cs336_harness.report import fill_tables, markdown_table
+from cs336_harness.analysis import memory
+from cs336_harness.analysis.tables import fill_tables, markdown_table
+from cs336_harness.analysis.trace import kernel_class, short_kernel_name
 from cs336_harness.results import read_rows
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from cs336_basics import model
+from cs336_basics.config import PRESETS, ModelConfig
 from cs336_basics.model import (
     BasicsTransformerLM,
     CausalMultiHeadSelfAttention,
@@ -135,19 +135,30 @@ def test_lm_under_bf16_autocast():
     torch.testing.assert_close(logits.float(), lm(ids), atol=0.15, rtol=0.05)
 
 
-def test_attention_function_is_swappable(monkeypatch):
+def test_attention_is_chosen_per_model():
     calls = []
 
-    def spy(Q, K, V, mask=None):
-        calls.append(Q.shape)
-        return F.scaled_dot_product_attention(Q, K, V, is_causal=True)
+    def spy(q, k, v, is_causal):
+        calls.append((q.shape, is_causal))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
 
     lm = small_lm()
     ids = torch.randint(0, 37, (2, 8))
     expected = lm(ids)
-    monkeypatch.setattr(model, "scaled_dot_product_attention", spy)
+    lm.set_attention(spy)
+    torch.testing.assert_close(lm(ids), expected, atol=1e-5, rtol=1e-5)
+    assert len(calls) == 2 and all(causal for _, causal in calls)
+    other = small_lm()  # another model with the same weights keeps its own attention
+    other.load_state_dict(lm.state_dict())
+    torch.testing.assert_close(other(ids), expected, atol=1e-5, rtol=1e-5)
+    assert len(calls) == 2
+    lm.set_attention("sdpa")
     torch.testing.assert_close(lm(ids), expected, atol=1e-5, rtol=1e-5)
     assert len(calls) == 2
+    with pytest.raises(ValueError, match="unknown attention"):
+        lm.set_attention("flash3")
+    with pytest.raises(TypeError, match="callable"):
+        lm.set_attention(42)
 
 
 def test_bad_arguments_raise():
@@ -166,3 +177,37 @@ def test_bad_arguments_raise():
         lm(torch.zeros(1, 20, dtype=torch.long))
     with pytest.raises(TypeError, match="int"):
         lm(torch.zeros(1, 3))
+
+
+def test_config_presets_and_parameter_count():
+    for name in PRESETS:
+        config = ModelConfig.from_preset(name, vocab_size=53, context_length=16)
+        assert config.num_params == sum(s for s in (  # formula vs the shapes the model builds, without building it
+            config.num_layers * (4 * config.d_model**2 + 3 * config.d_model * config.d_ff + 2 * config.d_model),
+            2 * config.vocab_size * config.d_model + config.d_model))
+    tiny = ModelConfig.from_preset("tiny", vocab_size=53, context_length=16)
+    lm = BasicsTransformerLM.from_config(tiny)
+    assert lm.config == tiny
+    assert lm.get_num_params(non_embedding=False) == tiny.num_params
+    with pytest.raises(ValueError, match="unknown model size"):
+        ModelConfig.from_preset("huge")
+    with pytest.raises(TypeError, match="no field"):
+        ModelConfig.from_preset("tiny", d_modle=8)
+    with pytest.raises(ValueError, match="divisible"):
+        ModelConfig(d_model=10, d_ff=8, num_layers=1, num_heads=3)
+    with pytest.raises(ValueError, match="even"):
+        ModelConfig(d_model=9, d_ff=8, num_layers=1, num_heads=3)
+    with pytest.raises(TypeError, match="ModelConfig"):
+        BasicsTransformerLM.from_config({"d_model": 8})
+
+
+def test_forward_with_targets_is_the_mean_cross_entropy():
+    torch.manual_seed(0)
+    lm = small_lm()
+    ids, targets = torch.randint(0, 37, (3, 11)), torch.randint(0, 37, (3, 11))
+    logits = lm(ids)
+    assert logits.shape == (3, 11, 37)
+    expected = F.cross_entropy(logits.double().reshape(-1, 37), targets.reshape(-1))
+    torch.testing.assert_close(lm(ids, targets).double(), expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="shape of token_ids"):
+        lm(ids, targets[:, :5])

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from cs336_basics.model import BasicsTransformerLM
 from cs336_basics.nn_utils import cross_entropy
-from cs336_harness.checkpointing import apply_checkpointing
+from cs336_sharding.checkpointing import apply_checkpointing
 from cs336_sharding.fsdp import FSDP, gather_full_params
 
 WORLD_SIZE = 2

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from cs336_harness.attention_impls import use_attention
-from cs336_harness.leaderboard import LeaderboardConfig, Training, build_training, rank_batch
+from cs336_harness.studies.leaderboard import LeaderboardConfig, Training, build_training, rank_batch
 from cs336_sharding.fsdp import gather_full_params
 
 
@@ -39,8 +38,7 @@ def one_step_each(rank: int, world_size: int, configs: list[LeaderboardConfig], 
         training = build_training(config, device)
         inputs, targets = rank_batch(config, rank, device)
         shapes = {n: p.shape for n, p in gather_full_params(training.model).items()}
-        with use_attention(config.attention):
-            loss = training.forward_backward(inputs, targets).float().reshape(1)
+        loss = training.forward_backward(inputs, targets).float().reshape(1)
         grads = _full_grads(training, shapes, world_size)
         training.optimizer.step()
         dist.all_reduce(loss)  # gloo has no AVG

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from cs336_harness.attention_bench import AttentionBenchConfig, attention_markdown, causal_attention_flops
-from cs336_harness.cli import build_parser
+from cs336_harness.cli import parse_args
+from cs336_harness.studies.attention import AttentionBenchConfig, attention_markdown, causal_attention_flops
 
 
 def test_flops_follow_the_anchor_convention():
@@ -67,5 +67,5 @@ def test_anchor_table_keeps_the_latest_row_of_each_timed_impl():
 
 
 def test_cli_quick_flag_parses():
-    args = build_parser().parse_args(["attention", "--quick", "--part", "flash", "--flash-dtypes", "bf16"])
+    args = parse_args(["attention", "--quick", "--part", "flash", "--flash-dtypes", "bf16"])
     assert args.quick and args.part == ["flash"] and args.flash_dtypes == ("bf16",)

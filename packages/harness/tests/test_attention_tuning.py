@@ -8,12 +8,12 @@ import subprocess
 import sys
 
 import triton
-from cs336_harness import attention_tuning
+from cs336_harness.studies import attention_tuning
 
 # The test session runs Triton's interpreter, which cannot compile; the builds run in a fresh process without it.
 _BUILDS = """
 import json
-from cs336_harness.attention_tuning import build_row
+from cs336_harness.studies.attention_tuning import build_row
 print(json.dumps([build_row(name, 64, entry, tma) for name, entry in (("fwd", (64, 64, 4, 3)), ("dkdv", (64, 64, 4, 3)))
                   for tma in (True, False)]))
 """

@@ -6,21 +6,23 @@ from dataclasses import replace
 
 import pytest
 import torch
-from cs336_harness import bench, cli
-from cs336_harness.attention_impls import use_attention
+from cs336_harness import cli
 from cs336_harness.commands.bench import configs_from_args
 from cs336_harness.results import read_rows
+from cs336_harness.studies import step_timing
+from cs336_harness.studies.optimizers import build_optimizer
 
 PROVENANCE_KEYS = ("command", "device", "torch", "triton", "python", "commit", "date")
 TINY = ["--size", "tiny", "--batch-size", "2", "--context-length", "17", "--warmup", "1", "--steps", "2"]
 
 
-def _configs(*argv: str) -> list[bench.BenchConfig]:
-    return configs_from_args(cli.build_parser().parse_args(["bench", *argv]))
+def _configs(*argv: str) -> list[step_timing.BenchConfig]:
+    return configs_from_args(cli.parse_args(["bench", *argv]))
 
 
 def test_flags_parse_into_configs() -> None:
-    configs = _configs("--size", "tiny,small", "--context-length", "33,64", "--dtype", "bf16", "--num-layers", "3",
+    configs = _configs("--size", "tiny,small", "--context-length", "33,64", "--compute-dtype", "bf16",
+                       "--num-layers", "3",
                        "--mode", "forward-backward", "--warmup", "0", "--steps", "7", "--attention", "sdpa",
                        "--checkpoint", "group:2", "--vocab-size", "101", "--device", "cpu")
     assert [(c.size, c.context_length) for c in configs] == [("tiny", 33), ("tiny", 64), ("small", 33), ("small", 64)]
@@ -37,7 +39,7 @@ def test_groups_expand_to_single_level_sizes_up_to_depth() -> None:
 
 
 def test_defaults_without_cuda_are_tiny_on_cpu() -> None:
-    config = bench.BenchConfig()
+    config = step_timing.BenchConfig()
     if not torch.cuda.is_available():
         assert (config.size, config.device) == ("tiny", "cpu")
     assert (config.vocab_size, config.batch_size, config.context_length) == (10_000, 4, 512)
@@ -62,7 +64,7 @@ def test_defaults_without_cuda_are_tiny_on_cpu() -> None:
 )
 def test_bad_values_are_rejected_with_a_message(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        bench.BenchConfig(size=kwargs.pop("size", "tiny"), device="cpu", **kwargs)
+        step_timing.BenchConfig(size=kwargs.pop("size", "tiny"), device="cpu", **kwargs)
 
 
 def test_cli_reports_bad_flags_and_gpu_only_options(capsys: pytest.CaptureFixture[str]) -> None:
@@ -92,29 +94,28 @@ def test_tiny_run_appends_well_formed_rows(tmp_path, mode: str, capsys: pytest.C
 
 
 def test_sweep_mixes_attention_dtype_and_checkpointing(tmp_path) -> None:
-    base = bench.BenchConfig(size="tiny", batch_size=2, context_length=9, warmup=0, steps=1, device="cpu",
+    base = step_timing.BenchConfig(size="tiny", batch_size=2, context_length=9, warmup=0, steps=1, device="cpu",
                              num_layers=3)
-    configs = bench.expand_configs(base, dtypes=("fp32", "bf16"), attentions=("sdpa",),
+    configs = step_timing.expand_configs(base, dtypes=("fp32", "bf16"), attentions=("sdpa",),
                                    checkpoints=("selective", "nested:2"))
-    rows = bench.run_configs(configs, progress=False)
+    rows = step_timing.run_configs(configs, progress=False)
     assert [r["status"] for r in rows] == ["ok"] * 4
     assert {(r["dtype"], r["checkpoint"]) for r in rows} == {
         (d, c) for d in ("fp32", "bf16") for c in ("selective", "nested:2")}
 
 
 def test_fused_loss_triton_attention_and_fused_adamw_match_the_plain_path() -> None:
-    config = bench.BenchConfig(size="tiny", context_length=17, batch_size=2, device="cpu")
+    config = step_timing.BenchConfig(size="tiny", context_length=17, batch_size=2, device="cpu")
     gen = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, config.vocab_size, (2, 17), generator=gen)
     targets = torch.randint(0, config.vocab_size, (2, 17), generator=gen)
 
-    def loss_grads_and_step(cfg: bench.BenchConfig) -> tuple[torch.Tensor, list, list]:
-        model = bench.build_model(cfg)
-        with use_attention(cfg.attention):
-            loss = bench.build_loss_fn(cfg, model)(tokens, targets)
+    def loss_grads_and_step(cfg: step_timing.BenchConfig) -> tuple[torch.Tensor, list, list]:
+        model = step_timing.build_model(cfg)
+        loss = step_timing.build_loss_fn(cfg, model)(tokens, targets)
         loss.backward()
         grads = [p.grad.clone() for p in model.parameters()]
-        bench.build_optimizer(cfg, model).step()
+        build_optimizer(cfg.optimizer, model.parameters(), lr=1e-4, weight_decay=0.01).step()
         return loss.detach(), grads, [p.detach() for p in model.parameters()]
 
     ref = loss_grads_and_step(config)
@@ -126,9 +127,9 @@ def test_fused_loss_triton_attention_and_fused_adamw_match_the_plain_path() -> N
 
 @pytest.mark.gpu
 def test_profile_and_memory_outputs_on_gpu(tmp_path) -> None:
-    config = bench.BenchConfig(size="tiny", context_length=33, warmup=1, steps=2, device="cuda",
+    config = step_timing.BenchConfig(size="tiny", context_length=33, warmup=1, steps=2, device="cuda",
                                attention="annotated", profile_dir=str(tmp_path / "p"), memory_dir=str(tmp_path / "m"))
-    row = bench.run_bench(config)
+    row = step_timing.run_bench(config)
     assert row["status"] == "ok" and row["peak_forward_gib"] > 0 and row["peak_step_gib"] >= row["peak_forward_gib"]
     kernels = read_rows(tmp_path / "p" / "kernels.jsonl")
     ranges = {k["range"] for k in kernels}

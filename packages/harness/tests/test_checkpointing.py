@@ -8,9 +8,9 @@ import pytest
 import torch
 from cs336_basics.model import BasicsTransformerLM
 from cs336_basics.nn_utils import cross_entropy
-from cs336_harness.attention_impls import use_attention
-from cs336_harness.checkpointing import CheckpointedSegment, apply_checkpointing, parse_policy
-from cs336_harness.residuals import count_residuals
+from cs336_harness.studies.attention_impls import get_attention
+from cs336_harness.studies.residuals import count_residuals
+from cs336_sharding.checkpointing import CheckpointedBlocks, Segment, apply_checkpointing, parse_policy
 from torch.utils._python_dispatch import TorchDispatchMode
 
 POLICIES = ["all", "group:2", "group:3", "first:2", "sqrt", "nested", "nested:3", "selective", "attention"]
@@ -35,7 +35,8 @@ def test_policy_matches_no_checkpointing(policy: str) -> None:
     targets = torch.randint(0, 37, (3, 11), generator=gen)
     ref_loss, ref_grads = _loss_and_grads(copy.deepcopy(base), tokens, targets)
     model = apply_checkpointing(copy.deepcopy(base), policy)
-    assert any(isinstance(m, CheckpointedSegment) for m in model.modules())
+    assert isinstance(model.layers, CheckpointedBlocks)
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in base.named_parameters()]  # names kept
     loss, grads = _loss_and_grads(model, tokens, targets)
     torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
     assert len(grads) == len(ref_grads)
@@ -73,13 +74,13 @@ def test_attention_policy_does_not_recompute_attention(attention: str, op_name: 
     gen = torch.Generator().manual_seed(3)
     tokens, targets = torch.randint(0, 37, (3, 11), generator=gen), torch.randint(0, 37, (3, 11), generator=gen)
     torch.manual_seed(0)  # head dim 16, the Triton kernel's smallest
-    base = BasicsTransformerLM(vocab_size=37, context_length=11, d_model=32, num_layers=2, num_heads=2, d_ff=40)
-    with use_attention(attention):
-        ref_loss, ref_grads = _loss_and_grads(copy.deepcopy(base), tokens, targets)
-        model = apply_checkpointing(copy.deepcopy(base), policy)
-        loss = cross_entropy(model(tokens), targets)
-        with _CountOp(op_name) as counter:
-            loss.backward()
+    base = BasicsTransformerLM(vocab_size=37, context_length=11, d_model=32, num_layers=2, num_heads=2, d_ff=40,
+                               attention=get_attention(attention))
+    ref_loss, ref_grads = _loss_and_grads(copy.deepcopy(base), tokens, targets)
+    model = apply_checkpointing(copy.deepcopy(base), policy)
+    loss = cross_entropy(model(tokens), targets)
+    with _CountOp(op_name) as counter:
+        loss.backward()
     assert counter.calls == recomputed  # one per block under "all"
     torch.testing.assert_close(loss.detach(), ref_loss, rtol=0, atol=0)
     for p, ref in zip(model.parameters(), ref_grads, strict=True):
@@ -87,17 +88,17 @@ def test_attention_policy_does_not_recompute_attention(attention: str, op_name: 
 
 
 def test_segments_follow_the_policy() -> None:
-    layers = apply_checkpointing(_model(), "group:2").layers
-    assert [len(s.blocks) for s in layers] == [2, 2, 1]
-    layers = apply_checkpointing(_model(), "first:2").layers
-    assert [isinstance(m, CheckpointedSegment) for m in layers] == [True, True, False, False, False]
-    (root,) = apply_checkpointing(_model(), "nested:2").layers
+    plan = apply_checkpointing(_model(), "group:2").layers.plan
+    assert [s.num_blocks for s in plan] == [2, 2, 1]
+    plan = apply_checkpointing(_model(), "first:2").layers.plan
+    assert [isinstance(s, Segment) for s in plan] == [True, True, False, False, False]
+    (root,) = apply_checkpointing(_model(), "nested:2").layers.plan
 
-    def shape(m: torch.nn.Module):  # nested lengths of segments down to the blocks
-        return [shape(b) if isinstance(b, CheckpointedSegment) else 1 for b in m.blocks]
+    def shape(s: Segment):  # nested lengths of segments down to the blocks
+        return [shape(i) if isinstance(i, Segment) else 1 for i in s.items]
 
     assert shape(root) == [[[[1], [1]], [1]], [[1], [1]]]
-    assert [len(s.blocks) for s in apply_checkpointing(_model(), "sqrt").layers] == [3, 2]
+    assert [s.num_blocks for s in apply_checkpointing(_model(), "sqrt").layers.plan] == [3, 2]
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cs336_harness.fused_bench import FusedBenchConfig, fused_markdown
+from cs336_harness.studies.fused import FusedBenchConfig, fused_markdown
 
 
 def _rows() -> list[dict]:

@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from cs336_basics.config import ModelConfig
 from cs336_comms.process_group import spawn
-from cs336_harness import cli, leaderboard
-from cs336_harness.attention_impls import use_attention
-from cs336_harness.checkpointing import apply_checkpointing
-from cs336_harness.leaderboard import LeaderboardConfig
+from cs336_harness import cli
+from cs336_harness.studies import leaderboard
+from cs336_harness.studies.leaderboard import LeaderboardConfig
+from cs336_sharding.checkpointing import apply_checkpointing
 
 sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import the checks module by name
 
@@ -42,8 +43,9 @@ PARAM_ATOL, PARAM_RTOL = 1e-6, 1e-5
 _SMALL = dict(size="tiny", vocab_size=37, context_length=13, global_batch=4, world_size=2, compute_dtype="fp32",
               lr=1e-4, warmup=0, steps=1)
 CPU_CONFIGS = [
-    LeaderboardConfig(**_SMALL, backend="gloo", attention="sdpa", optimizer="fused", checkpoint="all"),
-    LeaderboardConfig(**_SMALL, backend="gloo", attention="triton", optimizer="torch", checkpoint="group:2", seed=1),
+    LeaderboardConfig(**_SMALL, backend="gloo", attention="sdpa", optimizer="fused-adamw", checkpoint="all"),
+    LeaderboardConfig(**_SMALL, backend="gloo", attention="triton", optimizer="torch-adamw", checkpoint="group:2",
+                      seed=1),
 ]
 
 
@@ -53,10 +55,9 @@ def _reference_step(config: LeaderboardConfig, device: torch.device) -> tuple[fl
     model = apply_checkpointing(leaderboard.build_model(config, device), config.checkpoint)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     inputs, targets = (t.to(device) for t in leaderboard.make_batch(config))
-    with use_attention(config.attention):  # the backward too: checkpointing recomputes the attention there
-        logits = model(inputs)  # (B, T, V)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        loss.backward()
+    logits = model(inputs)  # (B, T, V)
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    loss.backward()
     grads = {name: p.grad.cpu() for name, p in model.named_parameters()}
     optimizer.step()
     return loss.item(), grads, {name: p.detach().cpu() for name, p in model.named_parameters()}
@@ -102,7 +103,7 @@ def test_sharded_step_matches_single_process_step(tmp_path: Path) -> None:
     ("warmup", -1, "warmup must be a non-negative int"),
     ("steps", 0, "steps must be a positive int"),
     ("attention", "eager", "attention must be one of triton, sdpa"),
-    ("optimizer", "sgd", "optimizer must be one of fused, torch"),
+    ("optimizer", "sgd", "optimizer must be one of fused-adamw, torch-adamw"),
     ("compute_dtype", "fp16", "compute_dtype must be one of bf16, fp32"),
     ("backend", "mpi", "backend must be one of"),
     ("checkpoint", "every:2", "unknown checkpoint policy"),
@@ -121,11 +122,10 @@ def test_config_rejects_bf16_on_cpu() -> None:
 
 
 def test_flops_formula_counts_matmuls_and_causal_attention() -> None:
-    size = leaderboard.MODEL_SIZES["tiny"]  # d 64, d_ff 256, 2 layers, 4 heads of 16
+    config = ModelConfig.from_preset("tiny", vocab_size=37, context_length=5)  # d 64, d_ff 256, 2 layers, 4 heads
     matmuls = 6 * (3 * 5) * (2 * (4 * 64 * 64 + 3 * 64 * 256) + 37 * 64)
     attention = 2 * 4 * 3 * 4 * 5**2 * 16 / 2 * 3.5
-    assert leaderboard.step_flops(size, vocab_size=37, context_length=5, global_batch=3) == pytest.approx(
-        matmuls + attention)
+    assert leaderboard.step_flops(config, global_batch=3) == pytest.approx(matmuls + attention)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU defaults")
@@ -136,7 +136,7 @@ def test_command_runs_on_cpu_and_writes_a_row(tmp_path: Path, capsys: pytest.Cap
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     config = LeaderboardConfig(**{k: row[k] for k in (f.name for f in dataclasses.fields(LeaderboardConfig))})
     assert (config.size, config.context_length, config.world_size, config.backend) == ("tiny", 32, 2, "gloo")
-    assert (config.attention, config.checkpoint, config.optimizer) == ("triton", "all", "fused")
+    assert (config.attention, config.checkpoint, config.optimizer) == ("triton", "all", "fused-adamw")
     assert row["status"] == "ok" and len(row["step_s_all_rank0"]) == 2
     assert 0 < row["step_s"] <= row["step_max_s"]
     assert row["tokens_per_s"] == pytest.approx(2 * 32 / row["step_s"])
@@ -157,7 +157,7 @@ def test_command_stops_at_the_time_limit(tmp_path: Path, capsys: pytest.CaptureF
 
 def test_markdown_keeps_leaderboard_rows_fastest_first(tmp_path: Path) -> None:
     base = dict(size="8B", context_length=32768, global_batch=2, world_size=2, compute_dtype="bf16", status="ok",
-                checkpoint="all", optimizer="fused", step_max_s=1.0, tokens_per_s=1.0, mfu=0.5, peak_init_gib=1.0,
+                checkpoint="all", optimizer="fused-adamw", step_max_s=1.0, tokens_per_s=1.0, mfu=0.5, peak_init_gib=1.0,
                 peak_step_gib=2.0, commit="abc")
     rows = [dict(base, attention="triton", step_s=7.5), dict(base, attention="sdpa", step_s=6.5),
             dict(base, attention="sdpa", step_s=1.0, size="tiny")]  # another configuration: left out
@@ -194,7 +194,7 @@ def test_gpu_leaderboard_step_at_small_size() -> None:
                                warmup=1, steps=2, time_limit_s=240)
     (row,) = leaderboard.run_leaderboard(config)
     assert (row["backend"], row["compute_dtype"], row["attention"], row["optimizer"]) == (
-        "nccl", "bf16", "triton", "fused")
+        "nccl", "bf16", "triton", "fused-adamw")
     assert abs(row["loss"] - math.log(32_000)) < 1.0
     assert 0 < row["mfu"] < 1 and row["tokens_per_s"] > 0
     assert len(row["peak_step_gib_per_rank"]) == 2 and all(p > 0 for p in row["peak_step_gib_per_rank"])

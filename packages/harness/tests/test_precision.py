@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from cs336_harness.precision import accumulation_sums, layernorm_error, toy_model_dtypes
+from cs336_harness.studies.precision import accumulation_sums, layernorm_error, toy_model_dtypes
 
 
 def test_fp16_accumulator_loses_most() -> None:

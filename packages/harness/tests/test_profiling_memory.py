@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from cs336_harness import memory, profiling
+from cs336_harness.analysis import figures, memory, trace
+from figure_checks import read_figure
 
 
 def _span(name: str, ts: float, dur: float, cat: str = "user_annotation", **args) -> dict:
@@ -23,7 +24,7 @@ def _trace() -> list[dict]:
 
 
 def test_kernels_are_attributed_by_launch_time() -> None:
-    rows = profiling.kernel_table(_trace(), num_steps=1)
+    rows = trace.kernel_table(_trace(), num_steps=1)
     total = {r["range"]: r["total_ms_per_step"] for r in rows if r["kernel"] == "(total)"}
     assert total == pytest.approx({"all": 0.24, "forward": 0.11, "backward": 0.13, "attention/softmax": 0.03})
     fwd = {r["kernel"]: r for r in rows if r["range"] == "forward" and r["kernel"] != "(total)"}
@@ -33,12 +34,13 @@ def test_kernels_are_attributed_by_launch_time() -> None:
 
 
 def test_class_shares_and_timeline(tmp_path) -> None:
-    shares = profiling.class_shares(_trace(), "backward")
+    shares = trace.class_shares(_trace(), "backward")
     assert shares == pytest.approx({"matmul": 120 / 130, "elementwise": 10 / 130})
-    png = profiling.plot_timeline(_trace(), tmp_path / "t.png")
-    assert png.stat().st_size > 1000
+    fig = read_figure(figures.plot_timeline(_trace(), tmp_path / "t.png"))
+    assert fig.width == 1540 and fig.ink > 0.02
+    assert fig.shows("tab:blue", "tab:orange", "tab:green")  # forward, backward and optimizer kernels
     with pytest.raises(ValueError, match="no 'step' range"):
-        profiling.plot_timeline([], tmp_path / "u.png")
+        figures.plot_timeline([], tmp_path / "u.png")
 
 
 def test_active_memory_timeline_adds_the_baseline(tmp_path) -> None:
@@ -51,7 +53,8 @@ def test_active_memory_timeline_adds_the_baseline(tmp_path) -> None:
     snapshot = {"device_traces": [trace], "segments": [{"device": 0, "blocks": blocks}]}
     times, live = memory.active_memory_timeline(snapshot)
     assert times.tolist() == [1, 2, 4] and live.tolist() == [1100, 1150, 1050]
-    assert memory.plot_active_memory(snapshot, tmp_path / "m.png").stat().st_size > 1000
+    fig = read_figure(figures.plot_active_memory(snapshot, tmp_path / "m.png"))
+    assert (fig.width, fig.height) == (1100, 385) and fig.shows("tab:blue")  # the live-bytes line
 
 
 def test_gradient_allocations_are_backward_survivors() -> None:
@@ -90,8 +93,8 @@ def test_gradient_allocations_are_backward_survivors() -> None:
     ],
 )
 def test_kernel_names_and_classes(name: str, short: str, cls: str) -> None:
-    assert profiling.short_kernel_name(name) == short
-    assert profiling.kernel_class(name) == cls
+    assert trace.short_kernel_name(name) == short
+    assert trace.kernel_class(name) == cls
 
 
 def test_host_op_times_count_only_the_first_range() -> None:
@@ -103,8 +106,8 @@ def test_host_op_times_count_only_the_first_range() -> None:
         ev("aten::mm", "cpu_op", 110, 30), ev("aten::mm", "cpu_op", 150, 10), ev("aten::mm", "cpu_op", 520, 99),
         ev("cudaLaunchKernel", "cuda_runtime", 120, 4), ev("aten::mm", "cpu_op", 50, 7),  # before the range
     ]
-    got = profiling.host_op_times(events, "backward", ["aten::mm", "cudaLaunchKernel", "c10d::allreduce_"])
+    got = trace.host_op_times(events, "backward", ["aten::mm", "cudaLaunchKernel", "c10d::allreduce_"])
     assert got["aten::mm"] == {"calls": 2, "total_ms": 0.04, "median_us": 20.0}
     assert got["cudaLaunchKernel"]["calls"] == 1 and got["c10d::allreduce_"]["calls"] == 0
     with pytest.raises(ValueError, match="no 'forward' range"):
-        profiling.host_op_times(events, "forward", ["aten::mm"])
+        trace.host_op_times(events, "forward", ["aten::mm"])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from cs336_harness.report import fill_tables, markdown_table
+from cs336_harness.analysis.tables import fill_tables, markdown_table
 
 
 def test_markdown_table_formats_and_escapes() -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from cs336_harness.residuals import block_gradient_bytes, count_residuals, rmsnorm_experiment
+from cs336_harness.studies.residuals import block_gradient_bytes, count_residuals, rmsnorm_experiment
 
 
 def test_hand_counted_case_skips_parameters_and_counts_a_storage_once() -> None:

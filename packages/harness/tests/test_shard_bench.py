@@ -4,7 +4,9 @@ config checks."""
 from __future__ import annotations
 
 import pytest
-from cs336_harness import shard_bench
+from cs336_harness.analysis import figures, trace
+from cs336_harness.studies import shard as shard_study
+from figure_checks import read_figure, read_markdown_table
 
 
 def _span(name: str, ts: float, dur: float, cat: str = "user_annotation", **args) -> dict:
@@ -27,26 +29,28 @@ def _gpu_trace() -> list[dict]:
 
 
 def test_forward_gathers_measure_the_margin_per_layer(tmp_path) -> None:
-    gathers = shard_bench.forward_gathers(_gpu_trace())
+    gathers = trace.forward_gathers(_gpu_trace())
     assert [g["param"] for g in gathers] == ["a", "b"]
     assert [g["margin_ms"] for g in gathers] == pytest.approx([0.05, -0.1])
-    assert shard_bench.gather_summary(_gpu_trace()) == pytest.approx(
+    assert trace.gather_summary(_gpu_trace()) == pytest.approx(
         {"fwd_gathers": 2, "fwd_gathers_in_time": 1, "fwd_gather_wait_ms": 0.1})
-    assert shard_bench.plot_fsdp_timeline(_gpu_trace(), tmp_path / "t.png").stat().st_size > 1000
+    fig = read_figure(figures.plot_fsdp_timeline(_gpu_trace(), tmp_path / "t.png"))
+    assert (fig.width, fig.height) == (1430, 605) and fig.ink > 0.02
+    assert fig.shows("tab:blue", "tab:purple")  # forward compute and the all-gathers
 
 
 @pytest.fixture(scope="module")
 def cpu_rows(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], str]:
     traces = tmp_path_factory.mktemp("shard")
-    config = shard_bench.ShardBenchConfig(size="tiny", context_length=16, global_batch=2, vocab_size=101,
+    config = shard_study.ShardBenchConfig(size="tiny", context_length=16, global_batch=2, vocab_size=101,
                                           dtypes=("fp32",), warmup=1, steps=1, backend="gloo")
-    return shard_bench.run_shard_bench(config, traces), str(traces)
+    return shard_study.run_shard_bench(config, traces), str(traces)
 
 
 def test_cpu_run_accounts_for_each_variant(cpu_rows: tuple[list[dict], str]) -> None:
     rows = {r["variant"]: r for r in cpu_rows[0]}
-    assert list(rows) == list(shard_bench.VARIANTS)
-    ddp, zero1, fsdp, fsdp2 = (rows[v] for v in shard_bench.VARIANTS)
+    assert list(rows) == list(shard_study.VARIANTS)
+    ddp, zero1, fsdp, fsdp2 = (rows[v] for v in shard_study.VARIANTS)
     assert zero1["params_gib"] == ddp["params_gib"] and zero1["grads_gib"] == ddp["grads_gib"]
     # Greedy balancing: each rank holds about half of AdamW's two moments (the largest tensor may tip it).
     assert 0.4 < zero1["optim_state_gib"] / ddp["optim_state_gib"] < 0.7
@@ -59,14 +63,15 @@ def test_cpu_run_accounts_for_each_variant(cpu_rows: tuple[list[dict], str]) -> 
 
 def test_tables_and_cpu_figure(cpu_rows: tuple[list[dict], str], tmp_path) -> None:
     rows, traces = cpu_rows
-    assert shard_bench.memory_markdown(rows).count("\n") == 1 + len(rows)
-    assert "shard_net_memory" not in shard_bench.writeup_tables(rows), "fresh rows need no leak correction"
-    old = [{k: v for k, v in r.items() if k != "alloc_before_gib"} for r in rows]
-    assert shard_bench.writeup_tables(old)["shard_net_memory"].count("\n") == 1 + len(rows)
-    table = shard_bench.time_markdown(rows)
-    assert "| fp32 | fsdp2 |" in table and "| 1 |" in table  # FSDP2 against itself
-    png = shard_bench.fsdp_timeline_from_rows(rows, traces, "fp32", tmp_path / "fsdp.png")
-    assert png.stat().st_size > 1000
+    memory_rows = read_markdown_table(shard_study.memory_markdown(rows))
+    assert [(r["dtype"], r["wrapper"]) for r in memory_rows] == [("fp32", v) for v in shard_study.VARIANTS]
+    assert all(r["peak at init"] == "-" for r in memory_rows)  # no allocator statistics on CPU
+    assert set(shard_study.writeup_tables(rows)) == {"shard_memory", "shard_time"}
+    time_rows = {r["wrapper"]: r for r in read_markdown_table(shard_study.time_markdown(rows))}
+    assert time_rows["fsdp2"]["step / FSDP2 step"] == "1"  # FSDP2 against itself
+    assert float(time_rows["fsdp"]["step (ms)"]) == pytest.approx(rows[2]["step_ms"], rel=1e-2)
+    fig = read_figure(shard_study.fsdp_timeline_from_rows(rows, traces, "fp32", tmp_path / "fsdp.png"))
+    assert fig.ink > 0.02 and fig.shows("tab:blue", "tab:orange")  # CPU ranges: forward units and backward
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
@@ -75,4 +80,4 @@ def test_tables_and_cpu_figure(cpu_rows: tuple[list[dict], str], tmp_path) -> No
 ])
 def test_config_rejects_bad_values(field: str, value: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        shard_bench.ShardBenchConfig(**{field: value})
+        shard_study.ShardBenchConfig(**{field: value})

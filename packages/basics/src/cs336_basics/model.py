@@ -4,23 +4,31 @@ Blocks are ``x + attn(norm(x))`` then ``x + ffn(norm(x))`` with RMSNorm, rotary 
 on queries and keys (Su et al., 2021), causal multi-head attention and a SwiGLU feed-forward
 (Shazeer, 2020), followed by a final RMSNorm and an untied LM head.
 
-The attention kernel is looked up as the module-level name ``scaled_dot_product_attention`` each time
-attention runs, so a caller can swap it without editing this file::
+The model is built from the course's positional arguments or from a :class:`~cs336_basics.config.ModelConfig`,
+and owns its attention implementation: a name from :data:`ATTENTION_IMPLS` or any callable
+``fn(q, k, v, is_causal) -> out`` over (batch, heads, seq, head_dim) tensors, chosen at build time or later with
+:meth:`BasicsTransformerLM.set_attention`::
 
-    import cs336_basics.model
-    cs336_basics.model.scaled_dot_product_attention = my_attention  # same signature
+    from cs336_basics.config import ModelConfig
+    from cs336_basics.model import BasicsTransformerLM
+    model = BasicsTransformerLM.from_config(ModelConfig.from_preset("small"), attention="sdpa")
+    loss = model(token_ids, targets)            # mean cross-entropy; model(token_ids) gives the logits
 
-Run ``uv run cs336 sizes`` to print the model-size table with parameter counts.
+The LM head computes the loss itself (``lm_head(hidden, targets)``), so a fused linear + cross-entropy head that
+never materialises the logits can take its place. Run ``uv run cs336 sizes`` to print the size presets.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
-from cs336_basics.nn_utils import softmax
+from cs336_basics.config import ModelConfig
+from cs336_basics.nn_utils import cross_entropy, softmax
 
 
 class Linear(nn.Module):
@@ -122,22 +130,61 @@ class SwiGLU(nn.Module):
 
 
 def scaled_dot_product_attention(
-    Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor | None = None
+    Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor | None = None, is_causal: bool = False
 ) -> torch.Tensor:
-    """``softmax(Q K^T / sqrt(d)) V`` over (..., queries, d) and (..., keys, d).
+    """``softmax(Q K^T / sqrt(d)) V`` over (..., queries, d) and (..., keys, d), materialising the scores.
 
     Args:
         mask: boolean (queries, keys), broadcastable; True where a query may attend to a key.
+        is_causal: query ``i`` sees keys ``0..i`` (top-left aligned); not combined with ``mask``.
     """
+    if is_causal and mask is not None:
+        raise ValueError("pass either a mask or is_causal=True, not both")
     d = Q.shape[-1]
     scores = Q @ K.transpose(-2, -1) / math.sqrt(d)  # (..., Tq, Tk)
+    if is_causal:
+        tq, tk = Q.shape[-2], K.shape[-2]
+        mask = torch.ones(tq, tk, dtype=torch.bool, device=Q.device).tril()  # (Tq, Tk)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return softmax(scores, dim=-1) @ V
 
 
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
+
+
+def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> torch.Tensor:
+    """The model's own attention: :func:`scaled_dot_product_attention`, scores materialised."""
+    return scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> torch.Tensor:
+    """PyTorch's fused attention (cuDNN / FlashAttention / memory-efficient kernels on CUDA)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+
+
+# The implementations the model knows by name; any other ``AttentionFn`` can be passed as a callable.
+ATTENTION_IMPLS: dict[str, AttentionFn] = {"eager": eager_attention, "sdpa": sdpa_attention}
+
+
+def resolve_attention(impl: str | AttentionFn) -> AttentionFn:
+    """The attention function for a name of :data:`ATTENTION_IMPLS`, or ``impl`` itself if it is callable."""
+    if isinstance(impl, str):
+        if impl not in ATTENTION_IMPLS:
+            raise ValueError(f"unknown attention {impl!r}; expected one of {', '.join(ATTENTION_IMPLS)} or a callable "
+                             "fn(q, k, v, is_causal)")
+        return ATTENTION_IMPLS[impl]
+    if not callable(impl):
+        raise TypeError(f"attention must be a name or a callable fn(q, k, v, is_causal), got {type(impl).__name__}")
+    return impl
+
+
 class CausalMultiHeadSelfAttention(nn.Module):
-    """Multi-head self-attention with a causal mask and RoPE on queries and keys."""
+    """Multi-head self-attention with a causal mask and RoPE on queries and keys.
+
+    ``attention`` computes the heads' outputs from (batch, heads, seq, head_dim) queries, keys and values with
+    ``is_causal=True``; it is a plain attribute, replaced by :meth:`BasicsTransformerLM.set_attention`.
+    """
 
     def __init__(
         self,
@@ -146,6 +193,7 @@ class CausalMultiHeadSelfAttention(nn.Module):
         positional_encoder: RotaryEmbedding | None,
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
+        attention: str | AttentionFn = "eager",
     ):
         super().__init__()
         if d_model % num_heads != 0:
@@ -157,6 +205,7 @@ class CausalMultiHeadSelfAttention(nn.Module):
         self.v_proj = Linear(d_model, d_model, device=device, dtype=dtype)
         self.output_proj = Linear(d_model, d_model, device=device, dtype=dtype)
         self.positional_encoder = positional_encoder
+        self.attention = resolve_attention(attention)
 
     def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None) -> torch.Tensor:
         *batch, seq, _ = x.shape
@@ -170,8 +219,7 @@ class CausalMultiHeadSelfAttention(nn.Module):
                 token_positions = torch.arange(seq, device=x.device)
             q = self.positional_encoder(q, token_positions)
             k = self.positional_encoder(k, token_positions)
-        causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()  # (T, T)
-        out = scaled_dot_product_attention(q, k, v, mask=causal)  # (..., H, T, Dh)
+        out = self.attention(q, k, v, True)  # (..., H, T, Dh)
         out = out.transpose(-3, -2).reshape(*batch, seq, self.d_model)  # (..., T, D)
         return self.output_proj(out)
 
@@ -187,16 +235,40 @@ class TransformerBlock(nn.Module):
         positional_encoder: RotaryEmbedding | None,
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
+        attention: str | AttentionFn = "eager",
     ):
         super().__init__()
         self.ln1 = RMSNorm(d_model, device=device, dtype=dtype)
-        self.attn = CausalMultiHeadSelfAttention(d_model, num_heads, positional_encoder, device=device, dtype=dtype)
+        self.attn = CausalMultiHeadSelfAttention(d_model, num_heads, positional_encoder, device=device, dtype=dtype,
+                                                 attention=attention)
         self.ln2 = RMSNorm(d_model, device=device, dtype=dtype)
         self.ffn = SwiGLU(d_model, d_ff, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
         return x + self.ffn(self.ln2(x))
+
+
+class TransformerBlocks(nn.ModuleList):
+    """The stack of blocks, run in order by ``forward``. Activation checkpointing replaces the model's stack by one
+    that holds the same blocks under the same names and runs them in checkpointed segments."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self:
+            x = block(x)
+        return x
+
+
+class LMHead(Linear):
+    """The output projection: logits (..., vocab), or with ``targets`` (...) their mean cross-entropy.
+
+    A head that returns the loss itself can be replaced by one that never materialises the logits (a fused
+    linear + cross-entropy) without changing the model's forward.
+    """
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        logits = super().forward(x)
+        return logits if targets is None else cross_entropy(logits, targets)
 
 
 class BasicsTransformerLM(nn.Module):
@@ -213,37 +285,47 @@ class BasicsTransformerLM(nn.Module):
         rope_theta: float = 10000.0,
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
+        *,
+        attention: str | AttentionFn = "eager",
     ):
         super().__init__()
-        for name, value in dict(
-            vocab_size=vocab_size,
-            context_length=context_length,
-            d_model=d_model,
-            num_layers=num_layers,
-            num_heads=num_heads,
-            d_ff=d_ff,
-        ).items():
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if d_model % num_heads != 0:
-            raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
+        config = ModelConfig(d_model=d_model, d_ff=d_ff, num_layers=num_layers, num_heads=num_heads,
+                             vocab_size=vocab_size, context_length=context_length, rope_theta=rope_theta)
+        self.config = config
         self.vocab_size, self.context_length = vocab_size, context_length
         self.d_model, self.num_layers, self.num_heads, self.d_ff = d_model, num_layers, num_heads, d_ff
         self.token_embeddings = Embedding(vocab_size, d_model, device=device, dtype=dtype)
-        rope = RotaryEmbedding(context_length, d_model // num_heads, rope_theta, device=device)
-        self.layers = nn.ModuleList(
-            TransformerBlock(d_model, num_heads, d_ff, rope, device=device, dtype=dtype) for _ in range(num_layers)
+        rope = RotaryEmbedding(context_length, config.head_dim, rope_theta, device=device)
+        self.layers = TransformerBlocks(
+            TransformerBlock(d_model, num_heads, d_ff, rope, device=device, dtype=dtype, attention=attention)
+            for _ in range(num_layers)
         )
         self.ln_final = RMSNorm(d_model, device=device, dtype=dtype)
-        self.lm_head = Linear(d_model, vocab_size, device=device, dtype=dtype)
+        self.lm_head = LMHead(d_model, vocab_size, device=device, dtype=dtype)
+
+    @classmethod
+    def from_config(
+        cls, config: ModelConfig, *, attention: str | AttentionFn = "eager", device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> BasicsTransformerLM:
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+        return cls(config.vocab_size, config.context_length, config.d_model, config.num_layers, config.num_heads,
+                   config.d_ff, config.rope_theta, device=device, dtype=dtype, attention=attention)
+
+    def set_attention(self, impl: str | AttentionFn) -> None:
+        """Use ``impl`` (a name of :data:`ATTENTION_IMPLS` or a callable ``fn(q, k, v, is_causal)``) in every block."""
+        fn = resolve_attention(impl)
+        for module in self.modules():
+            if isinstance(module, CausalMultiHeadSelfAttention):
+                module.attention = fn
 
     def get_num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; ``non_embedding`` leaves out the token embeddings (not the LM head)."""
         n = sum(p.numel() for p in self.parameters())
         return n - self.token_embeddings.weight.numel() if non_embedding else n
 
-    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Logits (batch, seq, vocab) for ``token_ids`` (batch, seq)."""
+    def _check_tokens(self, token_ids: torch.Tensor) -> None:
         if token_ids.dim() != 2:
             raise ValueError(f"token_ids must be (batch, seq), got shape {tuple(token_ids.shape)}")
         if token_ids.dtype not in (torch.int32, torch.int64):
@@ -252,11 +334,24 @@ class BasicsTransformerLM(nn.Module):
             raise ValueError(
                 f"sequence length must be in [1, context_length={self.context_length}], got {token_ids.shape[1]}"
             )
-        if not torch.compiler.is_compiling():
-            lo, hi = (int(v) for v in torch.stack(torch.aminmax(token_ids)).tolist())  # one sync, a clear error
+        # The range check reads the ids: free on CPU, a host sync on a GPU (where an out-of-range id fails the
+        # embedding's own device-side bounds check instead).
+        if token_ids.device.type == "cpu" and not torch.compiler.is_compiling():
+            lo, hi = (int(v) for v in torch.aminmax(token_ids))
             if lo < 0 or hi >= self.vocab_size:
                 raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got range [{lo}, {hi}]")
+
+    def hidden_states(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The body up to and including the final norm: (batch, seq, d_model) for ``token_ids`` (batch, seq)."""
+        self._check_tokens(token_ids)
         x = self.token_embeddings(token_ids)  # (B, T, D)
-        for layer in self.layers:
-            x = layer(x)
-        return self.lm_head(self.ln_final(x))  # (B, T, V)
+        return self.ln_final(self.layers(x))
+
+    def forward(self, token_ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (batch, seq, vocab) for ``token_ids`` (batch, seq); with ``targets`` (batch, seq), the mean
+        cross-entropy over all positions instead."""
+        if targets is not None and targets.shape != token_ids.shape:
+            raise ValueError(f"targets must have the shape of token_ids {tuple(token_ids.shape)}, got "
+                             f"{tuple(targets.shape)}")
+        hidden = self.hidden_states(token_ids)
+        return self.lm_head(hidden) if targets is None else self.lm_head(hidden, targets)

@@ -14,21 +14,18 @@ Each rank times every call on its own (CUDA events on the current stream under N
 under gloo) after a barrier, takes the median, and the reported time is the slowest rank's median,
 since a collective is done only when every rank is done.
 
-    from cs336_comms.collectives import run_collectives, plot_collectives
+    from cs336_comms.collectives import run_collectives
     rows = run_collectives(world_size=2, backend="gloo", sizes_bytes=[2**20])   # spawns the ranks
-    plot_collectives(rows, "collectives.png")
 
 The same call works under torchrun (``torchrun --nproc-per-node 2 script.py``): rank 0 gets the rows.
+``cs336 collectives --plot`` (in cs336-harness) draws them.
 """
 
 from __future__ import annotations
 
-import json
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -128,11 +125,9 @@ def benchmark_collectives(
     return rows
 
 
-def _rank_main(rank: int, world_size: int, out_path: str, sizes: list[int], ops: list[str], warmup: int,
-             iters: int) -> None:
-    rows = benchmark_collectives(sizes, ops, warmup, iters)
-    if rank == 0:
-        Path(out_path).write_text(json.dumps(rows))
+def _rank_main(rank: int, world_size: int, sizes: list[int], ops: list[str], warmup: int,
+               iters: int) -> list[dict[str, Any]]:
+    return benchmark_collectives(sizes, ops, warmup, iters)
 
 
 def run_collectives(
@@ -146,48 +141,8 @@ def run_collectives(
 ) -> list[dict[str, Any]]:
     """:func:`benchmark_collectives`' rows from ``world_size`` ranks on ``backend``: spawned locally, or
     torchrun's ranks when torchrun started this process (then only rank 0 returns rows, the others [])."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "rows.json"
-        reporter = run_ranks(_rank_main, world_size, str(out), list(sizes_bytes), list(ops), warmup, iters,
-                             backend=backend, timeout_s=timeout_s)
-        return json.loads(out.read_text()) if reporter else []
+    rows = run_ranks(_rank_main, world_size, list(sizes_bytes), list(ops), warmup, iters, backend=backend,
+                     timeout_s=timeout_s)
+    return rows or []
 
 
-def plot_collectives(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
-    """Bus bandwidth (left) and time (right) against size, one panel row per op, one line per
-    (backend, world size)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ops = [op for op in OPS if any(r["op"] == op for r in rows)]
-    if not ops:
-        raise ValueError("plot_collectives needs at least one row")
-    fig, axes = plt.subplots(len(ops), 2, figsize=(11, 3.2 * len(ops)), squeeze=False)
-    for i, op in enumerate(ops):
-        series: dict[tuple[str, int], list[dict[str, Any]]] = {}
-        for r in rows:
-            if r["op"] == op:
-                series.setdefault((r["backend"], r["world_size"]), []).append(r)
-        for (backend, ws), rs in sorted(series.items()):
-            rs = sorted(rs, key=lambda r: r["bytes"])
-            mb = [r["size_mb"] for r in rs]
-            label = f"{backend}, {ws} rank{'s' if ws > 1 else ''}"
-            axes[i, 0].plot(mb, [r["busbw_gbps"] for r in rs], marker="o", label=label)
-            axes[i, 1].plot(mb, [r["time_ms"] for r in rs], marker="o", label=label)
-        axes[i, 0].set_ylabel(f"{op}\nbus bandwidth (GB/s)")
-        axes[i, 1].set_ylabel("time (ms)")
-        axes[i, 1].set_yscale("log")
-        for ax in axes[i]:
-            ax.set_xscale("log")
-            ax.grid(True, which="both", alpha=0.3)
-        axes[i, 0].legend(fontsize=8)
-    for ax in axes[-1]:
-        ax.set_xlabel("size (MiB, float32)")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

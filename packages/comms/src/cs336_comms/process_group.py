@@ -3,20 +3,23 @@
 instead of hanging, and always torn down.
 
     from cs336_comms.process_group import spawn
-    spawn(train, world_size=2)            # train(rank, world_size, *args) runs in each rank
+    result = spawn(train, world_size=2)   # train(rank, world_size, *args) runs in each rank; rank 0's return
 
 Under torchrun (any number of nodes) call :func:`init_from_env` at the top of the script instead, or
 use :func:`run_ranks`, which spawns when run as a plain script and joins torchrun's group otherwise,
-so one command works both ways.
+so one command works both ways. Inside a group, :func:`rank_and_world` says where this process stands.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
 import sys
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,6 +61,14 @@ def device_for_rank(backend: str, local_rank: int, local_world_size: int = 1) ->
     return torch.device("cpu")
 
 
+def rank_and_world(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
+    """This process's rank in ``group`` (default: the world) and the group's size; ``(0, 1)`` when no process
+    group is initialised, so a wrapper built outside one runs as a single rank."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
 def current_device() -> torch.device:
     """This rank's device inside an initialised group (the one :func:`device_for_rank` chose)."""
     if dist.get_backend() == "nccl":
@@ -84,7 +95,8 @@ def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT
 
 
 def _spawned(
-    rank: int, fn: Callable[..., Any], world_size: int, port: int, backend: str, timeout_s: float, args: tuple
+    rank: int, fn: Callable[..., Any], world_size: int, port: int, backend: str, timeout_s: float, result_path: str,
+    args: tuple,
 ) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -93,9 +105,11 @@ def _spawned(
         backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
     )
     try:
-        fn(rank, world_size, *args)
+        result = fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
+    if rank == 0:
+        Path(result_path).write_bytes(pickle.dumps(result))
     # A rank whose work succeeded leaves without running C++ static destructors: after FSDP2
     # (fully_shard) on gloo, one of them aborts the process at exit in about one run in five
     # ("terminate called without an active exception", no Python frame), failing a finished run.
@@ -110,10 +124,14 @@ def spawn(
     *args: Any,
     backend: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> None:
+) -> Any:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes joined in one process group.
 
-    ``fn`` must be importable (a module-level function). A failing rank raises in the caller.
+    ``fn`` must be importable (a module-level function) and its result on rank 0 picklable. A failing rank
+    raises in the caller.
+
+    Returns:
+        What ``fn`` returned on rank 0.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -121,7 +139,11 @@ def spawn(
     _validate_backend(backend)
     if backend == "nccl" and world_size > torch.cuda.device_count():
         raise ValueError(f"world_size {world_size} exceeds the {torch.cuda.device_count()} visible GPUs")
-    mp.spawn(_spawned, args=(fn, world_size, free_port(), backend, timeout_s, args), nprocs=world_size, join=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        result_path = Path(tmp) / "rank0.pickle"
+        mp.spawn(_spawned, args=(fn, world_size, free_port(), backend, timeout_s, str(result_path), args),
+                 nprocs=world_size, join=True)
+        return pickle.loads(result_path.read_bytes())
 
 
 def launched_by_torchrun() -> bool:
@@ -135,22 +157,21 @@ def run_ranks(
     *args: Any,
     backend: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> bool:
+) -> Any:
     """Run ``fn(rank, world_size, *args)`` in every rank: spawned here, or in this process under torchrun.
 
     Returns:
-        True in the one process that should report results: the spawning parent, or rank 0 under
-        torchrun (where every rank runs the caller's code).
+        What ``fn`` returned on rank 0, in the one process that should report it: the spawning parent, or
+        rank 0 under torchrun (where every rank runs the caller's code); None on torchrun's other ranks.
     """
     if not launched_by_torchrun():
-        spawn(fn, world_size, *args, backend=backend, timeout_s=timeout_s)
-        return True
+        return spawn(fn, world_size, *args, backend=backend, timeout_s=timeout_s)
     if int(os.environ["WORLD_SIZE"]) != world_size:
         raise ValueError(f"asked for world size {world_size}, but torchrun started {os.environ['WORLD_SIZE']} ranks")
     init_from_env(backend, timeout_s)
     rank = dist.get_rank()
     try:
-        fn(rank, world_size, *args)
+        result = fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
-    return rank == 0
+    return result if rank == 0 else None

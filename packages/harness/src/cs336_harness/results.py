@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import shlex
 import subprocess
@@ -55,7 +56,8 @@ def device_name() -> str:
 
 
 def provenance(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """What every results row carries: command, device, versions, commit and UTC date."""
+    """What every results row carries: command, device, versions, commit, UTC date, and the call id shared by the
+    rows of one call on the GPU machine (``CS336_CALL_ID``, set by ``tools/gpu.sh``; None elsewhere)."""
     try:
         import triton
 
@@ -71,6 +73,7 @@ def provenance(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "python": platform.python_version(),
         "commit": git_commit(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "call_id": os.environ.get("CS336_CALL_ID"),
     }
 
 
@@ -88,40 +91,3 @@ def append_rows(path: str | Path, rows: Iterable[dict[str, Any]], meta: dict[str
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
     with Path(path).open() as f:
         return [json.loads(line) for line in f if line.strip()]
-
-
-def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], floatfmt: str = ".3f") -> str:
-    """A fixed-width text table of ``columns`` from ``rows`` (missing values shown as '-')."""
-
-    def cell(v: Any) -> str:
-        if v is None:
-            return "-"
-        if isinstance(v, float):
-            return format(v, floatfmt)
-        return str(v)
-
-    body = [[cell(r.get(c)) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(b[i]) for b in body)) if body else len(c) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True))]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(v.rjust(w) for v, w in zip(b, widths, strict=True)) for b in body]
-    return "\n".join(lines)
-
-
-def markdown_table(
-    rows: Sequence[dict[str, Any]], columns: Sequence[str], headers: Sequence[str] | None = None,
-    floatfmt: str = ".3g",
-) -> str:
-    """A GitHub-flavoured markdown table of ``columns`` from ``rows`` (missing values shown as '-')."""
-    headers = list(columns if headers is None else headers)
-    if len(headers) != len(columns):
-        raise ValueError(f"need one header per column: {len(columns)} columns, {len(headers)} headers")
-
-    def cell(v: Any) -> str:
-        if v is None:
-            return "-"
-        return format(v, floatfmt) if isinstance(v, float) else str(v)
-
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows]
-    return "\n".join(lines)

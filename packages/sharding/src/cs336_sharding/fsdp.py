@@ -63,8 +63,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from cs336_comms.process_group import rank_and_world
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 # Reduce-scatters left in flight while backward computes; the oldest is waited for (and its unit's full fp32
@@ -79,11 +81,6 @@ def _allocate(full: torch.Tensor) -> torch.Tensor:
     full.untyped_storage().resize_(full.numel() * full.element_size())
     return full
 
-
-def _rank_and_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def shards_weight(module: nn.Module) -> bool:
@@ -209,12 +206,15 @@ class FSDP(nn.Module):
     """Fully sharded data parallel wrapper around ``module``.
 
     Args:
-        module: the model; parameters and buffers are broadcast from rank 0 first, so ranks agree.
+        module: the model; parameters and buffers are broadcast from the group's rank 0 first, so ranks agree.
         compute_dtype: if given, weights are cast to it before they are gathered and used; master
             weights, gradients handed to the optimizer and updates stay in the parameters' dtype.
+        process_group: the ranks to shard over (default: the world). Without an initialised process group the
+            wrapper runs as a single rank (no communication), as the DDP wrappers and ZeRO-1 do.
     """
 
-    def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None):
+    def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
+                 process_group: dist.ProcessGroup | None = None):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -223,7 +223,8 @@ class FSDP(nn.Module):
             raise TypeError(f"compute_dtype must be a floating torch.dtype or None, got {compute_dtype!r}")
         self.module = module
         self.compute_dtype = compute_dtype
-        self._rank, self._world_size = _rank_and_world()
+        self._group = process_group
+        self._rank, self._world_size = rank_and_world(process_group)
         names = {p: n for n, p in module.named_parameters()}
         for p, name in names.items():
             if not p.dtype.is_floating_point:
@@ -231,7 +232,7 @@ class FSDP(nn.Module):
         if self._world_size > 1:
             with torch.no_grad():
                 for t in [*names, *module.buffers()]:
-                    dist.broadcast(t.data, src=0)
+                    dist.broadcast(t.data, group=process_group, group_src=0)
 
         self._units: list[_Unit] = []
         self._unit_of_module: dict[nn.Module, _Unit] = {}  # the modules whose forward gathers a unit
@@ -303,7 +304,7 @@ class FSDP(nn.Module):
 
     def _launch_gather(self, unit: _Unit, local: torch.Tensor, out: torch.Tensor, async_op: bool) -> dist.Work | None:
         with torch.profiler.record_function(f"fsdp.all_gather.{unit.name}"):
-            return dist.all_gather_into_tensor(out, local, async_op=async_op)
+            return dist.all_gather_into_tensor(out, local, group=self._group, async_op=async_op)
 
     def _layouts_coincide(self, unit: _Unit) -> bool:
         """Whether the gathered (rank-major) layout is already slot-major."""
@@ -437,7 +438,7 @@ class FSDP(nn.Module):
             return
         out = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
         with torch.profiler.record_function(f"fsdp.reduce_scatter.{unit.name}"):
-            work = dist.reduce_scatter_tensor(out, flat, async_op=True)
+            work = dist.reduce_scatter_tensor(out, flat, group=self._group, async_op=True)
         self._pending_reduce_scatters.append((unit, work, out, flat))
 
     def _retire_reduce_scatter(self) -> None:
@@ -451,7 +452,7 @@ class FSDP(nn.Module):
             return
         if param in self._pending_all_reduces:
             raise RuntimeError("call finish_gradient_synchronization() after each backward pass")
-        self._pending_all_reduces[param] = dist.all_reduce(param.grad, async_op=True)
+        self._pending_all_reduces[param] = dist.all_reduce(param.grad, group=self._group, async_op=True)
 
     # Public API.
 
@@ -510,7 +511,7 @@ class FSDP(nn.Module):
         if not dist.is_initialized():
             return local
         if self._mesh is None:
-            self._mesh = init_device_mesh(local.device.type, (self._world_size,))
+            self._mesh = DeviceMesh.from_group(self._group or dist.group.WORLD, local.device.type)
         return DTensor.from_local(
             local, self._mesh, [Shard(0)], run_check=False, shape=torch.Size([slot.numel]), stride=(1,)
         )

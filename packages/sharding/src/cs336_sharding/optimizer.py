@@ -24,17 +24,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from cs336_comms.process_group import rank_and_world
 
 # Parameters below this many bytes are packed into one flat buffer per owner before broadcasting, so a
 # model with hundreds of norm weights does not pay hundreds of collective launches; larger ones are
 # broadcast in place, which needs no extra memory.
 SMALL_PARAM_BYTES = 1 << 20
 
-
-def _rank_and_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -44,17 +40,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
         params: parameters or parameter groups (dicts with ``"params"`` and per-group hyperparameters).
         optimizer_cls: the optimizer to wrap, e.g. ``torch.optim.AdamW``; built once per rank over the
             parameters that rank owns.
+        process_group: the ranks that share the state (default: the world); ranks are numbered within it.
         **kwargs: default hyperparameters, forwarded to ``optimizer_cls``.
     """
 
     def __init__(
         self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], optimizer_cls: type[torch.optim.Optimizer],
-        **kwargs: Any,
+        *, process_group: dist.ProcessGroup | None = None, **kwargs: Any,
     ):
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer subclass, got {optimizer_cls!r}")
         self._optimizer_cls = optimizer_cls
-        self._rank, self._world_size = _rank_and_world()
+        self._group = process_group
+        self._rank, self._world_size = rank_and_world(process_group)
         self._owned_numel = [0] * self._world_size
         self._owner: dict[torch.Tensor, int] = {}
         self._inner: torch.optim.Optimizer | None = None
@@ -133,7 +131,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for owner, tensors in self._plan():
             # A lone parameter is broadcast in place; small ones travel packed in one flat buffer.
             buffer = tensors[0].data if len(tensors) == 1 else torch.cat([t.data.reshape(-1) for t in tensors])
-            pending.append((dist.broadcast(buffer, src=owner, async_op=True), owner, tensors, buffer))
+            work = dist.broadcast(buffer, group=self._group, group_src=owner, async_op=True)
+            pending.append((work, owner, tensors, buffer))
         for work, owner, tensors, buffer in pending:
             work.wait()
             if len(tensors) > 1 and owner != self._rank:
@@ -174,7 +173,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             i: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()} for i, s in local["state"].items()
         }
         shards: list[Any] = [None] * self._world_size if self._rank == to else []
-        dist.gather_object(cpu_state, shards if self._rank == to else None, dst=to)
+        dist.gather_object(cpu_state, shards if self._rank == to else None, group=self._group, group_dst=to)
         if self._rank != to:
             return None
         merged: dict[int, Any] = {}

@@ -1,1 +1,14 @@
-"""Subcommands of ``cs336``: one module each, discovered by :mod:`cs336_harness.cli`."""
+"""Subcommands of ``cs336``: one module each; :data:`COMMANDS` gives each its one-line help."""
+
+COMMANDS: dict[str, str] = {
+    "attention": "benchmark attention: plain and compiled PyTorch, our FlashAttention-2 vs SDPA (needs a CUDA GPU)",
+    "bench": "time forward/backward/optimizer of a Transformer LM (size tiny without CUDA, small with it)",
+    "collectives": "benchmark all-reduce / reduce-scatter / all-gather over sizes, world sizes and backends",
+    "ddp": "time DDP training steps (naive, flat, overlapped, bucketed, torch DDP) with timelines",
+    "fused": "benchmark our fused kernels against PyTorch, torch.compile and Liger-Kernel (needs a CUDA GPU)",
+    "leaderboard": "time one full training step of the leaderboard model (FSDP, Triton attention, fused loss, AdamW)",
+    "precision": "mixed-precision experiments: four sums, toy-model dtypes under fp16 autocast, layer norm fp16/bf16",
+    "residuals": "count tensors saved for backward (RMSNorm, one xl block, four blocks with checkpointing)",
+    "shard": "peak memory and step time of DDP, ZeRO-1, our FSDP and FSDP2, with an FSDP timeline figure",
+    "sizes": "print the model-size presets with parameter counts and training-state memory",
+}

@@ -17,18 +17,16 @@ from pathlib import Path
 
 import torch
 
-from cs336_harness.attention_bench import (
+from cs336_harness.analysis.tables import fill_tables
+from cs336_harness.commands._shared import csv_of
+from cs336_harness.results import append_rows, provenance, read_rows
+from cs336_harness.studies.attention import (
     PARTS,
     AttentionBenchConfig,
     attention_markdown,
     attention_tables,
     run_attention_bench,
 )
-from cs336_harness.cli import csv_of
-from cs336_harness.report import fill_tables
-from cs336_harness.results import append_rows, provenance, read_rows
-
-HELP = "benchmark attention: plain and compiled PyTorch, our FlashAttention-2 vs SDPA (needs a CUDA GPU)"
 
 # --quick: a handful of sizes from each sweep, enough to see the trends within minutes.
 _QUICK = {

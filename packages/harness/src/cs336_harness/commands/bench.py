@@ -3,7 +3,7 @@
 Examples::
 
     uv run cs336 bench                                   # seconds on a CPU (size tiny), small on a GPU
-    uv run cs336 bench --size xl --mode train --dtype fp32,bf16 --out results.jsonl
+    uv run cs336 bench --size xl --mode train --compute-dtype fp32,bf16 --out results.jsonl
     uv run cs336 bench --sweep --steps 10 --warmup 5     # sizes small..10B x contexts 128..1024
     uv run cs336 bench --size small --attention annotated --profile prof/
     uv run cs336 bench --size xl --context-length 2048 --checkpoint groups --warmup 1 --steps 2
@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 
-from cs336_harness import bench
-from cs336_harness.attention_impls import ATTENTION_IMPLS
-from cs336_harness.cli import csv_of
-from cs336_harness.presets import MODEL_SIZES
-from cs336_harness.results import append_rows, format_table
+from cs336_basics.config import DEFAULT_CONTEXT_LENGTH, DEFAULT_VOCAB_SIZE, PRESETS
 
-HELP = "time forward/backward/optimizer of a Transformer LM (size tiny without CUDA, small with it)"
+from cs336_harness.analysis.tables import format_table
+from cs336_harness.commands._shared import csv_of
+from cs336_harness.results import append_rows
+from cs336_harness.studies import step_timing
+from cs336_harness.studies.attention_impls import ATTENTION_IMPLS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,27 +28,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = __doc__.split("Examples::", 1)[1]
     g = parser.add_argument_group("model (a comma-separated list runs each value)")
     g.add_argument("--size", type=csv_of(str), default=(),
-                   help=f"preset(s): {', '.join(MODEL_SIZES)} (default: small with CUDA, tiny without)")
+                   help=f"preset(s): {', '.join(PRESETS)} (default: small with CUDA, tiny without)")
     for name in ("d-model", "d-ff", "num-layers", "num-heads"):
         g.add_argument(f"--{name}", type=int, default=None, help=f"override the preset's {name}")
-    g.add_argument("--vocab-size", type=int, default=bench.DEFAULT_VOCAB_SIZE, help="default 10000")
-    g.add_argument("--batch-size", type=int, default=bench.DEFAULT_BATCH_SIZE, help="default 4")
-    g.add_argument("--context-length", type=csv_of(int), default=(), help="default 512")
+    g.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help=f"default {DEFAULT_VOCAB_SIZE}")
+    g.add_argument("--batch-size", type=int, default=step_timing.DEFAULT_BATCH_SIZE, help="default 4")
+    g.add_argument("--context-length", type=csv_of(int), default=(), help=f"default {DEFAULT_CONTEXT_LENGTH}")
     r = parser.add_argument_group("run")
     r.add_argument("--mode", default="train", help="forward (no grad) | forward-backward | train (default)")
     r.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     r.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
-    r.add_argument("--dtype", type=csv_of(str), default=(), help="fp32 (default) | bf16 (autocast)")
+    r.add_argument("--compute-dtype", type=csv_of(str), default=(), help="fp32 (default) | bf16 (autocast)")
     r.add_argument("--compile", action="store_true", help="torch.compile the model")
     r.add_argument("--attention", type=csv_of(str), default=(), help=f"{' | '.join(ATTENTION_IMPLS)} (default eager)")
-    r.add_argument("--optimizer", default="adamw", help="adamw (ours, default) | torch-adamw | fused-adamw")
+    r.add_argument("--optimizer", default="adamw",
+                   help="adamw (ours, default) | torch-adamw (fused on CUDA) | fused-adamw (our Triton kernel)")
     r.add_argument("--loss", default="standard", help="standard | fused (fused linear + cross-entropy kernel)")
     r.add_argument("--checkpoint", type=csv_of(str), default=(),
                    help="none (default) | all | group:K | first:N | sqrt | nested[:B] | selective | attention | groups "
                         "(= group:K for K in 1,2,3,4,6,8,16,32 up to num_layers)")
     r.add_argument("--sweep", action="store_true",
-                   help=f"sizes {','.join(bench.SWEEP_SIZES)} x contexts "
-                        f"{','.join(map(str, bench.SWEEP_CONTEXT_LENGTHS))} unless --size/--context-length given")
+                   help=f"sizes {','.join(step_timing.SWEEP_SIZES)} x contexts "
+                        f"{','.join(map(str, step_timing.SWEEP_CONTEXT_LENGTHS))} unless --size/--context-length given")
     r.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     o = parser.add_argument_group("outputs")
     o.add_argument("--profile", metavar="DIR", default=None,
@@ -58,18 +59,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--out", metavar="FILE", default=None, help="append rows (with provenance) to this JSONL file")
 
 
-def configs_from_args(args: argparse.Namespace) -> list[bench.BenchConfig]:
+def configs_from_args(args: argparse.Namespace) -> list[step_timing.BenchConfig]:
     """Turn parsed flags into validated configs (raises ValueError with a message on a bad value)."""
-    base = bench.BenchConfig(
+    base = step_timing.BenchConfig(
         d_model=args.d_model, d_ff=args.d_ff, num_layers=args.num_layers, num_heads=args.num_heads,
         vocab_size=args.vocab_size, batch_size=args.batch_size, mode=args.mode, warmup=args.warmup,
         steps=args.steps, compile=args.compile, optimizer=args.optimizer, loss=args.loss,
         profile_dir=args.profile, memory_dir=args.memory,
         **({"device": args.device} if args.device else {}),
     )
-    sizes = args.size or (bench.SWEEP_SIZES if args.sweep else ())
-    contexts = args.context_length or (bench.SWEEP_CONTEXT_LENGTHS if args.sweep else ())
-    return bench.expand_configs(base, sizes, contexts, args.dtype, args.attention, args.checkpoint)
+    sizes = args.size or (step_timing.SWEEP_SIZES if args.sweep else ())
+    contexts = args.context_length or (step_timing.SWEEP_CONTEXT_LENGTHS if args.sweep else ())
+    return step_timing.expand_configs(base, sizes, contexts, args.compute_dtype, args.attention, args.checkpoint)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,8 +78,8 @@ def run(args: argparse.Namespace) -> int:
         configs = configs_from_args(args)
     except ValueError as e:
         raise SystemExit(f"cs336 bench: {e}") from None
-    rows = bench.run_configs(configs)
-    print(format_table(rows, [c for c in bench.TABLE_COLUMNS if any(c in r for r in rows)], floatfmt=".2f"))
+    rows = step_timing.run_configs(configs)
+    print(format_table(rows, [c for c in step_timing.TABLE_COLUMNS if any(c in r for r in rows)], floatfmt=".2f"))
     for row in rows:
         for key in ("profile", "memory"):
             if row.get(key):

@@ -14,44 +14,18 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
 
 import torch
-from cs336_comms.collectives import OPS, plot_collectives, run_collectives
+from cs336_comms.collectives import OPS
 from cs336_comms.process_group import launched_by_torchrun
 
-from cs336_harness.cli import csv_of
-from cs336_harness.ddp_bench import collectives_markdown
-from cs336_harness.results import append_rows, format_table, read_rows
+from cs336_harness.analysis.figures import plot_collectives
+from cs336_harness.analysis.tables import format_table
+from cs336_harness.commands._shared import csv_of
+from cs336_harness.results import append_rows, read_rows
+from cs336_harness.studies.collectives import CollectivesConfig, collectives_markdown, run_collectives_study
 
-HELP = "benchmark all-reduce / reduce-scatter / all-gather over sizes, world sizes and backends"
 _HANDOUT_WORLD_SIZES = (2, 4, 6)
-
-
-@dataclass(frozen=True)
-class CollectivesConfig:
-    backends: tuple[str, ...]
-    world_sizes: tuple[int, ...]
-    sizes_mb: tuple[float, ...]
-    ops: tuple[str, ...] = OPS
-    warmup: int = 5
-    iters: int = 20
-
-    def __post_init__(self) -> None:
-        if not self.backends or any(b not in ("gloo", "nccl") for b in self.backends):
-            raise ValueError(f"backends must be gloo and/or nccl, got {self.backends}")
-        if "nccl" in self.backends and not torch.cuda.is_available():
-            raise ValueError("backend nccl needs CUDA GPUs; use --backends gloo on CPU")
-        if not self.world_sizes or any(n < 1 for n in self.world_sizes):
-            raise ValueError(f"world sizes must be positive, got {self.world_sizes}")
-        if "nccl" in self.backends and max(self.world_sizes) > torch.cuda.device_count():
-            raise ValueError(f"nccl world sizes {self.world_sizes} exceed the {torch.cuda.device_count()} GPUs")
-        if not self.sizes_mb or any(s <= 0 for s in self.sizes_mb):
-            raise ValueError(f"sizes must be positive MiB values, got {self.sizes_mb}")
-        if not self.ops or any(op not in OPS for op in self.ops):
-            raise ValueError(f"ops must be a subset of {OPS}, got {self.ops}")
-        if self.warmup < 0 or self.iters < 1:
-            raise ValueError(f"need warmup >= 0 and iters >= 1, got {self.warmup}, {self.iters}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,11 +63,7 @@ def run(args: argparse.Namespace) -> int:
         config = CollectivesConfig(backends, world_sizes, args.sizes_mb, args.ops, args.warmup, args.iters)
     except ValueError as e:
         raise SystemExit(f"cs336 collectives: {e}") from None
-    sizes_bytes = [int(mb * 2**20) for mb in config.sizes_mb]
-    rows = []
-    for backend in config.backends:
-        for ws in config.world_sizes:
-            rows += run_collectives(ws, backend, sizes_bytes, config.ops, config.warmup, config.iters)
+    rows = run_collectives_study(config)
     if not rows:  # a torchrun rank other than 0
         return 0
     print(format_table(rows, ["op", "backend", "world_size", "size_mb", "time_ms", "algbw_gbps", "busbw_gbps"]))

@@ -3,7 +3,7 @@
 Examples::
 
     uv run cs336 ddp                                      # CPU: tiny model, 2 gloo ranks, seconds
-    uv run cs336 ddp --size xl --world-size 2 --dtypes fp32,bf16 \\
+    uv run cs336 ddp --size xl --world-size 2 --compute-dtype fp32,bf16 \\
         --out writeup/results/ddp.jsonl --figure-dir writeup/figures
     torchrun --nproc-per-node 2 -m cs336_harness.cli ddp --size xl --world-size 2
     uv run cs336 ddp --markdown writeup/results/ddp.jsonl  # print the rows as markdown tables, run nothing
@@ -16,17 +16,16 @@ import dataclasses
 import tempfile
 from pathlib import Path
 
-from cs336_harness import ddp_bench
-from cs336_harness.cli import add_distributed_run_arguments, distributed_run_fields
-from cs336_harness.results import append_rows, format_table, read_rows
-
-HELP = "time DDP training steps (naive, flat, overlapped, bucketed, torch DDP) with timelines"
+from cs336_harness.analysis.tables import format_table
+from cs336_harness.commands._shared import add_distributed_run_arguments, distributed_run_fields
+from cs336_harness.results import append_rows, read_rows
+from cs336_harness.studies import ddp as ddp_study
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("Examples::", 1)[1]
-    add_distributed_run_arguments(parser, ddp_bench.VARIANTS, default_dtypes=("fp32",))
+    add_distributed_run_arguments(parser, ddp_study.VARIANTS, default_dtypes=("fp32",))
     parser.add_argument("--bucket-size-mb", type=float, default=25.0, help="bucketed and torch_ddp (default 25 MiB)")
     parser.add_argument("--figure-dir", default=None, help="write ddp_timeline_<dtype>.png here")
     parser.add_argument("--markdown", metavar="ROWS", default=None,
@@ -35,10 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.markdown:
-        print(ddp_bench.ddp_markdown(read_rows(args.markdown)))
+        print(ddp_study.ddp_markdown(read_rows(args.markdown)))
         return 0
     try:
-        config = ddp_bench.DDPBenchConfig(
+        config = ddp_study.DDPBenchConfig(
             **distributed_run_fields(args), bucket_size_mb=args.bucket_size_mb, trace_dir=args.trace_dir
         )
     except ValueError as e:
@@ -46,14 +45,14 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         trace_dir = config.trace_dir or tmp
         config = dataclasses.replace(config, trace_dir=trace_dir)
-        rows = ddp_bench.run_ddp_bench(config)
+        rows = ddp_study.run_ddp_bench(config)
         if not rows:  # a torchrun rank other than 0
             return 0
-        print(format_table(rows, ddp_bench.DDP_COLUMNS, floatfmt=".2f"))
+        print(format_table(rows, ddp_study.DDP_COLUMNS, floatfmt=".2f"))
         if args.figure_dir:
             for dtype in config.dtypes:
                 path = Path(args.figure_dir) / f"ddp_timeline_{dtype}.png"
-                ddp_bench.timeline_figure_from_rows(rows, trace_dir, dtype, path)
+                ddp_study.timeline_figure_from_rows(rows, trace_dir, dtype, path)
                 print(f"timeline: {path}")
     if args.out:
         append_rows(args.out, [{k: v for k, v in r.items() if k != "trace_dir"} for r in rows])

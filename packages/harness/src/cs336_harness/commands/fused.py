@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import argparse
 
-from cs336_harness.fused_bench import BENCHES, FusedBenchConfig, fused_markdown, run_fused_bench
-from cs336_harness.results import append_rows, format_table, read_rows
-
-HELP = "benchmark FusedAdamW and fused linear + cross-entropy against PyTorch (needs a CUDA GPU)"
+from cs336_harness.analysis.tables import format_table
+from cs336_harness.results import append_rows, read_rows
+from cs336_harness.studies.fused import BENCHES, FusedBenchConfig, fused_markdown, run_fused_bench
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -7,7 +7,7 @@ Examples::
 
     uv run cs336 leaderboard                                        # CPU try-out, or the real run on 2 GPUs
     uv run cs336 leaderboard --out writeup/results/leaderboard.jsonl
-    uv run cs336 leaderboard --attention sdpa --optimizer torch     # ablations, one piece at a time
+    uv run cs336 leaderboard --attention sdpa --optimizer torch-adamw   # ablations, one piece at a time
     uv run cs336 leaderboard --size xl --context-length 4096 --vocab-size 32000 --steps 5
     uv run cs336 leaderboard --markdown writeup/results/leaderboard.jsonl --fill writeup/sections/10-leaderboard.md
     torchrun --nproc-per-node 2 -m cs336_harness.cli leaderboard
@@ -19,13 +19,11 @@ import argparse
 import sys
 
 import torch
+from cs336_basics.config import PRESETS
 
-from cs336_harness import leaderboard
-from cs336_harness.presets import MODEL_SIZES
-from cs336_harness.report import print_or_fill
-from cs336_harness.results import append_rows, format_table, read_rows
-
-HELP = "time one full training step of the leaderboard model (FSDP, Triton attention, fused loss and AdamW)"
+from cs336_harness.analysis.tables import format_table, print_or_fill
+from cs336_harness.results import append_rows, read_rows
+from cs336_harness.studies import leaderboard
 
 _SIZED = ("size", "vocab_size", "context_length", "global_batch", "world_size", "compute_dtype")
 
@@ -38,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     def default(name: str) -> str:
         return f"default {gpu[name]} with CUDA, {cpu[name]} without"
 
-    parser.add_argument("--size", default=None, help=f"{', '.join(MODEL_SIZES)} ({default('size')})")
+    parser.add_argument("--size", default=None, help=f"{', '.join(PRESETS)} ({default('size')})")
     parser.add_argument("--vocab-size", type=int, default=None, help=default("vocab_size"))
     parser.add_argument("--context-length", type=int, default=None, help=default("context_length"))
     parser.add_argument("--global-batch", type=int, default=None, help="sequences per step over all ranks "
@@ -50,8 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", default="all",
                         help="activation checkpointing policy: none, all, group:K, first:N, sqrt, nested:B, "
                              "selective, attention (default all)")
-    parser.add_argument("--optimizer", default="fused",
-                        help="fused (our Triton FusedAdamW) | torch (torch.optim.AdamW(fused=True)); default fused")
+    parser.add_argument("--optimizer", default="fused-adamw",
+                        help="fused-adamw (our Triton FusedAdamW, default) | torch-adamw (torch.optim.AdamW, fused)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps (default 2)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps (default 3)")
     parser.add_argument("--time-limit-s", type=float, default=600.0,

@@ -12,10 +12,9 @@ import argparse
 
 import torch
 
-from cs336_harness.precision import accumulation_sums, layernorm_error, toy_model_dtypes
-from cs336_harness.results import append_rows, format_table
-
-HELP = "mixed-precision experiments: four sums, toy-model dtypes under fp16 autocast, layer norm fp16 vs bf16"
+from cs336_harness.analysis.tables import format_table
+from cs336_harness.results import append_rows
+from cs336_harness.studies.precision import accumulation_sums, layernorm_error, toy_model_dtypes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import argparse
 
-from cs336_harness.residuals import EXPERIMENTS, ResidualsConfig, run_experiments
 from cs336_harness.results import append_rows
-
-HELP = "count tensors saved for backward (RMSNorm, one xl block, four blocks with checkpointing)"
+from cs336_harness.studies.residuals import EXPERIMENTS, ResidualsConfig, run_experiments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

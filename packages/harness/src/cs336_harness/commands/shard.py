@@ -3,7 +3,7 @@
 Examples::
 
     uv run cs336 shard                                    # CPU: tiny model, 2 gloo ranks, seconds
-    uv run cs336 shard --size xl --world-size 2 --dtypes fp32,bf16 \\
+    uv run cs336 shard --size xl --world-size 2 --compute-dtype fp32,bf16 \\
         --out writeup/results/shard.jsonl --figure writeup/figures/fsdp_timeline_bf16.png
     torchrun --nproc-per-node 2 -m cs336_harness.cli shard --size xl --world-size 2
     uv run cs336 shard --markdown writeup/results/shard.jsonl   # print the tables, run nothing
@@ -15,18 +15,16 @@ from __future__ import annotations
 import argparse
 import tempfile
 
-from cs336_harness import shard_bench
-from cs336_harness.cli import add_distributed_run_arguments, distributed_run_fields
-from cs336_harness.report import print_or_fill
-from cs336_harness.results import append_rows, format_table, read_rows
-
-HELP = "peak memory and step time of DDP, ZeRO-1, our FSDP and FSDP2, with an FSDP timeline figure"
+from cs336_harness.analysis.tables import format_table, print_or_fill
+from cs336_harness.commands._shared import add_distributed_run_arguments, distributed_run_fields
+from cs336_harness.results import append_rows, read_rows
+from cs336_harness.studies import shard as shard_study
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("Examples::", 1)[1]
-    add_distributed_run_arguments(parser, shard_bench.VARIANTS, default_dtypes=("fp32", "bf16"))
+    add_distributed_run_arguments(parser, shard_study.VARIANTS, default_dtypes=("fp32", "bf16"))
     parser.add_argument("--figure", default=None,
                         help="write the FSDP timeline of the last dtype (bf16 by default) to this PNG")
     parser.add_argument("--markdown", metavar="ROWS", default=None,
@@ -37,21 +35,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.markdown:
-        print_or_fill(shard_bench.writeup_tables(read_rows(args.markdown)), args.fill)
+        print_or_fill(shard_study.writeup_tables(read_rows(args.markdown)), args.fill)
         return 0
     try:
-        config = shard_bench.ShardBenchConfig(**distributed_run_fields(args))
+        config = shard_study.ShardBenchConfig(**distributed_run_fields(args))
     except ValueError as e:
         raise SystemExit(f"cs336 shard: {e}") from None
     with tempfile.TemporaryDirectory() as tmp:
         trace_dir = args.trace_dir or tmp
-        rows = shard_bench.run_shard_bench(config, trace_dir)
+        rows = shard_study.run_shard_bench(config, trace_dir)
         if not rows:  # a torchrun rank other than 0
             return 0
-        print(format_table(rows, shard_bench.MEMORY_COLUMNS, floatfmt=".2f"))
-        print(format_table(rows, [c for c in shard_bench.TIME_COLUMNS if c != "vs_fsdp2"], floatfmt=".2f"))
+        print(format_table(rows, shard_study.MEMORY_COLUMNS, floatfmt=".2f"))
+        print(format_table(rows, [c for c in shard_study.TIME_COLUMNS if c != "vs_fsdp2"], floatfmt=".2f"))
         if args.figure and "fsdp" in config.variants:
-            path = shard_bench.fsdp_timeline_from_rows(rows, trace_dir, config.dtypes[-1], args.figure)
+            path = shard_study.fsdp_timeline_from_rows(rows, trace_dir, config.dtypes[-1], args.figure)
             print(f"timeline: {path}")
     if args.out:
         append_rows(args.out, rows)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from cs336_harness.presets import DEFAULT_VOCAB_SIZE, MODEL_SIZES, num_params
-from cs336_harness.results import format_table
+from cs336_basics.config import DEFAULT_VOCAB_SIZE, PRESETS, ModelConfig
 
-HELP = "print the model-size presets with parameter counts and training-state memory"
+from cs336_harness.analysis.tables import format_table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,11 +17,12 @@ def run(args: argparse.Namespace) -> int:
     if args.vocab_size <= 0:
         raise SystemExit(f"--vocab-size must be positive, got {args.vocab_size}")
     rows = []
-    for name, s in MODEL_SIZES.items():
-        n = num_params(s, args.vocab_size)
+    for name in PRESETS:
+        config = ModelConfig.from_preset(name, vocab_size=args.vocab_size)
+        n = config.num_params
         rows.append({
-            "size": name, "d_model": s.d_model, "d_ff": s.d_ff, "num_layers": s.num_layers,
-            "num_heads": s.num_heads, "params (M)": n / 1e6,
+            "size": name, "d_model": config.d_model, "d_ff": config.d_ff, "num_layers": config.num_layers,
+            "num_heads": config.num_heads, "params (M)": n / 1e6,
             # fp32 parameter + gradient + two AdamW moments = 16 bytes per parameter
             "param+grad+adam (GiB)": 16 * n / 2**30,
         })

@@ -43,7 +43,6 @@ group. Nsight users get the same labels: every phase is an NVTX range as well.
 from __future__ import annotations
 
 import gc
-import json
 import statistics
 import tempfile
 import time
@@ -59,61 +58,16 @@ from cs336_basics.model import BasicsTransformerLM
 from cs336_basics.nn_utils import cross_entropy
 from cs336_basics.optimizer import AdamW
 from cs336_comms.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlappedDDP
-from cs336_comms.process_group import current_device, default_backend, run_ranks
+from cs336_comms.process_group import current_device, run_ranks
 
-from cs336_harness import profiling
-from cs336_harness.presets import DEFAULT_CONTEXT_LENGTH, DEFAULT_VOCAB_SIZE, MODEL_SIZES
-from cs336_harness.results import markdown_table
+from cs336_harness import instrument
+from cs336_harness.analysis import figures, trace
+from cs336_harness.analysis.tables import markdown_table
+from cs336_harness.device import DTYPES, sync
+from cs336_harness.instrument import STEP_PHASES
+from cs336_harness.studies.distributed import DistributedRunConfig
 
 VARIANTS: tuple[str, ...] = ("nocomm", "naive", "flat", "overlapped", "bucketed", "torch_ddp")
-DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
-STEP_PHASES: tuple[str, ...] = ("forward", "backward", "grad_sync", "optimizer")
-
-
-@dataclass(frozen=True)
-class DistributedRunConfig:
-    """What every multi-rank training benchmark takes: a preset model, a global batch split over the
-    ranks, dtypes, and wrapper variants from the subclass's ``VARIANTS``."""
-
-    VARIANTS: ClassVar[tuple[str, ...]] = ()
-    MIN_WARMUP: ClassVar[int] = 0
-
-    size: str = "xl"
-    context_length: int = DEFAULT_CONTEXT_LENGTH
-    global_batch: int = 4
-    world_size: int = 2
-    backend: str | None = None  # nccl with GPUs, gloo without
-    dtypes: tuple[str, ...] = ("fp32",)
-    variants: tuple[str, ...] = ()  # empty: all of VARIANTS
-    warmup: int = 2
-    steps: int = 5
-    vocab_size: int = DEFAULT_VOCAB_SIZE
-    lr: float = 1e-4
-
-    def __post_init__(self) -> None:
-        if not self.variants:
-            object.__setattr__(self, "variants", self.VARIANTS)
-        if self.size not in MODEL_SIZES:
-            raise ValueError(f"size must be one of {sorted(MODEL_SIZES)}, got {self.size!r}")
-        if self.world_size < 1 or self.global_batch % self.world_size != 0:
-            raise ValueError(
-                f"global_batch ({self.global_batch}) must be a positive multiple of world_size ({self.world_size})"
-            )
-        if self.global_batch < 1 or self.context_length < 1 or self.vocab_size < 2:
-            raise ValueError("global_batch and context_length must be positive and vocab_size at least 2, got "
-                             f"{self.global_batch}, {self.context_length}, {self.vocab_size}")
-        if self.backend not in (None, "gloo", "nccl"):
-            raise ValueError(f"backend must be 'gloo', 'nccl' or None, got {self.backend!r}")
-        if not self.dtypes or any(d not in DTYPES for d in self.dtypes):
-            raise ValueError(f"dtypes must be a non-empty subset of {list(DTYPES)}, got {self.dtypes}")
-        if any(v not in self.VARIANTS for v in self.variants):
-            raise ValueError(f"variants must be a non-empty subset of {list(self.VARIANTS)}, got {self.variants}")
-        if self.warmup < self.MIN_WARMUP or self.steps < 1:
-            raise ValueError(f"need warmup >= {self.MIN_WARMUP} and steps >= 1; got {self.warmup}, {self.steps}")
-
-    @property
-    def resolved_backend(self) -> str:
-        return self.backend or default_backend()
 
 
 @dataclass(frozen=True)
@@ -138,11 +92,6 @@ def _wrap(variant: str, model: nn.Module, device: torch.device, bucket_size_mb: 
     if variant == "bucketed":
         return BucketedDDP(model, bucket_size_mb=bucket_size_mb)
     return {"naive": NaiveDDP, "flat": FlatDDP, "overlapped": OverlappedDDP}[variant](model)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class _Stamp:
@@ -185,24 +134,23 @@ def _make_step(config: DDPBenchConfig, wrapped: nn.Module, optimizer: torch.opti
     g = torch.Generator().manual_seed(1000 + rank)  # each rank its own shard of the global batch
     tokens = torch.randint(0, config.vocab_size, (local_batch, config.context_length + 1), generator=g).to(device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B/n, T)
-    autocast_dtype = DTYPES[dtype]
+    compute = DTYPES[dtype]
     finish = getattr(wrapped, "finish_gradient_synchronization", lambda: None)
 
     def step() -> dict[str, float]:
         t0 = time.perf_counter()
-        with profiling.annotate("forward"), torch.autocast(
-            device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None
-        ):
+        with instrument.annotate("forward"), torch.autocast(device.type, dtype=compute,
+                                                            enabled=compute != torch.float32):
             loss = cross_entropy(wrapped(inputs), targets)
         t1 = time.perf_counter()
-        with profiling.annotate("backward"):
+        with instrument.annotate("backward"):
             loss.backward()
         t2 = time.perf_counter()
-        with profiling.annotate("grad_sync"):
+        with instrument.annotate("grad_sync"):
             finish()
         sync_end.record()
         t3 = time.perf_counter()
-        with profiling.annotate("optimizer"):
+        with instrument.annotate("optimizer"):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         t4 = time.perf_counter()
@@ -222,12 +170,8 @@ class _Run:
 
 
 def _build(config: DDPBenchConfig, variant: str, dtype: str, rank: int, device: torch.device) -> _Run:
-    size = MODEL_SIZES[config.size]
     torch.manual_seed(rank)  # different weights per rank: the wrappers must broadcast rank 0's
-    model = BasicsTransformerLM(
-        config.vocab_size, config.context_length, size.d_model, size.num_layers, size.num_heads, size.d_ff,
-        device=device,
-    )
+    model = BasicsTransformerLM.from_config(config.model_config, device=device)
     wrapped = _wrap(variant, model, device, config.bucket_size_mb)
     optimizer = AdamW(model.parameters(), lr=config.lr)
     sync_end = _Stamp(device)
@@ -248,7 +192,7 @@ def _time_variant(config: DDPBenchConfig, variant: str, dtype: str, rank: int, d
         torch.cuda.reset_peak_memory_stats(device)
     last = None
     for i in range(config.warmup):
-        with profiling.annotate("warmup"):
+        with instrument.annotate("warmup"):
             if i == 0:
                 last = _last_gradient(run.step, [p for p in run.model.parameters() if p.requires_grad])
             else:
@@ -259,11 +203,11 @@ def _time_variant(config: DDPBenchConfig, variant: str, dtype: str, rank: int, d
         tail_hook = last.register_post_accumulate_grad_hook(lambda _: compute_end.record())
     times, host, tails = [], [], []
     for _ in range(config.steps):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
-        with profiling.annotate("step"):
+        with instrument.annotate("step"):
             host.append(run.step())
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - t0)
         if tail_hook is not None:
             tails.append(compute_end.ms_until(run.sync_end))
@@ -292,16 +236,16 @@ def _trace_variant(config: DDPBenchConfig, variant: str, dtype: str, rank: int, 
     """Warm-up, then one step under ``torch.profiler``; rank 0 writes the trace."""
     run = _build(config, variant, dtype, rank, device)
     for _ in range(config.warmup):
-        with profiling.annotate("warmup"):
+        with instrument.annotate("warmup"):
             run.step()
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    _sync(device)
+    sync(device)
     with torch.profiler.profile(activities=activities) as prof:
-        with profiling.annotate("step"):
+        with instrument.annotate("step"):
             run.step()
-        _sync(device)
+        sync(device)
     if rank == 0:
         prof.export_chrome_trace(str(trace_path))
     del run, prof
@@ -321,68 +265,16 @@ def _params_in_sync(model: nn.Module) -> bool:
     return bool(torch.equal(lo, hi))
 
 
-def _rank_main(rank: int, world_size: int, config: DDPBenchConfig, trace_dir: str, out_path: str) -> None:
+def _rank_main(rank: int, world_size: int, config: DDPBenchConfig, trace_dir: str) -> list[dict[str, Any]]:
     device = current_device()
     runs = [(dtype, variant) for dtype in config.dtypes for variant in config.variants]
-    # Every variant is timed before any is profiled. When each variant was profiled right after its timed
-    # steps, the variant timed next in the same process was 21-93 ms slower on the H200s, whichever it
-    # was (writeup/results/ddp_bf16_repeats.jsonl, commit ee317fe); timed first, the difference is gone.
+    # Every variant is timed before any is profiled: a profiled run slows the next variant timed in the same
+    # process.
     rows = [_time_variant(config, variant, dtype, rank, device) for dtype, variant in runs]
     for row in rows:
         row["trace"] = f"{row['dtype']}_{row['variant']}.json"
         _trace_variant(config, row["variant"], row["dtype"], rank, device, Path(trace_dir) / row["trace"])
-    if rank == 0:
-        Path(out_path).write_text(json.dumps(rows))
-
-
-def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[tuple[float, float]] = []
-    for start, end in sorted(spans):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
-
-
-def _length(spans: list[tuple[float, float]]) -> float:
-    return sum(e - s for s, e in spans)
-
-
-def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Overlap of two sorted, disjoint span lists."""
-    out, i, j = [], 0, 0
-    while i < len(a) and j < len(b):
-        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if lo < hi:
-            out.append((lo, hi))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
-
-
-def is_comm_kernel(name: str) -> bool:
-    return "nccl" in name.lower()
-
-
-def comm_overlap(events: Sequence[dict[str, Any]]) -> dict[str, float | None]:
-    """NCCL kernel time and the part of it with no compute kernel running, in ms, from one step's trace.
-
-    Returns None values for a trace without GPU kernels (a CPU run).
-    """
-    acts = [a for a in profiling.gpu_activities(events) if a["dur"] > 0]
-    if not acts:
-        return {"comm_ms": None, "exposed_comm_ms": None, "gpu_span_ms": None}
-    comm = _union([(a["ts"], a["ts"] + a["dur"]) for a in acts if is_comm_kernel(a["name"])])
-    compute = _union([(a["ts"], a["ts"] + a["dur"]) for a in acts if not is_comm_kernel(a["name"])])
-    span = max(a["ts"] + a["dur"] for a in acts) - min(a["ts"] for a in acts)
-    return {
-        "comm_ms": _length(comm) / 1e3,
-        "exposed_comm_ms": (_length(comm) - _length(_intersection(comm, compute))) / 1e3,
-        "gpu_span_ms": span / 1e3,
-    }
+    return rows
 
 
 def run_ddp_bench(config: DDPBenchConfig) -> list[dict[str, Any]]:
@@ -394,13 +286,12 @@ def run_ddp_bench(config: DDPBenchConfig) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         trace_dir = Path(config.trace_dir or tmp)
         trace_dir.mkdir(parents=True, exist_ok=True)
-        out = Path(tmp) / "rows.json"
-        if not run_ranks(_rank_main, config.world_size, config, str(trace_dir), str(out),
-                         backend=config.resolved_backend, timeout_s=600):
+        rows = run_ranks(_rank_main, config.world_size, config, str(trace_dir), backend=config.resolved_backend,
+                         timeout_s=600)
+        if rows is None:  # a torchrun rank other than 0
             return []
-        rows = json.loads(out.read_text())
         for row in rows:
-            row.update(comm_overlap(profiling.load_trace(trace_dir / row["trace"])))
+            row.update(trace.comm_overlap(trace.load_trace(trace_dir / row["trace"])))
     nocomm = {r["dtype"]: r["step_ms"] for r in rows if r["variant"] == "nocomm"}
     fields = {k: v for k, v in asdict(config).items() if k not in ("dtypes", "variants", "trace_dir")}
     fields["backend"] = config.resolved_backend
@@ -412,66 +303,6 @@ def run_ddp_bench(config: DDPBenchConfig) -> list[dict[str, Any]]:
             row[f"{tail}_share"] = None if row[f"{tail}_ms"] is None else row[f"{tail}_ms"] / row["step_ms"]
         row.update(fields)
     return rows
-
-
-def _phase_spans(events: Sequence[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
-    spans: dict[str, list[tuple[float, float]]] = {}
-    for e in events:
-        if e.get("cat") == "user_annotation" and e.get("ph") == "X" and e["name"] in STEP_PHASES:
-            spans.setdefault(e["name"], []).append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
-    return spans
-
-
-def plot_timelines(traces: dict[str, Sequence[dict[str, Any]]], path: str | Path, title: str = "") -> Path:
-    """One panel per trace (label -> events): CPU phase ranges, compute kernels coloured by the phase
-    that launched them, and NCCL kernels, all on one time axis from the step's first event.
-
-    On a CPU trace (no kernels) the panel shows the phases and the gloo collectives the CPU issued.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colors = {"forward": "tab:blue", "backward": "tab:orange", "grad_sync": "tab:red", "optimizer": "tab:green",
-              "other": "tab:gray", "comm": "tab:purple"}
-    fig, axes = plt.subplots(len(traces), 1, figsize=(13, 1.5 * len(traces) + 0.6), squeeze=False, sharex=True)
-    for ax, (label, events) in zip(axes[:, 0], traces.items(), strict=True):
-        phases = _phase_spans(events)
-        acts = [a for a in profiling.gpu_activities(events) if a["dur"] > 0]
-        if acts:
-            profiling.label_activities(acts, events)
-            compute = [a for a in acts if not is_comm_kernel(a["name"])]
-            comm = [(a["ts"], a["dur"]) for a in acts if is_comm_kernel(a["name"])]
-            rows = {"compute": compute}
-        else:  # CPU: the collectives are CPU ops named after c10d's functions
-            comm = [(float(e["ts"]), float(e["dur"])) for e in events if e.get("cat") == "cpu_op"
-                    and any(k in e["name"] for k in ("allreduce", "all_reduce"))]
-            rows = {}
-        t0 = min([s for spans in phases.values() for s, _ in spans] + [a["ts"] for a in acts] + [s for s, _ in comm])
-        for phase, spans in phases.items():
-            ax.broken_barh([((s - t0) / 1e3, (e - s) / 1e3) for s, e in spans], (0.6, 0.8), color=colors[phase])
-        for phase in (*STEP_PHASES, "other"):
-            mine = [((a["ts"] - t0) / 1e3, a["dur"] / 1e3) for a in rows.get("compute", [])
-                    if next((p for p in STEP_PHASES if p in a["ranges"]), "other") == phase]
-            ax.broken_barh(mine, (1.6, 0.8), color=colors[phase])
-        ax.broken_barh([((s - t0) / 1e3, d / 1e3) for s, d in comm], (2.6, 0.8), color=colors["comm"])
-        ax.set_yticks([1, 2, 3], ["CPU phases", "GPU compute" if acts else "", "NCCL" if acts else "gloo calls"])
-        ax.set_ylim(0.4, 3.6)
-        ax.invert_yaxis()
-        ax.set_title(label, fontsize=9, loc="left")
-        ax.grid(True, axis="x", alpha=0.3)
-    axes[-1, 0].set_xlabel("time since the step's first event (ms)")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    fig.legend(handles, list(colors), loc="upper right", ncol=len(colors), fontsize=8)
-    if title:
-        fig.suptitle(title, x=0.01, ha="left", fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 0.97))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
 
 
 DDP_COLUMNS = ("dtype", "variant", "bucket_size_mb", "step_ms", "step_max_ms", "overhead_ms", "comm_ms",
@@ -486,30 +317,7 @@ DDP_HEADERS = ("dtype", "wrapper", "bucket (MiB)", "median step (ms)", "slowest 
 
 def ddp_markdown(rows: Sequence[dict[str, Any]]) -> str:
     """The DDP rows as a markdown table, one line per (dtype, wrapper) in run order."""
-    return markdown_table(rows, DDP_COLUMNS, DDP_HEADERS, floatfmt=".3g")
-
-
-def collectives_markdown(rows: Sequence[dict[str, Any]], op: str = "all_reduce") -> str:
-    """Bus bandwidth (GB/s) and time (ms) of ``op``: one line per (backend, world size), one column per size.
-
-    Sizes are matched by their label (3 significant digits), since each run rounds the size down to a
-    multiple of its world size.
-    """
-    chosen = sorted((r for r in rows if r["op"] == op), key=lambda r: r["bytes"])
-    labels = list(dict.fromkeys(_size_label(r["bytes"]) for r in chosen))
-    lines = []
-    for backend, ws in sorted({(r["backend"], r["world_size"]) for r in chosen}):
-        line: dict[str, Any] = {"backend": backend, "world_size": ws}
-        for r in chosen:
-            if (r["backend"], r["world_size"]) == (backend, ws):
-                line[_size_label(r["bytes"])] = f"{r['busbw_gbps']:.3g} GB/s, {r['time_ms']:.3g} ms"
-        lines.append(line)
-    return markdown_table(lines, ["backend", "world_size", *labels], ["backend", "ranks", *labels])
-
-
-def _size_label(nbytes: int) -> str:
-    mib = nbytes / 2**20
-    return f"{mib / 1024:.3g} GiB" if mib >= 1024 else f"{mib:.3g} MiB"
+    return markdown_table(rows, list(zip(DDP_COLUMNS, DDP_HEADERS, strict=True)), floatfmt=".3g")
 
 
 def timeline_figure_from_rows(rows: Sequence[dict[str, Any]], trace_dir: str | Path, dtype: str,
@@ -522,15 +330,12 @@ def timeline_figure_from_rows(rows: Sequence[dict[str, Any]], trace_dir: str | P
         f"{r['variant']}: step {r['step_ms']:.1f} ms" + (
             f", NCCL {r['comm_ms']:.1f} ms of which {r['exposed_comm_ms']:.1f} ms not overlapped"
             if r.get("comm_ms") is not None else ""
-        ): profiling.load_trace(Path(trace_dir) / r["trace"])
+        ): trace.load_trace(Path(trace_dir) / r["trace"])
         for r in chosen
     }
     r0 = chosen[0]
     title = (f"{r0['size']}, context {r0['context_length']}, global batch {r0['global_batch']}, "
              f"{r0['world_size']} ranks ({r0['backend']}), {dtype}: one profiled step on rank 0")
-    return plot_timelines(traces, path, title)
+    return figures.plot_timelines(traces, path, title)
 
 
-__all__ = ["DistributedRunConfig", "DDPBenchConfig", "VARIANTS", "run_ddp_bench", "comm_overlap", "plot_timelines",
-           "ddp_markdown",
-           "collectives_markdown", "timeline_figure_from_rows"]

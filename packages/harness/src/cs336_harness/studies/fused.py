@@ -40,7 +40,7 @@ from cs336_kernels.fused_linear_cross_entropy import (
 )
 from triton.testing import do_bench
 
-from cs336_harness.results import markdown_table
+from cs336_harness.analysis.tables import markdown_table
 
 BENCHES: tuple[str, ...] = ("adamw", "linear-ce")
 COPY_BYTES_PER_S = 4.24e12  # H200 device-to-device copy, bytes read + written (ANCHORS.md)
@@ -249,9 +249,9 @@ def fused_markdown(rows: Sequence[dict[str, Any]]) -> str:
             f"{p['device']}; "
             f"bytes floor {p['floor_ms']:.2f} ms (28 B/param at 4.24 TB/s); copy measured in the same run at "
             f"{p['copy_tbps']:.2f} TB/s.\n\n"
-            + markdown_table(adamw, ["impl", "median_ms", "speedup_vs_torch_fused", "floor_fraction",
-                                     "achieved_tbps"],
-                             ["implementation", "median (ms)", "vs torch fused", "floor / time", "TB/s moved"])
+            + markdown_table(adamw, list(zip(
+                ["impl", "median_ms", "speedup_vs_torch_fused", "floor_fraction", "achieved_tbps"],
+                ["implementation", "median (ms)", "vs torch fused", "floor / time", "TB/s moved"], strict=True)))
         )
     ce = _latest_run(rows, "linear_ce")
     if ce:
@@ -260,11 +260,11 @@ def fused_markdown(rows: Sequence[dict[str, Any]]) -> str:
             f"LM head + cross-entropy fwd+bwd, {p['tokens']} tokens x d {p['d_model']} x vocab {p['vocab_size']}, "
             f"{p['dtype']}, one GPU of {p['device']}; matmul floor {p['matmul_floor_ms']:.0f} ms "
             "(3 products at 772 TFLOP/s).\n\n"
-            + markdown_table(ce, ["impl", "median_ms", "speedup_vs_torch", "floor_fraction", "extra_gib",
-                                  "loss_rel_err", "grad_hidden_rel_err", "grad_weight_rel_err"],
-                             ["implementation", "median (ms)", "vs plain torch", "floor / time",
-                              "peak above inputs+grads (GiB)", "loss rel. err", "grad h rel. err",
-                              "grad W rel. err"])
+            + markdown_table(ce, list(zip(
+                ["impl", "median_ms", "speedup_vs_torch", "floor_fraction", "extra_gib", "loss_rel_err",
+                 "grad_hidden_rel_err", "grad_weight_rel_err"],
+                ["implementation", "median (ms)", "vs plain torch", "floor / time", "peak above inputs+grads (GiB)",
+                 "loss rel. err", "grad h rel. err", "grad W rel. err"], strict=True)))
         )
     for p in _latest_run(rows, "linear_ce_parts"):
         stages = [
@@ -275,6 +275,6 @@ def fused_markdown(rows: Sequence[dict[str, Any]]) -> str:
         ]
         parts.append(
             f"Fused stages, {p['num_chunks']} chunks of {p['chunk_rows']} tokens (one chunk timed, times the count)."
-            "\n\n" + markdown_table(stages, ["stage", "ms", "rate"], ["stage", "total (ms)", "rate"])
+            "\n\n" + markdown_table(stages, [("stage", "stage"), ("ms", "total (ms)"), ("rate", "rate")])
         )
     return "\n\n".join(parts)

@@ -1,4 +1,4 @@
-"""Markdown tables from result rows, and filling them into a writeup between marker comments.
+"""Tables from result rows: fixed-width text for the terminal, markdown for the writeup, filled between markers.
 
 A writeup section holds ``<!-- table:NAME -->`` ... ``<!-- /table:NAME -->``; :func:`fill_tables`
 replaces what lies between with a freshly generated table, so numbers in the text are never typed
@@ -23,8 +23,26 @@ def _cell(value: Any, floatfmt: str) -> str:
     return str(value).replace("|", "\\|")
 
 
+def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], floatfmt: str = ".3f") -> str:
+    """A fixed-width text table of ``columns`` from ``rows`` (missing values shown as '-')."""
+
+    def cell(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return format(v, floatfmt)
+        return str(v)
+
+    body = [[cell(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(b[i]) for b in body)) if body else len(c) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(v.rjust(w) for v, w in zip(b, widths, strict=True)) for b in body]
+    return "\n".join(lines)
+
+
 def markdown_table(
-    rows: Sequence[Mapping[str, Any]], columns: Sequence[str | tuple[str, str]], floatfmt: str = ".1f"
+    rows: Sequence[Mapping[str, Any]], columns: Sequence[str | tuple[str, str]], floatfmt: str = ".3g"
 ) -> str:
     """A GitHub-markdown table; a column is a key or a ``(key, header)`` pair; missing values show '-'."""
     if not columns:

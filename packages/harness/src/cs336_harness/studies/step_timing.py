@@ -25,22 +25,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from cs336_basics.config import DEFAULT_CONTEXT_LENGTH, DEFAULT_VOCAB_SIZE, PRESETS, ModelConfig
 from cs336_basics.model import BasicsTransformerLM
-from cs336_basics.nn_utils import cross_entropy
-from cs336_basics.optimizer import AdamW
+from cs336_sharding.checkpointing import GROUP_SWEEP, apply_checkpointing, parse_policy
+from cs336_sharding.parallelize import apply_fused_loss
 
-from cs336_harness import memory, profiling
-from cs336_harness.attention_impls import ATTENTION_IMPLS, use_attention
-from cs336_harness.checkpointing import GROUP_SWEEP, apply_checkpointing, parse_policy
-from cs336_harness.presets import DEFAULT_BATCH_SIZE, DEFAULT_CONTEXT_LENGTH, DEFAULT_VOCAB_SIZE, MODEL_SIZES
-from cs336_harness.profiling import annotate
+from cs336_harness import instrument
+from cs336_harness.analysis import figures, memory, trace
+from cs336_harness.device import DTYPES, sync
+from cs336_harness.instrument import annotate
 from cs336_harness.results import append_rows
+from cs336_harness.studies.attention_impls import ATTENTION_IMPLS, get_attention
+from cs336_harness.studies.distributed import TRAINING_DTYPES
+from cs336_harness.studies.optimizers import OPTIMIZERS, build_optimizer
 
 MODES = ("forward", "forward-backward", "train")
-DTYPES = {"fp32": None, "bf16": torch.bfloat16}
-OPTIMIZERS = ("adamw", "torch-adamw", "fused-adamw")
+DEFAULT_BATCH_SIZE = 4
 LOSSES = ("standard", "fused")
-PHASE_NAMES = profiling.PHASES
+PHASE_NAMES = instrument.PHASES
 
 
 def default_size() -> str:
@@ -79,8 +81,8 @@ class BenchConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.size not in MODEL_SIZES:
-            raise ValueError(f"unknown size {self.size!r}; expected one of {', '.join(MODEL_SIZES)}")
+        if self.size not in PRESETS:
+            raise ValueError(f"unknown size {self.size!r}; expected one of {', '.join(PRESETS)}")
         for name in ("d_model", "d_ff", "num_layers", "num_heads"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -93,7 +95,7 @@ class BenchConfig:
         if self.dims["d_model"] % self.dims["num_heads"] != 0:
             dims = self.dims
             raise ValueError(f"d_model ({dims['d_model']}) must be divisible by num_heads ({dims['num_heads']})")
-        choices = {"mode": MODES, "dtype": tuple(DTYPES), "attention": ATTENTION_IMPLS, "optimizer": OPTIMIZERS,
+        choices = {"mode": MODES, "dtype": TRAINING_DTYPES, "attention": ATTENTION_IMPLS, "optimizer": OPTIMIZERS,
                    "loss": LOSSES}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -112,8 +114,13 @@ class BenchConfig:
 
     @property
     def dims(self) -> dict[str, int]:
-        preset = asdict(MODEL_SIZES[self.size])
+        """The preset's d_model, d_ff, num_layers and num_heads, with the ones given replacing the preset's."""
+        preset = PRESETS[self.size]
         return {k: preset[k] if getattr(self, k) is None else getattr(self, k) for k in preset}
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(**self.dims, vocab_size=self.vocab_size, context_length=self.context_length)
 
     @property
     def tag(self) -> str:
@@ -128,68 +135,33 @@ class BenchConfig:
         return "_".join(parts)
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-
-
-def hidden_states(model: BasicsTransformerLM, token_ids: torch.Tensor) -> torch.Tensor:
-    """The model's body up to and including the final norm: (batch, seq, d_model)."""
-    x = model.token_embeddings(token_ids)
-    for layer in model.layers:
-        x = layer(x)
-    return model.ln_final(x)
 
 
 def build_model(config: BenchConfig) -> BasicsTransformerLM:
+    """The config's model with its attention, checkpointing and (``loss == "fused"``) fused LM-head loss."""
     torch.manual_seed(config.seed)
-    model = BasicsTransformerLM(
-        vocab_size=config.vocab_size, context_length=config.context_length, device=torch.device(config.device),
-        **config.dims,
-    )
-    return apply_checkpointing(model, config.checkpoint)
+    model = BasicsTransformerLM.from_config(config.model_config, attention=get_attention(config.attention),
+                                            device=torch.device(config.device))
+    apply_checkpointing(model, config.checkpoint)
+    if config.loss == "fused":
+        apply_fused_loss(model)  # never materialises the (tokens, vocab) logits
+    return model
 
 
-def build_optimizer(config: BenchConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    params = list(model.parameters())
-    if config.optimizer == "adamw":
-        return AdamW(params, lr=1e-4, weight_decay=0.01)
-    if config.optimizer == "torch-adamw":
-        return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01)
-    from cs336_kernels.fused_adamw import FusedAdamW
-
-    return FusedAdamW(params, lr=1e-4, weight_decay=0.01)
 
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def build_loss_fn(config: BenchConfig, model: BasicsTransformerLM) -> LossFn:
-    """``loss(tokens, targets)`` under the config's loss, compile and autocast choices."""
-    if config.loss == "standard":
-        body = torch.compile(model) if config.compile else model
-
-        def head_loss(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            return cross_entropy(out, targets)
-    else:
-        from cs336_kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
-
-        def trunk(tokens: torch.Tensor) -> torch.Tensor:
-            return hidden_states(model, tokens)
-
-        body = torch.compile(trunk) if config.compile else trunk
-
-        def head_loss(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            # The fused kernel never materialises the (tokens, vocab) logits.
-            return fused_linear_cross_entropy(out.flatten(0, 1), model.lm_head.weight, targets.flatten())
-
+    """``loss(tokens, targets)``: the model's own loss under the config's compile and autocast choices."""
+    body = torch.compile(model) if config.compile else model
     dtype = DTYPES[config.dtype]
     device_type = torch.device(config.device).type
 
     def loss_fn(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        ctx = torch.autocast(device_type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
-        with ctx:
-            return head_loss(body(tokens), targets)
+        with torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32):
+            return body(tokens, targets)
 
     return loss_fn
 
@@ -212,7 +184,7 @@ class _Recorder:
         with annotate(name):
             t0 = timeit.default_timer()
             yield
-            _sync(self.device)
+            sync(self.device)
             elapsed = timeit.default_timer() - t0
         if self.measuring:
             self.times[name].append(elapsed * 1e3)
@@ -241,7 +213,8 @@ def config_fields(config: BenchConfig) -> dict[str, Any]:
 def run_bench(config: BenchConfig) -> dict[str, Any]:
     """Run one config and return its row (timings, peaks, parameters; no provenance)."""
     model = build_model(config)
-    optimizer = build_optimizer(config, model) if config.mode == "train" else None
+    optimizer = (build_optimizer(config.optimizer, model.parameters(), lr=1e-4, weight_decay=0.01)
+                 if config.mode == "train" else None)
     loss_fn = build_loss_fn(config, model)
     gen = torch.Generator(device=config.device).manual_seed(config.seed)
     shape = (config.batch_size, config.context_length)
@@ -265,24 +238,23 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
             optimizer.zero_grad(set_to_none=True)
 
     row: dict[str, Any] = {**config_fields(config), "params": sum(p.numel() for p in model.parameters())}
-    with use_attention(config.attention):
-        for _ in range(config.warmup):
-            with annotate("warmup"):
-                one_step()
-        _sync(config.device)
-        rec.measuring = True
-        with contextlib.ExitStack() as stack:
-            if config.memory_dir is not None:
-                snap = Path(config.memory_dir) / f"memory_{config.tag}.pickle"
-                stack.enter_context(memory.record_memory_history(snap))
-            prof = stack.enter_context(_profiler()) if config.profile_dir is not None else None
-            for _ in range(config.steps):
-                with rec.phase("step"):
-                    one_step()
-        if prof is not None:
-            row["profile"] = _write_profile(prof, config)
+    for _ in range(config.warmup):
+        with annotate("warmup"):
+            one_step()
+    sync(config.device)
+    rec.measuring = True
+    with contextlib.ExitStack() as stack:
         if config.memory_dir is not None:
-            row["memory"] = _write_memory(config)
+            snap = Path(config.memory_dir) / f"memory_{config.tag}.pickle"
+            stack.enter_context(memory.record_memory_history(snap))
+        prof = stack.enter_context(instrument.profile(config.device)) if config.profile_dir is not None else None
+        for _ in range(config.steps):
+            with rec.phase("step"):
+                one_step()
+    if prof is not None:
+        row["profile"] = _write_profile(prof, config)
+    if config.memory_dir is not None:
+        row["memory"] = _write_memory(config)
     row["status"] = "ok"
     for name in (*PHASE_NAMES, "step"):
         row.update(_summary(name, rec.times[name]))
@@ -293,31 +265,24 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
     return row
 
 
-@contextlib.contextmanager
-def _profiler() -> Iterator[torch.profiler.profile]:
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
-        yield prof
-
-
 def _write_profile(prof: torch.profiler.profile, config: BenchConfig) -> dict[str, Any]:
     out = Path(config.profile_dir or ".")
     out.mkdir(parents=True, exist_ok=True)
-    trace = out / f"trace_{config.tag}.json.gz"
-    prof.export_chrome_trace(str(trace))
-    events = profiling.load_trace(trace)
-    kernels = profiling.kernel_table(events, num_steps=config.steps)
+    trace_path = out / f"trace_{config.tag}.json.gz"
+    prof.export_chrome_trace(str(trace_path))
+    events = trace.load_trace(trace_path)
+    kernels = trace.kernel_table(events, num_steps=config.steps)
     append_rows(out / "kernels.jsonl", [{**config_fields(config), **k} for k in kernels])
-    png = profiling.plot_timeline(events, out / f"timeline_{config.tag}.png", title=config.tag)
-    shares = {f"share_{k}": v for k, v in profiling.class_shares(events, "forward").items()}
-    return {"trace": str(trace), "timeline": str(png), "forward_kernel_classes": shares,
-            "step_kernel_classes": profiling.class_shares(events, "step")}
+    png = figures.plot_timeline(events, out / f"timeline_{config.tag}.png", title=config.tag)
+    shares = {f"share_{k}": v for k, v in trace.class_shares(events, "forward").items()}
+    return {"trace": str(trace_path), "timeline": str(png), "forward_kernel_classes": shares,
+            "step_kernel_classes": trace.class_shares(events, "step")}
 
 
 def _write_memory(config: BenchConfig) -> dict[str, Any]:
     snap_path = Path(config.memory_dir or ".") / f"memory_{config.tag}.pickle"
     snapshot = memory.load_snapshot(snap_path)
-    png = memory.plot_active_memory(snapshot, snap_path.with_suffix(".png"), title=config.tag)
+    png = figures.plot_active_memory(snapshot, snap_path.with_suffix(".png"), title=config.tag)
     return {"snapshot": str(snap_path), "timeline": str(png), "largest": memory.largest_allocations(snapshot)}
 
 

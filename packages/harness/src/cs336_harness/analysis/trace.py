@@ -1,49 +1,29 @@
-"""Named ranges, torch.profiler capture, a kernel table split by range, and a timeline figure.
-
-:func:`annotate` opens an NVTX range (seen by Nsight Systems) and a ``record_function`` range (seen by
-torch.profiler) with the same name, so one set of labels serves both tools. The benchmark labels
-``warmup`` and ``step`` around whole steps, ``forward``, ``backward`` and ``optimizer`` around phases,
-and the ``annotated`` attention labels ``attention/scores``, ``attention/softmax`` and
-``attention/final_matmul``.
+"""Reading a torch.profiler trace: kernels split by range, kernel classes, communication overlap, FSDP gathers.
 
 From an exported Chrome trace (the JSON that Perfetto and chrome://tracing open), :func:`kernel_table`
 attributes every GPU kernel to the ranges that were open on the CPU when it was launched (found through
-the launch's correlation id), the way an ``nsys stats --filter-nvtx`` report does, and
-:func:`plot_timeline` draws the kernels of each stream on one time axis, coloured by phase.
+the launch's correlation id), the way an ``nsys stats --filter-nvtx`` report does (the ranges come from
+:func:`cs336_harness.instrument.annotate`). :func:`comm_overlap` measures how much NCCL time no compute
+kernel hides, and :func:`forward_gathers` whether each FSDP unit's all-gather landed before the unit ran.
+Figures drawn from traces are in :mod:`cs336_harness.analysis.figures`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import json
 import re
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
-ATTENTION_RANGES: tuple[str, ...] = ("attention/scores", "attention/softmax", "attention/final_matmul")
+from cs336_harness.instrument import ATTENTION_RANGES, PHASES
+
 _GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 _LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
-
-
-@contextlib.contextmanager
-def annotate(name: str) -> Iterator[None]:
-    """An NVTX range (when CUDA is present) and a profiler ``record_function`` range named ``name``."""
-    nvtx = torch.cuda.is_available()
-    if nvtx:
-        torch.cuda.nvtx.range_push(name)
-    try:
-        with torch.profiler.record_function(name):
-            yield
-    finally:
-        if nvtx:
-            torch.cuda.nvtx.range_pop()
 
 
 def load_trace(path: str | Path) -> list[dict[str, Any]]:
@@ -77,7 +57,7 @@ def host_op_times(events: Sequence[dict[str, Any]], within: str, names: Sequence
     return out
 
 
-def _ranges(events: Sequence[dict[str, Any]]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def range_bounds(events: Sequence[dict[str, Any]]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """CPU-side user ranges by name, as sorted (starts, ends) arrays in trace microseconds."""
     spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for e in events:
@@ -111,7 +91,7 @@ def gpu_activities(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def label_activities(activities: list[dict[str, Any]], events: Sequence[dict[str, Any]]) -> None:
     """Add ``ranges`` to each activity: the names of the user ranges open at its launch time."""
-    ranges = _ranges(events)
+    ranges = range_bounds(events)
     if not activities:
         return
     t = np.array([a["launch_ts"] for a in activities])
@@ -217,48 +197,110 @@ def class_shares(events: Sequence[dict[str, Any]], within: str) -> dict[str, flo
     return dict(shares)
 
 
-def plot_timeline(
-    events: Sequence[dict[str, Any]], path: str | Path, within: str = "step", title: str = ""
-) -> Path:
-    """Draw the first ``within`` range: CPU phase ranges above, GPU kernels per stream below, one time axis."""
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    ranges = _ranges(events)
-    if within not in ranges:
-        raise ValueError(f"trace has no {within!r} range; ranges present: {sorted(ranges)}")
-    t0, t1 = ranges[within][0][0], ranges[within][1][0]
-    acts = gpu_activities(events)
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _length(spans: list[tuple[float, float]]) -> float:
+    return sum(e - s for s, e in spans)
+
+
+def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Overlap of two sorted, disjoint span lists."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if lo < hi:
+            out.append((lo, hi))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def is_comm_kernel(name: str) -> bool:
+    return "nccl" in name.lower()
+
+
+def comm_overlap(events: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+    """NCCL kernel time and the part of it with no compute kernel running, in ms, from one step's trace.
+
+    Returns None values for a trace without GPU kernels (a CPU run).
+    """
+    acts = [a for a in gpu_activities(events) if a["dur"] > 0]
+    if not acts:
+        return {"comm_ms": None, "exposed_comm_ms": None, "gpu_span_ms": None}
+    comm = _union([(a["ts"], a["ts"] + a["dur"]) for a in acts if is_comm_kernel(a["name"])])
+    compute = _union([(a["ts"], a["ts"] + a["dur"]) for a in acts if not is_comm_kernel(a["name"])])
+    span = max(a["ts"] + a["dur"] for a in acts) - min(a["ts"] for a in acts)
+    return {
+        "comm_ms": _length(comm) / 1e3,
+        "exposed_comm_ms": (_length(comm) - _length(_intersection(comm, compute))) / 1e3,
+        "gpu_span_ms": span / 1e3,
+    }
+
+
+FORWARD_RANGE = "fsdp.forward."
+
+
+GATHER_RANGE = "fsdp.all_gather."
+
+
+def labelled_kernels(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    acts = [a for a in gpu_activities(events) if a["dur"] > 0]
     label_activities(acts, events)
-    acts = [a for a in acts if t0 <= a["launch_ts"] <= t1]
-    streams = sorted({a["stream"] for a in acts}, key=str)
-    colors = {"forward": "tab:blue", "backward": "tab:orange", "optimizer": "tab:green"}
-    fig, ax = plt.subplots(figsize=(14, 1.2 + 0.5 * (len(streams) + len(PHASES))))
-    rows = [f"CPU {p}" for p in PHASES] + [f"GPU stream {s}" for s in streams]
-    for i, phase in enumerate(PHASES):
-        if phase in ranges:
-            starts, ends = ranges[phase]
-            keep = (starts >= t0) & (starts <= t1)
-            spans = [((s - t0) / 1e3, (e - s) / 1e3) for s, e in zip(starts[keep], ends[keep], strict=True)]
-            ax.broken_barh(spans, (i - 0.4, 0.8), color=colors[phase])
-    for j, stream in enumerate(streams):
-        by_phase: dict[str, list[tuple[float, float]]] = defaultdict(list)
-        for a in acts:
-            if a["stream"] == stream:
-                phase = next((p for p in PHASES if p in a["ranges"]), "other")
-                by_phase[phase].append(((a["ts"] - t0) / 1e3, a["dur"] / 1e3))
-        for phase, spans in by_phase.items():
-            ax.broken_barh(spans, (len(PHASES) + j - 0.4, 0.8), color=colors.get(phase, "tab:gray"))
-    ax.set_yticks(range(len(rows)), rows)
-    ax.invert_yaxis()
-    ax.set_xlabel("time since step start (ms)")
-    ax.set_title(title or "one step: CPU ranges and GPU kernels (colour = phase at launch)")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    ax.legend(handles, list(colors), loc="upper right", fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return sorted(acts, key=lambda a: a["ts"])
+
+
+def _first_with(acts: Sequence[dict[str, Any]], prefix: str) -> dict[str, dict[str, Any]]:
+    """The first kernel launched inside a range named ``prefix + <param>``, by param."""
+    out: dict[str, dict[str, Any]] = {}
+    for a in acts:
+        for r in a["ranges"]:
+            if r.startswith(prefix) and r[len(prefix):] not in out:
+                out[r[len(prefix):]] = a
+    return out
+
+
+def forward_gathers(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per unit of communication, in forward order: when its all-gather ended and when the compute stream was
+    free to run the unit (the end of the last compute kernel that started before the unit's first kernel).
+
+    ``margin_ms`` > 0: the weights were there before the unit could start; < 0: the unit waited that long.
+    Empty for a trace without GPU kernels.
+    """
+    acts = labelled_kernels(events)
+    compute = [a for a in acts if not is_comm_kernel(a["name"])]
+    gathers = _first_with([a for a in acts if is_comm_kernel(a["name"])], GATHER_RANGE)
+    layers = _first_with(compute, FORWARD_RANGE)
+    out = []
+    for name, first in sorted(layers.items(), key=lambda kv: kv[1]["ts"]):
+        if name not in gathers:
+            continue
+        ag = gathers[name]
+        free_at = max((a["ts"] + a["dur"] for a in compute if a["ts"] < first["ts"]), default=first["ts"])
+        ag_end = ag["ts"] + ag["dur"]
+        out.append({"param": name, "gather_ms": ag["dur"] / 1e3, "margin_ms": (free_at - ag_end) / 1e3,
+                    "gather_end": ag_end, "layer_start": first["ts"]})
+    return out
+
+
+def gather_summary(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Counts and waiting time over :func:`forward_gathers`; None values for a CPU trace."""
+    gathers = forward_gathers(events)
+    if not gathers:
+        return {"fwd_gathers": None, "fwd_gathers_in_time": None, "fwd_gather_wait_ms": None}
+    return {
+        "fwd_gathers": len(gathers),
+        "fwd_gathers_in_time": sum(g["margin_ms"] >= 0 for g in gathers),
+        "fwd_gather_wait_ms": sum(-g["margin_ms"] for g in gathers if g["margin_ms"] < 0),
+    }

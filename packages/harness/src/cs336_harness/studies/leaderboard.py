@@ -3,25 +3,20 @@
 One step is forward, loss, backward, gradient synchronisation and AdamW update of a ``BasicsTransformerLM``
 on ``world_size`` ranks, each holding ``global_batch / world_size`` sequences. The leaderboard
 configuration is the 8B preset at vocabulary 151,936, context 32,768, global batch 2, bf16 compute, causal,
-on two GPUs. :func:`build_training` composes, in this order:
+on two GPUs. :func:`build_training` composes:
 
-1. ``BasicsTransformerLM`` with fp32 master weights, built on the rank's device;
-2. attention swapped by name (:func:`cs336_harness.attention_impls.use_attention`): ``triton``, our
-   FlashAttention-2 kernel, or ``sdpa`` (the swap is active while :func:`run_leaderboard` runs steps);
-3. activation checkpointing of the blocks (:func:`cs336_harness.checkpointing.apply_checkpointing`);
-4. the LM head replaced by :class:`FusedHeadLoss`, which owns the same weight and returns
-   ``cs336_kernels.fused_linear_cross_entropy`` of the final-norm output, so the (tokens, vocab) logits
-   never exist; :class:`FusedLossLM` runs the body (embeddings, blocks, final norm) and then that module.
-   The head must be a module of its own: FSDP gathers a weight only inside its owner's forward;
-5. :class:`cs336_sharding.fsdp.FSDP` with ``compute_dtype`` (after checkpointing, the order fsdp.py
-   supports), and ``finish_gradient_synchronization()`` after each backward;
-6. AdamW over the FSDP model's parameters (this rank's fp32 shards): ``cs336_kernels.fused_adamw.FusedAdamW``
-   or ``torch.optim.AdamW(fused=True)``.
+1. ``BasicsTransformerLM`` with fp32 master weights on the rank's device, with its attention: ``triton``, our
+   FlashAttention-2 kernel, or ``sdpa``;
+2. :func:`cs336_sharding.parallelize.parallelize`: activation checkpointing of the blocks, the LM head replaced
+   by the fused linear + cross-entropy loss (the (tokens, vocab) logits never exist), and our FSDP with
+   ``compute_dtype``; ``finish_gradient_synchronization()`` after each backward;
+3. AdamW over the FSDP model's parameters (this rank's fp32 shards), by the names of
+   :mod:`cs336_harness.studies.optimizers`: our Triton ``fused-adamw`` or ``torch-adamw`` (fused).
 
 :func:`run_leaderboard` runs ``warmup`` untimed and ``steps`` timed steps (devices synchronised and the
 ranks at a barrier before and after each) and returns one row: step time (the maximum over ranks of each
 rank's median, and the maximum of all), tokens per second, model FLOPs utilisation (:func:`step_flops`
-against :data:`PEAK_TFLOPS_PER_GPU`) and peak memory per rank. Past ``time_limit_s`` no new step starts
+against the H200's measured bf16 matmul rate) and peak memory per rank. Past ``time_limit_s`` no new step starts
 and :class:`TimeLimitExceeded` is raised. On CPU (gloo) the Triton kernels run in the Triton interpreter,
 so only fp32 compute is allowed there (bf16 ``tl.dot`` is wrong in the interpreter).
 
@@ -31,36 +26,30 @@ so only fp32 compute is allowed there (bf16 ``tl.dot`` is wrong in the interpret
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from cs336_basics.config import PRESETS, ModelConfig
 from cs336_basics.model import BasicsTransformerLM
 from cs336_comms.process_group import current_device, default_backend, run_ranks
+from cs336_sharding.checkpointing import parse_policy
 from cs336_sharding.fsdp import FSDP
+from cs336_sharding.parallelize import parallelize
 
-from cs336_harness.attention_impls import use_attention
-from cs336_harness.bench import hidden_states
-from cs336_harness.checkpointing import apply_checkpointing, parse_policy
-from cs336_harness.presets import MODEL_SIZES, ModelSize, num_params
-from cs336_harness.results import markdown_table
+from cs336_harness.analysis.tables import markdown_table
+from cs336_harness.device import DTYPES, GIB, H200_BF16_MATMUL_FLOPS
+from cs336_harness.studies.attention_impls import get_attention
+from cs336_harness.studies.optimizers import build_optimizer
 
 ATTENTIONS: tuple[str, ...] = ("triton", "sdpa")
-OPTIMIZERS: tuple[str, ...] = ("fused", "torch")
-COMPUTE_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
-# The bf16 matmul rate measured on one H200 (8192^3, ../shared/ANCHORS.md), the denominator of model FLOPs
-# utilisation; the data sheet's dense bf16 peak is higher, so MFU against it would be lower.
-PEAK_TFLOPS_PER_GPU = 772.0
-GIB = 2**30
+OPTIMIZERS: tuple[str, ...] = ("fused-adamw", "torch-adamw")
+COMPUTE_DTYPES: tuple[str, ...] = ("bf16", "fp32")
 
 # The handout's leaderboard run, and the CPU try-out that `cs336 leaderboard` uses without CUDA.
 LEADERBOARD_DEFAULTS: dict[str, Any] = dict(size="8B", vocab_size=151_936, context_length=32_768, global_batch=2,
@@ -86,7 +75,7 @@ class LeaderboardConfig:
     compute_dtype: str = LEADERBOARD_DEFAULTS["compute_dtype"]
     attention: str = "triton"
     checkpoint: str = "all"
-    optimizer: str = "fused"
+    optimizer: str = "fused-adamw"
     lr: float = 1e-3
     weight_decay: float = 0.01
     warmup: int = 2
@@ -95,8 +84,8 @@ class LeaderboardConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.size not in MODEL_SIZES:
-            raise ValueError(f"size must be one of {', '.join(MODEL_SIZES)}, got {self.size!r}")
+        if self.size not in PRESETS:
+            raise ValueError(f"size must be one of {', '.join(PRESETS)}, got {self.size!r}")
         for name in ("vocab_size", "context_length", "global_batch", "world_size", "steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -107,7 +96,7 @@ class LeaderboardConfig:
             raise ValueError(f"global_batch ({self.global_batch}) must be a multiple of world_size ({self.world_size})")
         if not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"warmup must be a non-negative int, got {self.warmup!r}")
-        choices = {"backend": (None, "gloo", "nccl"), "compute_dtype": tuple(COMPUTE_DTYPES),
+        choices = {"backend": (None, "gloo", "nccl"), "compute_dtype": COMPUTE_DTYPES,
                    "attention": ATTENTIONS, "optimizer": OPTIMIZERS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -129,11 +118,11 @@ class LeaderboardConfig:
         return self.backend or default_backend()
 
     @property
-    def model_size(self) -> ModelSize:
-        return MODEL_SIZES[self.size]
+    def model_config(self) -> ModelConfig:
+        return ModelConfig.from_preset(self.size, vocab_size=self.vocab_size, context_length=self.context_length)
 
 
-def step_flops(size: ModelSize, vocab_size: int, context_length: int, global_batch: int) -> float:
+def step_flops(config: ModelConfig, global_batch: int) -> float:
     """Model FLOPs of one training step (forward and backward), without checkpointing's recomputation.
 
     matmuls: 6 * tokens * non-embedding matmul parameters, where per block 4 d^2 (q, k, v, out) + 3 d d_ff
@@ -142,52 +131,19 @@ def step_flops(size: ModelSize, vocab_size: int, context_length: int, global_bat
              causal mask, times 3.5 for forward plus backward (the backward's five matmuls against the
              forward's two, counting FlashAttention's recomputation of the scores).
     """
-    d, s, b = size.d_model, context_length, global_batch
-    matmul_params = size.num_layers * (4 * d * d + 3 * d * size.d_ff) + vocab_size * d
-    head_dim = d // size.num_heads
-    attention_per_layer = 4 * b * size.num_heads * s**2 * head_dim / 2 * 3.5
-    return 6 * b * s * matmul_params + size.num_layers * attention_per_layer
+    d, s, b = config.d_model, config.context_length, global_batch
+    matmul_params = config.num_layers * (4 * d * d + 3 * d * config.d_ff) + config.vocab_size * d
+    attention_per_layer = 4 * b * config.num_heads * s**2 * config.head_dim / 2 * 3.5
+    return 6 * b * s * matmul_params + config.num_layers * attention_per_layer
 
-
-class FusedHeadLoss(nn.Module):
-    """The LM head and its cross-entropy in one: owns the head's ``weight`` (vocab, d_model) and returns the
-    mean loss of ``hidden @ weight.T`` against ``targets`` without materialising the logits."""
-
-    def __init__(self, weight: nn.Parameter):
-        super().__init__()
-        if weight.dim() != 2:
-            raise ValueError(f"weight must be (vocab, d_model), got shape {tuple(weight.shape)}")
-        # Imported here, not at module level: on CPU the Triton interpreter must be chosen before import.
-        from cs336_kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
-
-        self.weight = weight
-        self._loss = fused_linear_cross_entropy
-
-    def forward(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self._loss(hidden.flatten(0, 1), self.weight, targets.flatten())  # (B*T, d), (B*T,)
-
-
-class FusedLossLM(nn.Module):
-    """A ``BasicsTransformerLM``'s modules under the same names, with ``forward(token_ids, targets) -> loss``:
-    the body (embeddings, blocks, final norm), then :class:`FusedHeadLoss` in place of ``lm_head``."""
-
-    def __init__(self, model: BasicsTransformerLM):
-        super().__init__()
-        self.token_embeddings = model.token_embeddings
-        self.layers = model.layers
-        self.ln_final = model.ln_final
-        self.lm_head = FusedHeadLoss(model.lm_head.weight)
-
-    def forward(self, token_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states(self, token_ids), targets)  # (B, T, d) -> scalar
 
 
 def build_model(config: LeaderboardConfig, device: torch.device) -> BasicsTransformerLM:
-    """The run's model with fp32 weights (seeded, so every rank and a reference build the same one)."""
-    size = config.model_size
+    """The run's model with fp32 weights and its attention (seeded, so every rank and a reference build the same
+    one)."""
     torch.manual_seed(config.seed)
-    return BasicsTransformerLM(config.vocab_size, config.context_length, size.d_model, size.num_layers,
-                               size.num_heads, size.d_ff, device=device)
+    return BasicsTransformerLM.from_config(config.model_config, attention=get_attention(config.attention),
+                                           device=device)
 
 
 @dataclass
@@ -214,18 +170,11 @@ class Training:
 
 
 def build_training(config: LeaderboardConfig, device: torch.device) -> Training:
-    """Steps 1 and 3-6 of the module docstring; the attention swap (2) is :func:`use_attention`'s, around
-    the steps. Call it on every rank of an initialised process group (FSDP broadcasts rank 0's weights)."""
-    model = apply_checkpointing(build_model(config, device), config.checkpoint)
-    fsdp = FSDP(FusedLossLM(model), compute_dtype=COMPUTE_DTYPES[config.compute_dtype])
-    params = list(fsdp.parameters())
-    if config.optimizer == "fused":
-        from cs336_kernels.fused_adamw import FusedAdamW
-
-        optimizer: torch.optim.Optimizer = FusedAdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    else:
-        optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, fused=True)
-    return Training(fsdp, optimizer)
+    """The steps of the module docstring. Call it on every rank of an initialised process group (FSDP broadcasts
+    rank 0's weights)."""
+    fsdp = parallelize(build_model(config, device), checkpoint=config.checkpoint,
+                       compute_dtype=DTYPES[config.compute_dtype], fused_loss=True)
+    return Training(fsdp, build_optimizer(config.optimizer, fsdp.parameters(), config.lr, config.weight_decay))
 
 
 def make_batch(config: LeaderboardConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,7 +200,7 @@ def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
     return packed.tolist()
 
 
-def _rank_main(rank: int, world_size: int, config: LeaderboardConfig, out_path: str) -> None:
+def _rank_main(rank: int, world_size: int, config: LeaderboardConfig) -> dict[str, Any]:
     start = time.perf_counter()
     device = current_device()
     cuda = device.type == "cuda"
@@ -278,38 +227,34 @@ def _rank_main(rank: int, world_size: int, config: LeaderboardConfig, out_path: 
     peak_init = torch.cuda.max_memory_allocated(device) / GIB if cuda else None
     times: list[float] = []
     try:
-        with use_attention(config.attention):
-            for i in range(config.warmup):
-                check_time(i)
-                training.step(inputs, targets)
+        for i in range(config.warmup):
+            check_time(i)
+            training.step(inputs, targets)
+        sync()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        for i in range(config.steps):
+            check_time(config.warmup + i)
             sync()
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(device)
-            for i in range(config.steps):
-                check_time(config.warmup + i)
-                sync()
-                t0 = time.perf_counter()
-                loss = training.step(inputs, targets)
-                sync()
-                times.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            loss = training.step(inputs, targets)
+            sync()
+            times.append(time.perf_counter() - t0)
     except TimeLimitExceeded as e:
         # Every rank stops here together; the caller raises the message again.
-        if rank == 0:
-            Path(out_path).write_text(json.dumps({"time_limit_exceeded": str(e)}))
-        return
+        return {"time_limit_exceeded": str(e)}
     peak_step = torch.cuda.max_memory_allocated(device) / GIB if cuda else None
     loss_sum = loss.float().reshape(1)
     dist.all_reduce(loss_sum)  # gloo has no AVG
     step_s, step_max_s = _max_over_ranks([statistics.median(times), max(times)], device)
     peaks = [torch.zeros(2, dtype=torch.float64, device=device) for _ in range(world_size)]
     dist.all_gather(peaks, torch.tensor([peak_init or 0.0, peak_step or 0.0], dtype=torch.float64, device=device))
-    if rank == 0:
-        result = {"loss": loss_sum.item() / world_size, "step_s": step_s, "step_max_s": step_max_s,
-                  "step_s_all_rank0": [round(t, 6) for t in times]}
-        if cuda:
-            result["peak_init_gib_per_rank"] = [p[0].item() for p in peaks]
-            result["peak_step_gib_per_rank"] = [p[1].item() for p in peaks]
-        Path(out_path).write_text(json.dumps(result))
+    result = {"loss": loss_sum.item() / world_size, "step_s": step_s, "step_max_s": step_max_s,
+              "step_s_all_rank0": [round(t, 6) for t in times]}
+    if cuda:
+        result["peak_init_gib_per_rank"] = [p[0].item() for p in peaks]
+        result["peak_step_gib_per_rank"] = [p[1].item() for p in peaks]
+    return result
 
 
 def run_leaderboard(config: LeaderboardConfig, progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
@@ -323,24 +268,23 @@ def run_leaderboard(config: LeaderboardConfig, progress: Callable[[str], None] |
         progress(f"leaderboard: {config.size}, context {config.context_length}, global batch {config.global_batch}, "
                  f"{config.world_size} ranks ({config.resolved_backend}), {config.compute_dtype}, attention "
                  f"{config.attention}, checkpoint {config.checkpoint}, optimizer {config.optimizer}")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        # The group's timeout bounds a hung collective; the time limit is checked between steps.
-        if not run_ranks(_rank_main, config.world_size, config, str(out), backend=config.resolved_backend,
-                         timeout_s=config.time_limit_s + 60):
-            return []
-        result = json.loads(out.read_text())
+    # The group's timeout bounds a hung collective; the time limit is checked between steps.
+    result = run_ranks(_rank_main, config.world_size, config, backend=config.resolved_backend,
+                       timeout_s=config.time_limit_s + 60)
+    if result is None:  # a torchrun rank other than 0
+        return []
     if "time_limit_exceeded" in result:
         raise TimeLimitExceeded(result["time_limit_exceeded"])
-    size = config.model_size
-    flops = step_flops(size, config.vocab_size, config.context_length, config.global_batch)
+    model_config = config.model_config
+    flops = step_flops(model_config, config.global_batch)
     tokens = config.global_batch * config.context_length
     on_gpu = config.resolved_backend == "nccl"
-    row: dict[str, Any] = {**asdict(config), **asdict(size), "backend": config.resolved_backend,
-                           "params": num_params(size, config.vocab_size),
+    dims = {k: getattr(model_config, k) for k in ("d_model", "d_ff", "num_layers", "num_heads")}
+    row: dict[str, Any] = {**asdict(config), **dims, "backend": config.resolved_backend,
+                           "params": model_config.num_params,
                            "tokens_per_step": tokens, "model_flops_per_step": flops, **result}
     row["tokens_per_s"] = tokens / row["step_s"]
-    row["mfu"] = flops / (row["step_s"] * config.world_size * PEAK_TFLOPS_PER_GPU * 1e12) if on_gpu else None
+    row["mfu"] = flops / (row["step_s"] * config.world_size * H200_BF16_MATMUL_FLOPS) if on_gpu else None
     if on_gpu:
         row["peak_step_gib"] = max(row["peak_step_gib_per_rank"])
         row["peak_init_gib"] = max(row["peak_init_gib_per_rank"])
@@ -363,10 +307,7 @@ def writeup_tables(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
     chosen = [r for r in rows if (r["size"], r["context_length"], r["global_batch"], r["world_size"],
                                   r["compute_dtype"]) == ("8B", 32768, 2, 2, "bf16") and r.get("status") == "ok"]
     chosen.sort(key=lambda r: r["step_s"])
-    return {"leaderboard": markdown_table(chosen, _WRITEUP_COLUMNS, _WRITEUP_HEADERS, floatfmt=".4g")}
+    return {"leaderboard": markdown_table(chosen, list(zip(_WRITEUP_COLUMNS, _WRITEUP_HEADERS, strict=True)),
+                                          floatfmt=".4g")}
 
 
-__all__ = ["LeaderboardConfig", "FusedHeadLoss", "FusedLossLM", "Training", "TimeLimitExceeded", "build_model",
-           "build_training", "make_batch", "rank_batch", "run_leaderboard", "step_flops", "ATTENTIONS", "OPTIMIZERS",
-           "COMPUTE_DTYPES", "LEADERBOARD_DEFAULTS", "CPU_DEFAULTS", "PEAK_TFLOPS_PER_GPU", "TABLE_COLUMNS",
-           "writeup_tables"]

@@ -13,14 +13,14 @@ lets the autotuner time every candidate at the real shapes and records:
 The short lists in the kernel module are then edited from the ``tune`` rows, and the final numbers come
 from ``cs336 attention --part anchors`` on the committed lists. Run on the GPU machine::
 
-    bash tools/gpu.sh python3 -m cs336_harness.attention_tuning --out $OUT/attention_tuning.jsonl
+    bash tools/gpu.sh python3 -m cs336_harness.studies.attention_tuning --out $OUT/attention_tuning.jsonl
 
 ``--builds`` needs no GPU: it compiles each kernel (bf16, causal, d = 64 and 128) for sm_90 with every
 listed and candidate config and records what ptxas and the SASS say (``bench = "build"`` rows: registers
 per thread, stack frame bytes, and static counts in the SASS of local-memory spill stores and loads,
 of wgmma, mma.sync and TMA-load instructions, and spill stores, loads and instructions per main loop)::
 
-    uv run python -m cs336_harness.attention_tuning --builds --out writeup/results/attention_builds.jsonl
+    uv run python -m cs336_harness.studies.attention_tuning --builds --out writeup/results/attention_builds.jsonl
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from typing import Any
 import cs336_kernels.flash_attention as fa
 import torch
 
-from cs336_harness.attention_bench import AttentionBenchConfig, _flash_rows, _warm_one
 from cs336_harness.results import append_rows, provenance
+from cs336_harness.studies.attention import AttentionBenchConfig, _flash_rows, _warm_one
 
 Entry = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
 

@@ -38,7 +38,7 @@ from cs336_basics.model import scaled_dot_product_attention
 from cs336_kernels.flash_attention import flash_attention
 from triton.testing import do_bench
 
-from cs336_harness.results import markdown_table
+from cs336_harness.analysis.tables import markdown_table
 
 PARTS: tuple[str, ...] = ("pytorch", "compiled", "flash", "anchors")
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -315,8 +315,10 @@ def attention_tables(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
         tables["pytorch"] = (
             f"Plain PyTorch attention (batch {first['batch']}, fp32, causal mask, mean of "
             f"{_passes(list(eager.values()))} passes), {first['device']}:\n\n"
-            + markdown_table(table, ["d", "seq", "fwd", "bwd", "mem", "saved"],
-                             ["d", "seq", "fwd (ms)", "bwd (ms)", "memory before bwd (GiB)", "saved by one fwd (GiB)"])
+            + markdown_table(table, list(zip(
+                ["d", "seq", "fwd", "bwd", "mem", "saved"],
+                ["d", "seq", "fwd (ms)", "bwd (ms)", "memory before bwd (GiB)", "saved by one fwd (GiB)"],
+                strict=True)))
         )
     if compiled:
         # Speed-ups are eager time / compiled time, so > 1 means compiling helped.
@@ -334,10 +336,11 @@ def attention_tables(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
             f"Plain PyTorch attention, eager (mean of {eager_passes} passes) vs torch.compile(dynamic=True) (mean "
             f"of {_passes(list(compiled.values()))} passes); batch {first['batch']}, fp32, causal mask, "
             f"{first['device']}:\n\n"
-            + markdown_table(table, ["d", "seq", "efwd", "cfwd", "sfwd", "ebwd", "cbwd", "sbwd", "esaved", "csaved"],
-                             ["d", "seq", "eager fwd (ms)", "compiled fwd (ms)", "fwd speed-up", "eager bwd (ms)",
+            + markdown_table(table, list(zip(
+                ["d", "seq", "efwd", "cfwd", "sfwd", "ebwd", "cbwd", "sbwd", "esaved", "csaved"],
+                ["d", "seq", "eager fwd (ms)", "compiled fwd (ms)", "fwd speed-up", "eager bwd (ms)",
                               "compiled bwd (ms)", "bwd speed-up", "eager saved by one fwd (GiB)",
-                              "compiled saved by one fwd (GiB)"])
+                              "compiled saved by one fwd (GiB)"], strict=True)))
         )
     # Anchor rows accumulate over sessions; the table shows the latest run of each (shape, impl).
     latest: dict[tuple, dict[str, Any]] = {}
@@ -350,10 +353,12 @@ def attention_tables(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
                   "fwd": _ms(r, "fwd_ms"), "bwd": _ms(r, "bwd_ms"), "fb": _ms(r, "fwd_bwd_ms")} for r in anchors]
         tables["anchors"] = (
             f"Anchor shapes, bf16, causal, do_bench medians, {anchors[0]['device']}:\n\n"
-            + markdown_table(table, ["shape", "impl", "fwd", "bwd", "fb", "fwd_tflops", "bwd_tflops",
-                                     "fwd_bwd_tflops", "target_fwd_bwd_ms"],
-                             ["(b, h, s, d)", "impl", "fwd (ms)", "bwd (ms)", "fwd+bwd (ms)", "fwd TFLOP/s",
-                              "bwd TFLOP/s", "fwd+bwd TFLOP/s", "target (ms)"])
+            + markdown_table(table, list(zip(
+                ["shape", "impl", "fwd", "bwd", "fb", "fwd_tflops", "bwd_tflops", "fwd_bwd_tflops",
+                 "target_fwd_bwd_ms"],
+                ["(b, h, s, d)", "impl", "fwd (ms)", "bwd (ms)", "fwd+bwd (ms)", "fwd TFLOP/s", "bwd TFLOP/s",
+                 "fwd+bwd TFLOP/s", "target (ms)"],
+                strict=True)))
         )
     flash = [r for r in rows if r.get("bench") == "flash"]
     for dtype_name in dict.fromkeys(r["dtype"] for r in flash):
@@ -373,7 +378,9 @@ def attention_tables(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
         tables[f"flash_{dtype_name}"] = (
             f"{dtype_name}, batch 1, one head, causal, do_bench medians in ms; TFLOP/s of fwd+bwd; "
             f"{flash[0]['device']}:\n\n"
-            + markdown_table(table, [*columns, "t_tflops", "s_tflops"], [*headers, "ours TFLOP/s", "SDPA TFLOP/s"])
+            + markdown_table(table, list(zip(
+                [*columns, "t_tflops", "s_tflops"],
+                [*headers, "ours TFLOP/s", "SDPA TFLOP/s"], strict=True)))
         )
     return tables
 

@@ -98,31 +98,6 @@ def largest_allocations(snapshot: dict[str, Any], top: int = 5, device: int = 0)
     return rows
 
 
-def plot_active_memory(snapshot: dict[str, Any], path: str | Path, title: str = "", device: int = 0) -> Path:
-    """Save the active-memory timeline (GiB over time since the first event) as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    times, live = active_memory_timeline(snapshot, device)
-    if len(times) == 0:
-        raise ValueError("the snapshot has no alloc/free events on this device; was anything recorded?")
-    x = (times - times[0]) / 1e3
-    fig, ax = plt.subplots(figsize=(10, 3.5))
-    ax.fill_between(x, live / 2**30, step="post", alpha=0.6)
-    ax.plot(x, live / 2**30, drawstyle="steps-post", lw=0.8)
-    ax.set_xlabel("time since recording started (ms)")
-    ax.set_ylabel("active memory (GiB)")
-    ax.set_title(title or "active memory timeline")
-    ax.set_ylim(bottom=0)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 def gradient_allocations(
     snapshot: dict[str, Any], optimizer_file: str = "optimizer.py", device: int = 0
 ) -> dict[int, int]:

@@ -1,0 +1,1 @@
+"""Reading what a run recorded: profiler traces, memory snapshots, figures and tables."""

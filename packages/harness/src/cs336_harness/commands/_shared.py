@@ -1,0 +1,56 @@
+"""Flags that several commands share, defined once."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from cs336_basics.config import DEFAULT_CONTEXT_LENGTH, PRESETS
+
+CPU_CONTEXT_LENGTH = 128  # keeps the CPU try-out of the multi-rank benchmarks to seconds per variant
+
+
+def csv_of(convert: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
+    """An argparse ``type`` for a non-empty comma-separated list, each item passed through ``convert``."""
+
+    def parse(text: str) -> tuple[Any, ...]:
+        items = tuple(convert(v.strip()) for v in text.split(",") if v.strip())
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+        return items
+
+    return parse
+
+
+def add_distributed_run_arguments(
+    parser: argparse.ArgumentParser, variants: Sequence[str], default_dtypes: Sequence[str]
+) -> None:
+    """The flags shared by the multi-rank training benchmarks (``cs336 ddp``, ``cs336 shard``)."""
+    parser.add_argument("--size", default=None, help=f"{', '.join(PRESETS)} (default xl with CUDA, tiny without)")
+    parser.add_argument("--context-length", type=int, default=None,
+                        help=f"default {DEFAULT_CONTEXT_LENGTH} with CUDA, {CPU_CONTEXT_LENGTH} without")
+    parser.add_argument("--global-batch", type=int, default=4, help="sequences per step over all ranks (default 4)")
+    parser.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
+    parser.add_argument("--backend", default=None, help="nccl | gloo (default: nccl with CUDA, gloo without)")
+    parser.add_argument("--compute-dtype", type=csv_of(str), default=tuple(default_dtypes),
+                        help=f"comma list of fp32, bf16 (default {','.join(default_dtypes)})")
+    parser.add_argument("--variants", type=csv_of(str), default=tuple(variants),
+                        help=f"comma list, a subset of {','.join(variants)} (default all)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant (default 2)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant (default 5)")
+    parser.add_argument("--trace-dir", default=None, help="keep rank 0's profiler traces here")
+    parser.add_argument("--out", default=None, help="append rows (with provenance) to this JSONL file")
+
+
+def distributed_run_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """Config fields from :func:`add_distributed_run_arguments`'s flags, with the CPU/GPU defaults."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    return dict(
+        size=args.size or ("xl" if cuda else "tiny"),
+        context_length=args.context_length or (DEFAULT_CONTEXT_LENGTH if cuda else CPU_CONTEXT_LENGTH),
+        global_batch=args.global_batch, world_size=args.world_size, backend=args.backend, dtypes=args.compute_dtype,
+        variants=args.variants, warmup=args.warmup, steps=args.steps,
+    )

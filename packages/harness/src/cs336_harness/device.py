@@ -1,0 +1,32 @@
+"""The one home of device facts the studies share: dtype names, synchronisation, the H200's measured ceilings.
+
+A dtype name means one thing everywhere: ``fp32`` is float32 compute, ``bf16`` and ``fp16`` the 16-bit types
+(as autocast or FSDP compute dtype, whichever the study uses).
+"""
+
+from __future__ import annotations
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+GIB = 2**30
+
+# Ceilings measured on one NVIDIA H200 (torch 2.11, triton 3.6): a bf16 8192^3 matmul on random data, and a
+# device-to-device copy (bytes read plus written). Utilisation figures divide by these; the data sheet's peaks are
+# higher, so utilisation against them would be lower.
+H200_BF16_MATMUL_FLOPS = 772e12
+H200_COPY_BYTES_PER_S = 4.24e12
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """The torch dtype of a name of :data:`DTYPES`."""
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def sync(device: torch.device | str) -> None:
+    """Wait for the device's queued work (nothing to wait for on a CPU)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,63 @@
+"""What every multi-rank training study shares: its config (a preset model, a global batch split over the ranks,
+dtypes and wrapper variants)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from cs336_basics.config import DEFAULT_CONTEXT_LENGTH, DEFAULT_VOCAB_SIZE, PRESETS, ModelConfig
+from cs336_comms.process_group import default_backend
+
+# Compute dtypes a training study takes: fp32, or bf16 compute with fp32 master weights.
+TRAINING_DTYPES: tuple[str, ...] = ("fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class DistributedRunConfig:
+    """What every multi-rank training benchmark takes: a preset model, a global batch split over the
+    ranks, dtypes, and wrapper variants from the subclass's ``VARIANTS``."""
+
+    VARIANTS: ClassVar[tuple[str, ...]] = ()
+    MIN_WARMUP: ClassVar[int] = 0
+
+    size: str = "xl"
+    context_length: int = DEFAULT_CONTEXT_LENGTH
+    global_batch: int = 4
+    world_size: int = 2
+    backend: str | None = None  # nccl with GPUs, gloo without
+    dtypes: tuple[str, ...] = ("fp32",)
+    variants: tuple[str, ...] = ()  # empty: all of VARIANTS
+    warmup: int = 2
+    steps: int = 5
+    vocab_size: int = DEFAULT_VOCAB_SIZE
+    lr: float = 1e-4
+
+    def __post_init__(self) -> None:
+        if not self.variants:
+            object.__setattr__(self, "variants", self.VARIANTS)
+        if self.size not in PRESETS:
+            raise ValueError(f"size must be one of {', '.join(PRESETS)}, got {self.size!r}")
+        if self.world_size < 1 or self.global_batch % self.world_size != 0:
+            raise ValueError(
+                f"global_batch ({self.global_batch}) must be a positive multiple of world_size ({self.world_size})"
+            )
+        if self.global_batch < 1 or self.context_length < 1 or self.vocab_size < 2:
+            raise ValueError("global_batch and context_length must be positive and vocab_size at least 2, got "
+                             f"{self.global_batch}, {self.context_length}, {self.vocab_size}")
+        if self.backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo', 'nccl' or None, got {self.backend!r}")
+        if not self.dtypes or any(d not in TRAINING_DTYPES for d in self.dtypes):
+            raise ValueError(f"dtypes must be a non-empty subset of {list(TRAINING_DTYPES)}, got {self.dtypes}")
+        if any(v not in self.VARIANTS for v in self.variants):
+            raise ValueError(f"variants must be a non-empty subset of {list(self.VARIANTS)}, got {self.variants}")
+        if self.warmup < self.MIN_WARMUP or self.steps < 1:
+            raise ValueError(f"need warmup >= {self.MIN_WARMUP} and steps >= 1; got {self.warmup}, {self.steps}")
+
+    @property
+    def resolved_backend(self) -> str:
+        return self.backend or default_backend()
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return ModelConfig.from_preset(self.size, vocab_size=self.vocab_size, context_length=self.context_length)

@@ -1,0 +1,199 @@
+"""Activation checkpointing of a model's blocks, applied in place from outside the model.
+
+The forward of a checkpointed segment keeps only the segment's input, and the backward re-runs the segment to
+get its saved tensors back (Chen et al., 2016, "Training deep nets with sublinear memory cost"), with
+``torch.utils.checkpoint.checkpoint`` (non-reentrant). :func:`apply_checkpointing` replaces the model's
+``layers`` (an ``nn.ModuleList`` of blocks run in order by its ``forward``, as ``BasicsTransformerLM`` has) by a
+:class:`CheckpointedBlocks` holding the very same blocks at the same indices, so parameter names stay
+``layers.N.…`` and FSDP (:mod:`cs336_sharding.fsdp`) composes in either order: its hooks sit on the blocks, which
+are still called as modules (on the recomputation too).
+
+Policies (strings, as given to ``cs336 bench --checkpoint``):
+
+- ``none``: leave the model alone.
+- ``all``: each block its own segment (``group:1``).
+- ``group:K``: consecutive segments of K blocks (the last may be shorter). Peak activation memory is
+  about ``N/K`` segment inputs plus ``K`` blocks' saved tensors during one segment's backward.
+- ``first:N``: checkpoint only the first N blocks, one each; the rest keep what they save.
+- ``sqrt``: ``group:ceil(sqrt(num_layers))``, the single-level choice that balances the two terms
+  when a segment input costs about as much as one block's saved tensors.
+- ``nested:B``: recursive segments, each split into B sub-segments down to single blocks; with B=2,
+  peak memory is O(log N) segment inputs plus one block's saved tensors, at O(N log N) block forwards.
+- ``selective``: each block its own segment, but matmul outputs (and fused attention outputs) are
+  saved, so the backward recomputes only the cheap elementwise and normalisation ops.
+- ``attention``: each block its own segment, saving only the fused attention's outputs (SDPA's kernels or
+  our Triton FlashAttention-2; output and log-sum-exp, about ``b * T * d_model`` elements per block), so
+  the backward's recomputation skips the one op whose cost grows as ``T^2``; the matmuls are recomputed.
+  The model's own unfused attention is not such an op: pair it with ``sdpa`` or ``triton`` attention.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+POLICY_KINDS: tuple[str, ...] = ("none", "all", "group", "first", "sqrt", "nested", "selective", "attention")
+# Group sizes tried by ``cs336 bench --checkpoint groups`` (those up to the model's depth).
+GROUP_SWEEP: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 16, 32)
+_NEEDS_ARG = {"group", "first"}
+_TAKES_ARG = {"group", "first", "nested"}
+
+
+@dataclass(frozen=True)
+class CheckpointPolicySpec:
+    """A parsed policy: ``kind`` from :data:`POLICY_KINDS` and its integer argument, if any."""
+
+    kind: str
+    arg: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in POLICY_KINDS:
+            raise ValueError(f"unknown checkpoint policy {self.kind!r}; expected one of {', '.join(POLICY_KINDS)}")
+        if self.kind in _NEEDS_ARG and self.arg is None:
+            raise ValueError(f"checkpoint policy {self.kind!r} needs a count, e.g. '{self.kind}:4'")
+        if self.kind not in _TAKES_ARG and self.arg is not None:
+            raise ValueError(f"checkpoint policy {self.kind!r} takes no count, got {self.arg}")
+        if self.arg is not None and self.arg < (2 if self.kind == "nested" else 1):
+            raise ValueError(f"checkpoint policy {self.kind!r} needs a count >= {2 if self.kind == 'nested' else 1}, "
+                             f"got {self.arg}")
+
+    def __str__(self) -> str:
+        return self.kind if self.arg is None else f"{self.kind}:{self.arg}"
+
+
+def parse_policy(text: str | CheckpointPolicySpec) -> CheckpointPolicySpec:
+    """Parse ``'none'``, ``'all'``, ``'group:4'``, ``'first:8'``, ``'sqrt'``, ``'nested:2'``, ``'selective'``,
+    ``'attention'`` (a spec is returned as it is)."""
+    if isinstance(text, CheckpointPolicySpec):
+        return text
+    if not isinstance(text, str):
+        raise TypeError(f"a checkpoint policy is a string such as 'group:4', got {type(text).__name__}")
+    kind, sep, count = text.strip().partition(":")
+    if not sep:
+        return CheckpointPolicySpec(kind, 2 if kind == "nested" else None)
+    try:
+        arg = int(count)
+    except ValueError:
+        raise ValueError(f"checkpoint policy {text!r}: expected an integer after ':', got {count!r}") from None
+    return CheckpointPolicySpec(kind, arg)
+
+
+def attention_ops() -> frozenset[torch._ops.OpOverload]:
+    """The fused attention operators whose outputs the ``attention`` policy keeps: those SDPA dispatches to and,
+    once ``cs336_kernels.flash_attention`` has registered it (a model using our kernel has imported it), our
+    Triton FlashAttention-2 forward ``torch.ops.cs336.flash_attention_forward``."""
+    aten = torch.ops.aten
+    ops = {
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_cudnn_attention.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+    }
+    if hasattr(torch.ops.cs336, "flash_attention_forward"):
+        ops.add(torch.ops.cs336.flash_attention_forward.default)
+    return frozenset(ops)
+
+
+def _saved_ops(kind: str) -> frozenset[torch._ops.OpOverload]:
+    """What a selective policy keeps from the forward instead of recomputing: the expensive ops to redo."""
+    if kind == "attention":
+        return attention_ops()
+    if kind == "selective":
+        aten = torch.ops.aten
+        return attention_ops() | {aten.mm.default, aten.bmm.default, aten.addmm.default}
+    return frozenset()
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Blocks run inside one checkpoint: indices of blocks, or nested segments (recomputed in turn)."""
+
+    items: tuple[int | Segment, ...]
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(1 if isinstance(i, int) else i.num_blocks for i in self.items)
+
+
+def _nested(indices: list[int], branching: int) -> Segment:
+    if len(indices) == 1:
+        return Segment((indices[0],))
+    size = math.ceil(len(indices) / branching)
+    return Segment(tuple(_nested(indices[i : i + size], branching) for i in range(0, len(indices), size)))
+
+
+def plan_segments(num_blocks: int, policy: str | CheckpointPolicySpec) -> tuple[int | Segment, ...]:
+    """What runs at the top level for ``policy``: a block index (run plainly) or a :class:`Segment`."""
+    spec = parse_policy(policy)
+    n = num_blocks
+    if spec.kind == "none":
+        return tuple(range(n))
+    if spec.kind in ("selective", "attention"):
+        return tuple(Segment((i,)) for i in range(n))
+    if spec.kind == "first":
+        k = min(spec.arg or 0, n)
+        return tuple(Segment((i,)) for i in range(k)) + tuple(range(k, n))
+    if spec.kind == "nested":
+        return (_nested(list(range(n)), spec.arg or 2),)
+    size = {"all": 1, "sqrt": math.ceil(math.sqrt(n))}.get(spec.kind, spec.arg)
+    return tuple(Segment(tuple(range(i, min(i + size, n)))) for i in range(0, n, size))
+
+
+def _save_ops(saved: frozenset, ctx: object, op: torch._ops.OpOverload, *args: object,
+              **kwargs: object) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class CheckpointedBlocks(nn.ModuleList):
+    """The model's blocks, under their own indices, run in the checkpointed segments of ``plan``; for a selective
+    policy (``selective``, ``attention``) the outputs of its ops are kept from the forward instead of recomputed."""
+
+    def __init__(self, blocks: nn.ModuleList, plan: tuple[int | Segment, ...], policy_kind: str):
+        super().__init__(blocks)
+        self.plan = plan
+        self.policy_kind = policy_kind
+        self.saved_ops: frozenset[torch._ops.OpOverload] = frozenset()
+
+    def _run(self, items: tuple[int | Segment, ...], x: torch.Tensor) -> torch.Tensor:
+        for item in items:
+            x = self[item](x) if isinstance(item, int) else self._checkpointed(item, x)
+        return x
+
+    def _checkpointed(self, segment: Segment, x: torch.Tensor) -> torch.Tensor:
+        if self.saved_ops:
+            policy_fn = functools.partial(_save_ops, self.saved_ops)
+            context_fn = functools.partial(create_selective_checkpoint_contexts, policy_fn)
+            return checkpoint(self._run, segment.items, x, use_reentrant=False, context_fn=context_fn)
+        return checkpoint(self._run, segment.items, x, use_reentrant=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Looked up per forward: the model's attention may have been chosen after checkpointing was applied.
+        self.saved_ops = _saved_ops(self.policy_kind)
+        return self._run(self.plan, x)
+
+    def extra_repr(self) -> str:
+        segments = sum(isinstance(i, Segment) for i in self.plan)
+        return f"policy={self.policy_kind}, top_level_segments={segments}"
+
+
+def apply_checkpointing(model: nn.Module, policy: str | CheckpointPolicySpec) -> nn.Module:
+    """Checkpoint ``model.layers`` in place according to ``policy``; returns ``model`` (parameter names unchanged).
+
+    Raises:
+        TypeError: if ``model.layers`` is not an ``nn.ModuleList`` with a ``forward`` or was already checkpointed.
+    """
+    spec = parse_policy(policy)
+    layers = getattr(model, "layers", None)
+    if isinstance(layers, CheckpointedBlocks):
+        raise TypeError("model.layers is already checkpointed; apply a policy to a fresh model")
+    if not isinstance(layers, nn.ModuleList) or type(layers).forward is nn.Module.forward:
+        raise TypeError("apply_checkpointing needs model.layers to be an nn.ModuleList of blocks that its forward runs "
+                        f"in order (as BasicsTransformerLM's), got {type(layers).__name__}")
+    if spec.kind != "none":
+        model.layers = CheckpointedBlocks(layers, plan_segments(len(layers), spec), spec.kind)
+    return model
