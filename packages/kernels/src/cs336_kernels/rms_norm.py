@@ -82,7 +82,7 @@ def _rms_norm_bwd_kernel(
     tl.store(DW_PARTIAL + pid * D + cols, dw, mask=mask)
 
 
-def _launch_settings(d: int) -> tuple[int, int]:
+def launch_settings(d: int) -> tuple[int, int]:
     """(BLOCK_D, num_warps): the row padded to a power of two, about 16 fp32 values per thread."""
     block_d = triton.next_power_of_2(d)
     return block_d, min(32, max(4, block_d // 512))
@@ -92,8 +92,8 @@ def _launch_settings(d: int) -> tuple[int, int]:
 def _num_programs(device: torch.device) -> int:
     if device.type != "cuda":
         return _INTERPRET_PROGRAMS
-    # Two per SM: a program holds x, dy, w and its dw share in registers (about 100 per thread at d = 4096,
-    # 8 warps), so two fit on an SM and one's loads overlap the other's reduction.
+    # Two per SM: a program holds x, dy, w and its dw share in registers (124 per thread at d = 4096 and 8 warps,
+    # tests/sm90_builds.py), so two fit on an SM and one's loads overlap the other's reduction.
     return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -108,7 +108,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple
     y = torch.empty((rows, d), dtype=x.dtype, device=x.device)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows:
-        block_d, num_warps = _launch_settings(d)
+        block_d, num_warps = launch_settings(d)
         with _device_context(x):
             _rms_norm_fwd_kernel[(rows,)](x, weight, y, rstd, x.stride(0), d, eps, BLOCK_D=block_d,
                                           num_warps=num_warps)
@@ -124,7 +124,7 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     programs = max(1, min(_num_programs(x.device), rows))
     partial = torch.zeros((programs, d), dtype=torch.float32, device=x.device)
     if rows:
-        block_d, num_warps = _launch_settings(d)
+        block_d, num_warps = launch_settings(d)
         with _device_context(x):
             _rms_norm_bwd_kernel[(programs,)](dy, x, weight, rstd, dx, partial, dy.stride(0), x.stride(0), rows,
                                               triton.cdiv(rows, programs), d, BLOCK_D=block_d, num_warps=num_warps)

@@ -78,6 +78,16 @@ def _rope_kernel(
                   D, BLOCK_HK, BLOCK_D)
 
 
+def launch_settings(head_dim: int, heads_q: int, heads_k: int) -> dict[str, int]:
+    """Tile sizes and warps: a head block of at most 4,096 values, the head dim padded to a power of two."""
+    block_d = triton.next_power_of_2(head_dim)
+    block_h = max(1, _BLOCK_ELEMENTS // block_d)
+    block_hq = min(block_h, triton.next_power_of_2(max(heads_q, 1)))
+    block_hk = min(block_h, triton.next_power_of_2(max(heads_k, 1)))
+    return {"BLOCK_HQ": block_hq, "BLOCK_HK": block_hk, "BLOCK_D": block_d,
+            "num_warps": 4 if max(block_hq, block_hk) * block_d <= 2048 else 8}
+
+
 def _unit_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -91,18 +101,13 @@ def _rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if q.numel() == 0 and k.numel() == 0:
         return q_out, k_out
-    block_d = triton.next_power_of_2(head_dim)
-    block_h = max(1, _BLOCK_ELEMENTS // block_d)
     stride_pb = positions.stride(0) if positions.dim() == 2 else 0
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _rope_kernel[(seq, batch)](
             q, k, q_out, k_out, cos, sin, positions,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             cos.stride(0), cos.stride(1), stride_pb, positions.stride(-1),
-            seq, heads_q, heads_k,
-            D=head_dim, INVERSE=inverse, BLOCK_HQ=min(block_h, triton.next_power_of_2(max(heads_q, 1))),
-            BLOCK_HK=min(block_h, triton.next_power_of_2(max(heads_k, 1))), BLOCK_D=block_d,
-            num_warps=4 if block_h * block_d <= 2048 else 8,
+            seq, heads_q, heads_k, D=head_dim, INVERSE=inverse, **launch_settings(head_dim, heads_q, heads_k),
         )
     return q_out, k_out
 
