@@ -20,7 +20,7 @@ from cs336_kernels.swiglu import silu_mul_reference
 # ||ours - eager module|| / ||eager module||: bf16 outputs differ only by rare one-ulp flips on the GPU; the
 # gradients by one rounding of differently ordered fp32 sums (RMSNorm, RoPE) or by rounding once where the module
 # rounds five times (SwiGLU's da). The interpreter truncates bf16, which costs an ulp on about half the elements.
-GPU_OUT_TOL = 2e-4
+GPU_OUT_TOL = 5e-4
 GPU_GRAD_TOL = 1e-2
 INTERPRETER_TOL = 2e-2
 
