@@ -93,7 +93,7 @@ def _num_programs(device: torch.device) -> int:
     if device.type != "cuda":
         return _INTERPRET_PROGRAMS
     # Two per SM: a program holds x, dy, w and its dw share in registers (124 per thread at d = 4096 and 8 warps,
-    # tests/sm90_builds.py), so two fit on an SM and one's loads overlap the other's reduction.
+    # packages/kernels/tests/sm90_builds.py), so two fit on an SM and one's loads overlap the other's reduction.
     return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
