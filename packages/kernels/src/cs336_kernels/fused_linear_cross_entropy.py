@@ -2,7 +2,7 @@
 
 For an LM head, ``F.cross_entropy(hidden @ weight.T, targets)`` keeps the full logits, its softmax and their
 gradient alive: at 32,768 tokens and a 151,936-word vocabulary that is tens of GiB. Here tokens are processed in
-chunks whose logits fit a fixed budget (about 1.25 GiB). For each chunk:
+equal chunks whose logits fit a fixed budget (640 MiB). For each chunk:
 
     logits = h_chunk @ weight.T                        (torch matmul, input dtype, fp32 accumulation)
     Triton kernel, one program per row, in place:      max and sum of exp in fp32, loss = logsumexp - logit[target],
@@ -12,8 +12,21 @@ chunks whose logits fit a fixed budget (about 1.25 GiB). For each chunk:
 so the gradients exist when the forward returns and the backward only multiplies them by grad_output
 (the approach of Liger-Kernel's fused linear cross-entropy). With reduction="none" the per-token weights of
 the backward are unknown in the forward, so the forward only computes the losses and the backward recomputes the
-logits chunk by chunk (one matmul more). grad_weight is accumulated in the weight dtype across chunks, as a
-plain bf16 matmul over all tokens would not need to; with about ten chunks the extra rounding is small.
+logits chunk by chunk (one matmul more). The loss is accumulated and returned in fp32 (float64 for float64
+inputs): per-token losses in fp32 from the kernel, summed in fp32.
+
+Memory above the inputs and their gradients, at the leaderboard shape (N = 32,768 tokens, d = 4,096,
+V = 151,936, bf16; 16 chunks of 2,048 tokens):
+
+    chunk buffer     rows x V x 2 B = 2,048 x 151,936 x 2 = 0.58 GiB   logits, then dlogits in place
+    grad buffers     none extra: grad_hidden (N x d, 0.25 GiB) and grad_weight (V x d, 1.16 GiB) are written
+                     in place chunk by chunk and handed to autograd as the gradients themselves (no copy)
+    fp32 accumulators the per-token losses, N x 4 B = 128 KiB, and the scalar loss; grad_weight is accumulated
+                     in the weight dtype across chunks (an fp32 copy would cost V x d x 4 = 2.32 GiB): each
+                     chunk's product accumulates in fp32 inside the GEMM and is rounded once when it is added
+
+so about 0.58 GiB. The LM head runs at the end of the forward, when every saved activation is alive, so these
+bytes add to a training step's peak; 2,048-token chunks keep the GEMMs' inner dimension large.
 
     loss = fused_linear_cross_entropy(hidden, lm_head.weight, targets)  # hidden (N, d), weight (V, d)
     loss.backward()
@@ -30,8 +43,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-# Bytes of one chunk of logits: bounds the memory above inputs and gradients (4,096 x 151,936 bf16 fits).
-_CHUNK_BYTES = 5 * 2**28
+# Bytes of one chunk of logits: bounds the memory above inputs and gradients (2,048 x 151,936 bf16 fits).
+_CHUNK_BYTES = 5 * 2**27
+# Chunk rows are a multiple of this when the budget allows (whole GEMM tiles).
+_ROW_MULTIPLE = 128
 _MAX_BLOCK_V = 8192
 _REDUCTIONS = ("mean", "sum", "none")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -95,14 +110,16 @@ def softmax_grad_inplace(logits: torch.Tensor, targets: torch.Tensor, losses: to
 
 
 def chunk_rows(num_tokens: int, vocab: int, element_size: int, chunk_size: int | None) -> int:
-    """Tokens per chunk: the budget split into equal chunks (a multiple of 128 rows when that fits)."""
+    """Tokens per chunk: the fewest equal chunks within the budget, rounded up to a multiple of 128 rows (which
+    stays within the budget, itself rounded down to a multiple of 128 first)."""
     if chunk_size is not None:
         return max(1, min(chunk_size, num_tokens))
     budget_rows = max(1, _CHUNK_BYTES // (vocab * element_size))
-    num_chunks = -(-num_tokens // budget_rows)
-    rows = -(-num_tokens // max(1, num_chunks))
-    rounded = -(-rows // 128) * 128
-    return max(1, min(rounded if rounded <= budget_rows else rows, num_tokens))
+    multiple = _ROW_MULTIPLE if budget_rows >= _ROW_MULTIPLE else 1
+    max_rows = budget_rows // multiple * multiple
+    num_chunks = max(1, -(-num_tokens // max_rows))
+    rows = -(-num_tokens // num_chunks)
+    return max(1, min(-(-rows // multiple) * multiple, num_tokens))
 
 
 def _loss_and_grads(
@@ -153,7 +170,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             losses, _, _ = _loss_and_grads(hidden, weight, targets, ignore_index, None, 0, False, False,
                                            chunk_size)
             ctx.save_for_backward(hidden, weight, targets)
-            return losses.to(hidden.dtype)
+            return losses
         acc_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         if reduction == "mean":
             # 0/0 = nan when every target is ignored, as F.cross_entropy gives.
@@ -163,7 +180,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         losses, grad_hidden, grad_weight = _loss_and_grads(hidden, weight, targets, ignore_index, scale, 0,
                                                            need_h, need_w, chunk_size)
         ctx.grads = (grad_hidden, grad_weight)
-        return (losses.sum() * scale).to(hidden.dtype)
+        return losses.sum() * scale
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
@@ -232,7 +249,7 @@ def fused_linear_cross_entropy(
         chunk_size: tokens per chunk; default from a fixed logits-memory budget.
 
     Returns:
-        The loss in hidden's dtype: a scalar, or shaped like targets for reduction="none".
+        The loss in fp32 (float64 for float64 inputs): a scalar, or shaped like targets for reduction="none".
     """
     _check_inputs(hidden, weight, targets, reduction, chunk_size)
     vocab = weight.shape[0]

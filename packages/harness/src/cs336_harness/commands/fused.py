@@ -1,9 +1,10 @@
-"""``cs336 fused``: FusedAdamW and fused linear + cross-entropy against PyTorch on one GPU.
+"""``cs336 fused``: our fused kernels (AdamW, linear + cross-entropy, RMSNorm, RoPE, SiLU-mul) against PyTorch.
 
 Examples::
 
     bash tools/gpu.sh python3 -m cs336_harness.cli fused --out writeup/results/fused.jsonl
     uv run cs336 fused --bench linear-ce --tokens 8192 --vocab-size 32000
+    uv run cs336 fused --bench rms-norm --bench rope --bench swiglu     # the block glue only
     uv run cs336 fused --markdown writeup/results/fused.jsonl     # the writeup's tables from saved rows
 """
 
@@ -27,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=d.tokens, help="default 32768")
     parser.add_argument("--d-model", type=int, default=d.d_model, help="default 4096")
     parser.add_argument("--vocab-size", type=int, default=d.vocab_size, help="default 151936")
+    parser.add_argument("--d-ff", type=int, default=d.d_ff, help="SwiGLU width (default 11008)")
+    parser.add_argument("--num-heads", type=int, default=d.num_heads, help="RoPE heads (default 32)")
     parser.add_argument("--warmup-ms", type=int, default=d.warmup_ms, help="do_bench warm-up (default 200)")
     parser.add_argument("--rep-ms", type=int, default=d.rep_ms, help="do_bench repetition time (default 1000)")
     parser.add_argument("--out", default=None, help="append rows (with provenance) to this JSONL file")
@@ -42,14 +45,16 @@ def run(args: argparse.Namespace) -> int:
         config = FusedBenchConfig(
             benches=tuple(args.bench or FusedBenchConfig.benches), adamw_params=args.adamw_params,
             adamw_tensors=args.adamw_tensors, tokens=args.tokens, d_model=args.d_model,
-            vocab_size=args.vocab_size, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
+            vocab_size=args.vocab_size, d_ff=args.d_ff, num_heads=args.num_heads, warmup_ms=args.warmup_ms,
+            rep_ms=args.rep_ms,
         )
     except ValueError as e:
         raise SystemExit(f"cs336 fused: {e}") from None
     rows = run_fused_bench(config)
     for bench in dict.fromkeys(r["bench"] for r in rows):
         picked = [r for r in rows if r["bench"] == bench]
-        print(format_table(picked, [c for c in picked[0] if c != "bench"], floatfmt=".3f"))
+        columns = list(dict.fromkeys(c for r in picked for c in r if c != "bench"))
+        print(format_table(picked, columns, floatfmt=".3f"))
     if args.out:
         append_rows(args.out, rows)
     return 0

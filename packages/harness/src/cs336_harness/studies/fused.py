@@ -8,29 +8,49 @@
         floor_ms = 28 * num_params / 4.24e12 B/s * 1e3
 
     with 4.24 TB/s the device-to-device copy bandwidth (bytes read + written) measured on an H200
-    (ANCHORS.md); the same run also measures its own copy bandwidth and reports it in ``copy_tbps``.
+    (:data:`cs336_harness.device.H200_COPY_BYTES_PER_S`); the same run also measures its own copy bandwidth and
+    reports it in ``copy_tbps``.
 (b) LM head + cross-entropy, forward and backward: fused_linear_cross_entropy vs plain PyTorch
     (F.linear + F.cross_entropy, cs336_kernels' reference), in bfloat16. Median time, and peak memory above
     the inputs and their gradients (max_memory_allocated during one fwd+bwd minus what was allocated before it,
     minus the gradients' bytes). The matmul floor counts three (N x V x d) products, forward logits and the
-    two gradients, at 772 TFLOP/s (bf16 8192^3 on random data, ANCHORS.md):
+    two gradients, at 772 TFLOP/s (:data:`cs336_harness.device.H200_BF16_MATMUL_FLOPS`):
 
         matmul_floor_ms = 3 * 2 * N * V * d / 772e12 * 1e3
 
-    Each row also carries the relative error of our loss and gradients against plain PyTorch's.
+    Each row also carries the relative error of its loss against an fp32 reference (the logits in fp32,
+    chunk by chunk) and of our gradients against plain PyTorch's.
+(c) The glue of a Transformer block at the leaderboard shapes, bf16, forward + backward: RMSNorm (tokens x
+    d_model, bf16 weight as FSDP hands it over), RoPE on q and k ((1, tokens, heads, head_dim) views of the
+    projections) and SwiGLU's silu(a) * b (tokens x d_ff). Implementations: ours (cs336_kernels), torch.compile
+    of the same PyTorch reference the tests use, the eager model code (cs336_basics' RMSNorm and RotaryEmbedding
+    modules, SwiGLU's expression), and Liger-Kernel's op when ``liger_kernel`` imports (a row saying why
+    otherwise). Each row: do_bench median of forward + backward, GB/s from the bytes the op must move, the peak
+    memory above inputs, upstream gradients and the inputs' gradients (negative where an implementation writes
+    gradients into its inputs, as Liger's SiLU-mul and RoPE do), and the forward's relative difference from the
+    eager output. Bytes that must move, forward + backward (N tokens, e bytes per element):
 
-    from cs336_harness.fused_bench import FusedBenchConfig, run_fused_bench, fused_markdown
+        rms_norm:  5 * N * d * e + 8 * N + 3 * d * e_w        x, y, dy, x again, dx; rstd; w twice, dw
+        rope:      4 * (q.numel() + k.numel()) * e + 8 * N * D + 16 * N
+                                                              q, k in and out twice; cos, sin rows and
+                                                              int64 positions, once per pass
+        silu_mul:  8 * N * d_ff * e                           a, b, out; dout, a, b, da, db
+
+    from cs336_harness.studies.fused import FusedBenchConfig, run_fused_bench, fused_markdown
     rows = run_fused_bench(FusedBenchConfig())
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from cs336_basics.model import RMSNorm, RotaryEmbedding
 from cs336_kernels.fused_adamw import FusedAdamW
 from cs336_kernels.fused_linear_cross_entropy import (
     chunk_rows,
@@ -38,13 +58,15 @@ from cs336_kernels.fused_linear_cross_entropy import (
     linear_cross_entropy_reference,
     softmax_grad_inplace,
 )
+from cs336_kernels.rms_norm import rms_norm, rms_norm_reference
+from cs336_kernels.rope import rope, rope_reference
+from cs336_kernels.swiglu import silu_mul, silu_mul_reference
 from triton.testing import do_bench
 
 from cs336_harness.analysis.tables import markdown_table
+from cs336_harness.device import H200_BF16_MATMUL_FLOPS, H200_COPY_BYTES_PER_S
 
-BENCHES: tuple[str, ...] = ("adamw", "linear-ce")
-COPY_BYTES_PER_S = 4.24e12  # H200 device-to-device copy, bytes read + written (ANCHORS.md)
-BF16_MATMUL_FLOPS = 772e12  # H200 bf16 8192^3 matmul on random data (ANCHORS.md)
+BENCHES: tuple[str, ...] = ("adamw", "linear-ce", "rms-norm", "rope", "swiglu")
 ADAMW_BYTES_PER_PARAM = 28  # fp32: read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq
 _IGNORE_INDEX = -100
 
@@ -57,12 +79,14 @@ class FusedBenchConfig:
     tokens: int = 32768
     d_model: int = 4096
     vocab_size: int = 151936
+    d_ff: int = 11008
+    num_heads: int = 32
     warmup_ms: int = 200
     rep_ms: int = 1000
     # FusedAdamW launch granularities timed besides the default.
     adamw_elements_per_program: tuple[int, ...] = (2048, 262144)
     # Fused variants with these token chunk sizes are timed besides the default (which fits the memory budget).
-    extra_chunk_sizes: tuple[int, ...] = (2048, 8192)
+    extra_chunk_sizes: tuple[int, ...] = (1024, 4096)
 
     def __post_init__(self) -> None:
         if not torch.cuda.is_available():
@@ -72,9 +96,12 @@ class FusedBenchConfig:
         if self.adamw_tensors < 1 or self.adamw_params < self.adamw_tensors:
             raise ValueError(f"need 1 <= adamw_tensors <= adamw_params, got {self.adamw_tensors} tensors "
                              f"for {self.adamw_params} params")
-        for name in ("tokens", "d_model", "vocab_size", "warmup_ms", "rep_ms"):
+        for name in ("tokens", "d_model", "vocab_size", "d_ff", "num_heads", "warmup_ms", "rep_ms"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.d_model % self.num_heads or (self.d_model // self.num_heads) % 2:
+            raise ValueError(f"d_model must be num_heads times an even head_dim, got d_model {self.d_model} and "
+                             f"{self.num_heads} heads")
         if any(n < 1 or n % 2048 for n in self.adamw_elements_per_program):
             raise ValueError(f"adamw elements per program must be positive multiples of 2048, "
                              f"got {self.adamw_elements_per_program}")
@@ -103,7 +130,7 @@ def bench_adamw(config: FusedBenchConfig) -> list[dict[str, Any]]:
     params = [torch.randn(n, device="cuda", generator=gen).requires_grad_() for n in sizes]
     for p in params:
         p.grad = torch.randn(p.shape, device="cuda", generator=gen)
-    floor_ms = ADAMW_BYTES_PER_PARAM * config.adamw_params / COPY_BYTES_PER_S * 1e3
+    floor_ms = ADAMW_BYTES_PER_PARAM * config.adamw_params / H200_COPY_BYTES_PER_S * 1e3
     copy_tbps = measure_copy_tbps(config)
     impls: dict[str, Callable[[], torch.optim.Optimizer]] = {
         "FusedAdamW (ours)": lambda: FusedAdamW(params, lr=1e-4, weight_decay=0.01),
@@ -138,6 +165,17 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm()).item()
 
 
+def _fp32_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = 4096) -> float:
+    """Mean cross-entropy of fp32 logits, a chunk of tokens at a time, summed in float64."""
+    total = torch.zeros((), dtype=torch.float64, device=hidden.device)
+    with torch.no_grad():
+        for start in range(0, hidden.shape[0], chunk):
+            logits = F.linear(hidden[start:start + chunk].float(), weight.float())
+            total += F.cross_entropy(logits, targets[start:start + chunk], ignore_index=_IGNORE_INDEX,
+                                     reduction="sum").double()
+    return (total / (targets != _IGNORE_INDEX).sum()).item()
+
+
 def bench_linear_ce(config: FusedBenchConfig) -> list[dict[str, Any]]:
     """Forward + backward of the LM head and loss, fused vs plain PyTorch, in bfloat16."""
     n, d, v = config.tokens, config.d_model, config.vocab_size
@@ -146,13 +184,14 @@ def bench_linear_ce(config: FusedBenchConfig) -> list[dict[str, Any]]:
     weight = (torch.randn(v, d, device="cuda", generator=gen) / d**0.5).bfloat16().requires_grad_()
     targets = torch.randint(0, v, (n,), device="cuda", generator=gen)
     grads_bytes = hidden.nbytes + weight.nbytes
-    matmul_floor_ms = 3 * 2 * n * v * d / BF16_MATMUL_FLOPS * 1e3
+    matmul_floor_ms = 3 * 2 * n * v * d / H200_BF16_MATMUL_FLOPS * 1e3
     default_rows = chunk_rows(n, v, hidden.element_size(), None)
     impls: dict[str, Callable[..., torch.Tensor]] = {f"fused (ours), chunk {default_rows}": fused_linear_cross_entropy}
     for rows_per_chunk in config.extra_chunk_sizes:
         impls[f"fused, chunk {rows_per_chunk}"] = functools.partial(fused_linear_cross_entropy,
                                                                     chunk_size=rows_per_chunk)
     impls["plain torch"] = linear_cross_entropy_reference
+    loss_fp32 = _fp32_loss(hidden.detach(), weight.detach(), targets)
     rows, results = [], {}
     for name, loss_fn in impls.items():
         def step(loss_fn=loss_fn) -> torch.Tensor:
@@ -174,15 +213,15 @@ def bench_linear_ce(config: FusedBenchConfig) -> list[dict[str, Any]]:
         rows.append({
             "bench": "linear_ce", "impl": name, "tokens": n, "d_model": d, "vocab_size": v, "dtype": "bf16",
             "median_ms": ms, "matmul_floor_ms": matmul_floor_ms, "floor_fraction": matmul_floor_ms / ms,
-            "extra_gib": extra_gib, "loss": loss.item(),
+            "extra_gib": extra_gib, "loss": loss.item(), "loss_dtype": str(loss.dtype).removeprefix("torch."),
+            "loss_rel_err": abs(loss.item() - loss_fp32) / loss_fp32,
         })
     ref = results["plain torch"]
     for r in rows:
         r["speedup_vs_torch"] = rows[-1]["median_ms"] / r["median_ms"]
         if r["impl"] != "plain torch":
             ours = results[r["impl"]]
-            r.update(loss_rel_err=_rel_err(ours[0], ref[0]), grad_hidden_rel_err=_rel_err(ours[1], ref[1]),
-                     grad_weight_rel_err=_rel_err(ours[2], ref[2]))
+            r.update(grad_hidden_rel_err=_rel_err(ours[1], ref[1]), grad_weight_rel_err=_rel_err(ours[2], ref[2]))
     del results
     return rows + [_linear_ce_parts(hidden.detach(), weight.detach(), targets, default_rows, config)]
 
@@ -219,6 +258,196 @@ def _linear_ce_parts(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
         row["softmax_grad_kernel_ms"] / num_chunks * 1e-3) / 1e12
     return row
 
+# ---------------------------------------------------------------------------------------- block glue (c)
+
+GLUE_OPS = {"rms-norm": "rms_norm", "rope": "rope", "swiglu": "silu_mul"}
+
+
+@dataclass(frozen=True)
+class GlueImpl:
+    """One implementation of an op: ``run()`` is its forward on fixed inputs; ``upstream`` are the gradients of
+    its outputs; the backward fills ``leaves[i].grad``. ``note`` says what the row should know about it."""
+
+    run: Callable[[], tuple[torch.Tensor, ...]]
+    upstream: tuple[torch.Tensor, ...]
+    leaves: tuple[torch.Tensor, ...]
+    note: str | None = None
+    compare: bool = True  # False where the outputs are not the eager module's (another pairing convention)
+
+
+def _liger() -> tuple[Any, str | None]:
+    """Liger-Kernel's functional API, or None and why it cannot be used."""
+    try:
+        from liger_kernel.transformers import functional
+    except Exception as e:  # noqa: BLE001 (any import failure means: no Liger rows)
+        return None, f"liger_kernel is not importable: {type(e).__name__}: {e}"
+    return functional, None
+
+
+def _leaf(shape: Sequence[int], gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, device=gen.device, generator=gen).bfloat16().requires_grad_()
+
+
+def _fresh_leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone().requires_grad_()
+
+
+GlueCase = tuple[str, int, dict[str, GlueImpl | str]]  # shape, bytes that must move, implementations
+
+
+def rms_norm_case(n: int, d: int, liger: Any, device: str = "cuda") -> GlueCase:
+    """x (n, d) and a bf16 weight; ``liger`` is Liger's functional module or None."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = _leaf((n, d), gen)
+    w = (1 + 0.1 * torch.randn(d, device=device, generator=gen)).bfloat16().requires_grad_()
+    dy = torch.randn(n, d, device=device, generator=gen).bfloat16()
+    module = RMSNorm(d, device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        module.weight.copy_(w)
+    compiled = torch.compile(rms_norm_reference)
+    impls: dict[str, GlueImpl | str] = {
+        "ours": GlueImpl(lambda: (rms_norm(x, w),), (dy,), (x, w)),
+        "torch_compile": GlueImpl(lambda: (compiled(x, w),), (dy,), (x, w)),
+        "eager": GlueImpl(lambda: (module(x),), (dy,), (x, module.weight)),
+    }
+    if liger is None:
+        impls["liger"] = "skipped"
+    else:
+        # Its "gemma" casting is our numerics (fp32 throughout, the weight too); it writes dx into dy.
+        impls["liger"] = GlueImpl(lambda: (liger.liger_rms_norm(x, w, 1e-5, casting_mode="gemma"),), (dy.clone(),),
+                                  (x, w), note="casting_mode='gemma'; backward writes dx into dy")
+    nbytes = 5 * n * d * x.element_size() + 8 * n + 3 * d * w.element_size()
+    return f"{n}x{d}", nbytes, impls
+
+
+def rope_case(n: int, d_model: int, heads: int, liger: Any, device: str = "cuda") -> GlueCase:
+    """q, k as (1, n, heads, head_dim) views of (1, n, d_model) projections, positions 0..n-1."""
+    head_dim = d_model // heads
+    gen = torch.Generator(device=device).manual_seed(2)
+    q_proj, k_proj = _leaf((1, n, d_model), gen), _leaf((1, n, d_model), gen)
+    q, k = q_proj.view(1, n, heads, head_dim), k_proj.view(1, n, heads, head_dim)  # (1, N, H, Dh) views
+    dq, dk = (torch.randn(1, n, heads, head_dim, device=device, generator=gen).bfloat16() for _ in range(2))
+    module = RotaryEmbedding(n, head_dim, device=device)
+    positions = torch.arange(n, device=device)
+    cos, sin = module.cos, module.sin  # (N, Dh / 2) fp32
+    compiled = torch.compile(rope_reference)
+
+    def eager() -> tuple[torch.Tensor, ...]:
+        # The model rotates (batch, heads, seq, head_dim) views; transposing back is free.
+        return tuple(module(t.transpose(1, 2), positions).transpose(1, 2) for t in (q, k))
+
+    impls: dict[str, GlueImpl | str] = {
+        "ours": GlueImpl(lambda: rope(q, k, cos, sin, positions), (dq, dk), (q_proj, k_proj)),
+        "torch_compile": GlueImpl(lambda: compiled(q, k, cos, sin, positions), (dq, dk), (q_proj, k_proj)),
+        "eager": GlueImpl(eager, (dq, dk), (q_proj, k_proj)),
+    }
+    if liger is None:
+        impls["liger"] = "skipped"
+    else:
+        # Liger follows Hugging Face: it rotates the halves (x[i], x[i + Dh/2]) with full-width (1, N, Dh) tables,
+        # in place in copies of its (batch, heads, seq, Dh) inputs; same traffic, another pairing.
+        lq, lk = _fresh_leaf(q_proj), _fresh_leaf(k_proj)
+        cos_full, sin_full = (torch.cat((t, t), dim=-1)[None] for t in (cos, sin))
+
+        def liger_rope() -> tuple[torch.Tensor, ...]:
+            views = (t.view(1, n, heads, head_dim).transpose(1, 2) for t in (lq, lk))
+            return tuple(out.transpose(1, 2) for out in liger.liger_rope(*views, cos_full, sin_full))
+
+        impls["liger"] = GlueImpl(liger_rope, (dq.clone(), dk.clone()), (lq, lk), compare=False,
+                                  note="rotates halves (Hugging Face convention), not interleaved pairs")
+    nbytes = 4 * (q.numel() + k.numel()) * q.element_size() + 8 * n * head_dim + 16 * n
+    return f"1x{n}x{heads}x{head_dim}", nbytes, impls
+
+
+def swiglu_case(n: int, d_ff: int, liger: Any, device: str = "cuda") -> GlueCase:
+    """a = w1 x and b = w3 x as (n, d_ff)."""
+    gen = torch.Generator(device=device).manual_seed(3)
+    a, b = _leaf((n, d_ff), gen), _leaf((n, d_ff), gen)
+    g = torch.randn(n, d_ff, device=device, generator=gen).bfloat16()
+    compiled = torch.compile(silu_mul_reference)
+    impls: dict[str, GlueImpl | str] = {
+        "ours": GlueImpl(lambda: (silu_mul(a, b),), (g,), (a, b)),
+        "torch_compile": GlueImpl(lambda: (compiled(a, b),), (g,), (a, b)),
+        "eager": GlueImpl(lambda: (silu_mul_reference(a, b),), (g,), (a, b), note="SwiGLU's expression"),
+    }
+    if liger is None:
+        impls["liger"] = "skipped"
+    else:
+        # Liger's backward writes da and db into its saved inputs: give it its own copies.
+        la, lb = _fresh_leaf(a), _fresh_leaf(b)
+        impls["liger"] = GlueImpl(lambda: (liger.liger_swiglu(la, lb),), (g,), (la, lb),
+                                  note="backward writes da, db into a, b")
+    return f"{n}x{d_ff}", 8 * a.numel() * a.element_size(), impls
+
+
+_GLUE_CASES: dict[str, Callable[[FusedBenchConfig, Any], GlueCase]] = {
+    "rms-norm": lambda c, liger: rms_norm_case(c.tokens, c.d_model, liger),
+    "rope": lambda c, liger: rope_case(c.tokens, c.d_model, c.num_heads, liger),
+    "swiglu": lambda c, liger: swiglu_case(c.tokens, c.d_ff, liger),
+}
+
+
+def glue_step(impl: GlueImpl) -> None:
+    """One forward + backward of ``impl``."""
+    torch.autograd.backward(impl.run(), impl.upstream)
+
+
+def _measure_glue(impl: GlueImpl, config: FusedBenchConfig) -> dict[str, Any]:
+    """Forward output, peak memory above inputs and gradients of one fwd+bwd, and the do_bench median."""
+    with torch.no_grad():
+        first = impl.run()[0].detach().clone()
+    glue_step(impl)  # compiles (torch.compile, Triton) outside the measurements
+    for leaf in impl.leaves:
+        leaf.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    glue_step(impl)
+    torch.cuda.synchronize()
+    grads_bytes = sum(leaf.grad.nbytes for leaf in impl.leaves if leaf.grad is not None)
+    extra_gib = (torch.cuda.max_memory_allocated() - before - grads_bytes) / 2**30
+    for leaf in impl.leaves:
+        leaf.grad = None
+    ms = _median_ms(lambda: glue_step(impl), config, grad_to_none=impl.leaves)
+    return {"median_ms": ms, "extra_gib": extra_gib, "first": first}
+
+
+def bench_glue(op: str, config: FusedBenchConfig) -> list[dict[str, Any]]:
+    """Rows of one glue op (``rms-norm``, ``rope`` or ``swiglu``): every implementation, forward + backward."""
+    liger, why_not = _liger()
+    shape, nbytes, impls = _GLUE_CASES[op](config, liger)
+    base = {"bench": "glue", "op": GLUE_OPS[op], "shape": shape, "dtype": "bf16", "bytes_moved": nbytes}
+    rows, outputs = [], {}
+    for name, impl in impls.items():
+        row: dict[str, Any] = {**base, "impl": name}
+        if isinstance(impl, str):
+            rows.append({**row, "note": why_not})
+            continue
+        if impl.note:
+            row["note"] = impl.note
+        try:
+            measured = _measure_glue(impl, config)
+        except Exception as e:  # noqa: BLE001 (one failing implementation must not lose the other rows)
+            print(f"cs336 fused: {op} {name} failed: {type(e).__name__}: {e}", file=sys.stderr)
+            rows.append({**row, "error": f"{type(e).__name__}: {e}"})
+            torch.cuda.empty_cache()
+            continue
+        if impl.compare:
+            outputs[name] = measured.pop("first")
+        else:
+            measured.pop("first")
+        row.update(measured, gbps=nbytes / (measured["median_ms"] * 1e-3) / 1e9)
+        rows.append(row)
+        torch.cuda.empty_cache()
+    eager = next((r for r in rows if r["impl"] == "eager" and "median_ms" in r), None)
+    for r in rows:
+        if eager is not None and "median_ms" in r:
+            r["speedup_vs_eager"] = eager["median_ms"] / r["median_ms"]
+        if "eager" in outputs and r["impl"] in outputs:
+            r["out_rel_err_vs_eager"] = _rel_err(outputs[r["impl"]], outputs["eager"])
+    return rows
+
 
 def run_fused_bench(config: FusedBenchConfig) -> list[dict[str, Any]]:
     """Rows of every benchmark in ``config.benches``."""
@@ -228,6 +457,11 @@ def run_fused_bench(config: FusedBenchConfig) -> list[dict[str, Any]]:
         torch.cuda.empty_cache()
     if "linear-ce" in config.benches:
         rows += bench_linear_ce(config)
+        torch.cuda.empty_cache()
+    for op in GLUE_OPS:
+        if op in config.benches:
+            rows += bench_glue(op, config)
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -239,7 +473,8 @@ def _latest_run(rows: Sequence[dict[str, Any]], bench: str) -> list[dict[str, An
 
 
 def fused_markdown(rows: Sequence[dict[str, Any]]) -> str:
-    """The writeup's tables from the latest run of each benchmark: AdamW, linear + cross-entropy, its stages."""
+    """The writeup's tables from the latest run of each benchmark: AdamW, linear + cross-entropy, its stages,
+    and one table per glue op."""
     parts = []
     adamw = _latest_run(rows, "adamw")
     if adamw:
@@ -264,7 +499,7 @@ def fused_markdown(rows: Sequence[dict[str, Any]]) -> str:
                 ["impl", "median_ms", "speedup_vs_torch", "floor_fraction", "extra_gib", "loss_rel_err",
                  "grad_hidden_rel_err", "grad_weight_rel_err"],
                 ["implementation", "median (ms)", "vs plain torch", "floor / time", "peak above inputs+grads (GiB)",
-                 "loss rel. err", "grad h rel. err", "grad W rel. err"], strict=True)))
+                 "loss rel. err vs fp32", "grad h rel. err", "grad W rel. err"], strict=True)))
         )
     for p in _latest_run(rows, "linear_ce_parts"):
         stages = [
@@ -276,5 +511,17 @@ def fused_markdown(rows: Sequence[dict[str, Any]]) -> str:
         parts.append(
             f"Fused stages, {p['num_chunks']} chunks of {p['chunk_rows']} tokens (one chunk timed, times the count)."
             "\n\n" + markdown_table(stages, [("stage", "stage"), ("ms", "total (ms)"), ("rate", "rate")])
+        )
+    glue = _latest_run(rows, "glue")
+    for op in dict.fromkeys(r["op"] for r in glue):
+        picked = [{**r, "note": r.get("error") or r.get("note")} for r in glue if r["op"] == op]
+        p = picked[0]
+        parts.append(
+            f"{op} forward + backward, {p['shape']} {p['dtype']}, one GPU of {p['device']}; "
+            f"{p['bytes_moved'] / 1e9:.2f} GB must move.\n\n"
+            + markdown_table(picked, list(zip(
+                ["impl", "median_ms", "gbps", "speedup_vs_eager", "extra_gib", "out_rel_err_vs_eager", "note"],
+                ["implementation", "median (ms)", "GB/s", "vs eager", "peak above inputs+grads (GiB)",
+                 "out rel. diff vs eager", "note"], strict=True)))
         )
     return "\n\n".join(parts)

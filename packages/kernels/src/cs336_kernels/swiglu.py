@@ -1,0 +1,168 @@
+"""SwiGLU's gate ``silu(a) * b`` (Shazeer, 2020) forward and backward in Triton, one pass over memory each.
+
+``cs336_basics.model.SwiGLU`` computes ``w2(a * sigmoid(a) * b)`` with a = w1 x and b = w3 x, three PyTorch
+ops in the input dtype that each compute in fp32 and round: s = sigmoid(a), t = a * s, out = t * b. The
+forward kernel computes in fp32 and rounds at the same three places, so in fp32 it is the same as the
+expression and in bf16/fp16 it matches the module's rounding; the only difference is the fp32 sigmoid itself
+(the kernel's exp against PyTorch's), which moves a rounded result by one ulp now and then.
+
+The backward recomputes sigmoid from a (nothing but a and b is saved) and, with g the output's gradient:
+
+    db = g * t                                 (t as rounded in the forward, PyTorch's formula)
+    da = g * b * s * (1 + a * (1 - s))         (d/da of a * sigmoid(a), fp32, s unrounded)
+
+each rounded once to the input dtype. Here it differs from PyTorch's autograd of the expression, which rounds
+four intermediates (g * b, its products with s and with a, sigmoid's backward) and their sum, so da is a little
+more accurate than the module's.
+
+    out = silu_mul(a, b)      # a, b (..., n) of one dtype and shape
+
+``silu_mul_reference`` is the module's expression in plain PyTorch; tests and benchmarks import it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Elements per program along a row: 8 bf16 values per thread at 4 warps, one 16-byte load per tensor.
+_BLOCK_N = 1024
+_NUM_WARPS = 4
+MAX_N = 65535 * _BLOCK_N  # row blocks are grid axis 1, which holds at most 65535 programs
+
+
+@triton.jit
+def _rounded(x, DTYPE: tl.constexpr):
+    """x rounded to DTYPE and back to fp32 (a no-op for fp32): where PyTorch rounds an intermediate."""
+    return x.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _silu_mul_fwd_kernel(
+    A, B, OUT,  # a, b (rows, N) with row strides and unit column stride; out (rows, N) contiguous
+    stride_a, stride_b, N,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < N
+    a = tl.load(A + row * stride_a + cols, mask=mask, other=0.0)
+    b = tl.load(B + row * stride_b + cols, mask=mask, other=0.0).to(tl.float32)
+    dtype = a.dtype
+    a = a.to(tl.float32)
+    t = _rounded(a * _rounded(tl.sigmoid(a), dtype), dtype)
+    tl.store(OUT + row * N + cols, (t * b).to(dtype), mask=mask)
+
+
+@triton.jit
+def _silu_mul_bwd_kernel(
+    DOUT, A, B, DA, DB,  # dout, a, b (rows, N) strided, unit column stride; da, db (rows, N) contiguous
+    stride_dout, stride_a, stride_b, N,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < N
+    a = tl.load(A + row * stride_a + cols, mask=mask, other=0.0)
+    dtype = a.dtype
+    a = a.to(tl.float32)
+    b = tl.load(B + row * stride_b + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(DOUT + row * stride_dout + cols, mask=mask, other=0.0).to(tl.float32)
+    s = tl.sigmoid(a)
+    t = _rounded(a * _rounded(s, dtype), dtype)
+    tl.store(DB + row * N + cols, (g * t).to(dtype), mask=mask)
+    tl.store(DA + row * N + cols, (g * b * s * (1.0 + a * (1.0 - s))).to(dtype), mask=mask)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t as (rows, n) with unit stride on n: a view where the layout allows, else a copy."""
+    t = t.reshape(-1, t.shape[-1])
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _grid(rows: int, n: int) -> tuple[int, int]:
+    return rows, triton.cdiv(n, _BLOCK_N)
+
+
+def _device_context(t: torch.Tensor):
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def silu_mul_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Launch the forward kernel on (rows, n) a and b with unit column strides; out (rows, n) contiguous."""
+    rows, n = a.shape
+    out = torch.empty((rows, n), dtype=a.dtype, device=a.device)
+    if out.numel():
+        with _device_context(a):
+            _silu_mul_fwd_kernel[_grid(rows, n)](a, b, out, a.stride(0), b.stride(0), n, BLOCK_N=_BLOCK_N,
+                                                 num_warps=_NUM_WARPS)
+    return out
+
+
+def silu_mul_backward(dout: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the backward kernel on (rows, n) tensors with unit column strides; (da, db) contiguous."""
+    rows, n = a.shape
+    da = torch.empty((rows, n), dtype=a.dtype, device=a.device)
+    db = torch.empty_like(da)
+    if da.numel():
+        with _device_context(a):
+            _silu_mul_bwd_kernel[_grid(rows, n)](dout, a, b, da, db, dout.stride(0), a.stride(0), b.stride(0), n,
+                                                 BLOCK_N=_BLOCK_N, num_warps=_NUM_WARPS)
+    return da, db
+
+
+class SiLUMulFunction(torch.autograd.Function):
+    """out = silu(a) * b for a, b (..., n); saves a and b (sigmoid is recomputed in the backward)."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        a2, b2 = _rows(a), _rows(b)
+        ctx.save_for_backward(a2, b2)
+        return silu_mul_forward(a2, b2).view(a.shape)
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        a2, b2 = ctx.saved_tensors
+        da, db = silu_mul_backward(_rows(dout), a2, b2)
+        return da.view(dout.shape), db.view(dout.shape)
+
+
+def _check_inputs(a: torch.Tensor, b: torch.Tensor) -> None:
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if a.dtype not in DTYPES or b.dtype != a.dtype:
+        raise TypeError(f"a and b must share a dtype in {DTYPES}, got {a.dtype} and {b.dtype}")
+    if a.shape != b.shape or a.dim() < 1:
+        raise ValueError(f"a and b must have one shape (..., n), got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.shape[-1] > MAX_N:
+        raise ValueError(f"the last dim must be at most {MAX_N}, got {a.shape[-1]}")
+    if a.device != b.device:
+        raise ValueError(f"a and b must be on one device, got {a.device} and {b.device}")
+    if a.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1); got device {a.device}")
+
+
+def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a * sigmoid(a) * b`` with the module's rounding (Triton, differentiable).
+
+    Args:
+        a: (..., n) gate pre-activation (w1 x) in fp32, fp16 or bf16; any strides (a copy is made unless
+            rows are views with a unit stride on n, as column slices of a fused w1/w3 projection are).
+        b: (..., n) linear branch (w3 x), same shape and dtype.
+
+    Returns:
+        (..., n) contiguous, in the input dtype.
+    """
+    _check_inputs(a, b)
+    return SiLUMulFunction.apply(a, b)
+
+
+def silu_mul_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``cs336_basics.model.SwiGLU``'s gate, as written there (each op rounds to the input dtype)."""
+    return a * torch.sigmoid(a) * b

@@ -1,0 +1,97 @@
+"""Compile the RMSNorm, RoPE and SiLU-mul kernels for sm_90 without a GPU and print what ptxas made of them.
+
+Each kernel is specialised as its launcher specialises it at the leaderboard shapes (bf16, d_model 4096,
+head_dim 128 with 32 heads; the SiLU-mul kernels do not specialise on d_ff; unit strides as constants,
+16-divisible pointers and sizes) and built by ``triton.compile`` for ``GPUTarget("cuda", 90, 32)``; cuobjdump
+then reads registers per thread and the local-memory spill stores and loads in the SASS. One JSON row per build
+on stdout::
+
+    uv run python packages/kernels/tests/sm90_builds.py
+
+Run it without TRITON_INTERPRET (the interpreter cannot compile); ``test_sm90_builds.py`` runs it in a
+subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import triton
+import triton.backends.nvidia
+from cs336_kernels import rms_norm, rope, swiglu
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def cuobjdump() -> str:
+    bundled = Path(triton.backends.nvidia.__file__).parent / "bin" / "cuobjdump"
+    found = shutil.which("cuobjdump") or (str(bundled) if bundled.exists() else None)
+    if found is None:
+        raise RuntimeError("cuobjdump not found (neither on PATH nor bundled with Triton)")
+    return found
+
+
+def build(name: str, kernel: Any, types: dict[str, str], constants: dict[str, Any], num_warps: int) -> dict:
+    """Compile ``kernel`` with the given argument types (the rest constexpr) and read its resources."""
+    signature = {arg: types.get(arg, "constexpr") for arg in kernel.arg_names}
+    missing = set(kernel.arg_names) - set(types) - set(constants)
+    assert not missing, f"{name}: no type or constant for {sorted(missing)}"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(kernel.arg_names)
+             if signature[arg].startswith("*") or signature[arg] == "i32"}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
+    compiled = triton.compile(source, target=TARGET, options={"num_warps": num_warps})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([cuobjdump(), "-res-usage", cubin.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([cuobjdump(), "-sass", cubin.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    return {"kernel": name, "target": "sm_90", "num_warps": num_warps,
+            "registers": int(found[1]) if found else None, "stack_bytes": int(found[2]) if found else None,
+            "shared_bytes": compiled.metadata.shared, "spill_stores": sass.count("STL"),
+            "spill_loads": sass.count("LDL"), "sass_lines": sass.count("\n")}
+
+
+def rows() -> list[dict]:
+    d_model, head_dim, heads = 4096, 128, 32
+    out = []
+    block_d, warps = rms_norm.launch_settings(d_model)
+    for w in ("bf16", "fp32"):
+        out.append(build(f"rms_norm_fwd (weight {w})", rms_norm._rms_norm_fwd_kernel,
+                         {"X": "*bf16", "W": f"*{w}", "Y": "*bf16", "RSTD": "*fp32", "stride_x": "i32", "D": "i32",
+                          "eps": "fp32"}, {"BLOCK_D": block_d}, warps))
+        out.append(build(f"rms_norm_bwd (weight {w})", rms_norm._rms_norm_bwd_kernel,
+                         {"DY": "*bf16", "X": "*bf16", "W": f"*{w}", "RSTD": "*fp32", "DX": "*bf16",
+                          "DW_PARTIAL": "*fp32", "stride_dy": "i32", "stride_x": "i32", "n_rows": "i32",
+                          "rows_per_program": "i32", "D": "i32"}, {"BLOCK_D": block_d}, warps))
+    settings = rope.launch_settings(head_dim, heads, heads)
+    rope_warps = settings.pop("num_warps")
+    for inverse in (False, True):
+        out.append(build(f"rope ({'backward' if inverse else 'forward'})", rope._rope_kernel,
+                         {"Q": "*bf16", "K": "*bf16", "QO": "*bf16", "KO": "*bf16", "COS": "*fp32", "SIN": "*fp32",
+                          "POS": "*i64", **{s: "i32" for s in ("stride_qb", "stride_qs", "stride_qh", "stride_kb",
+                                                               "stride_ks", "stride_kh", "stride_ct", "stride_pb",
+                                                               "S", "HQ", "HK")}},
+                         {"stride_cf": 1, "stride_ps": 1, "D": head_dim, "INVERSE": inverse, **settings},
+                         rope_warps))
+    out.append(build("silu_mul_fwd", swiglu._silu_mul_fwd_kernel,
+                     {"A": "*bf16", "B": "*bf16", "OUT": "*bf16", "stride_a": "i32", "stride_b": "i32", "N": "i32"},
+                     {"BLOCK_N": swiglu._BLOCK_N}, swiglu._NUM_WARPS))
+    out.append(build("silu_mul_bwd", swiglu._silu_mul_bwd_kernel,
+                     {"DOUT": "*bf16", "A": "*bf16", "B": "*bf16", "DA": "*bf16", "DB": "*bf16", "stride_dout": "i32",
+                      "stride_a": "i32", "stride_b": "i32", "N": "i32"},
+                     {"BLOCK_N": swiglu._BLOCK_N}, swiglu._NUM_WARPS))
+    return out
+
+
+if __name__ == "__main__":
+    for row in rows():
+        print(json.dumps(row))
