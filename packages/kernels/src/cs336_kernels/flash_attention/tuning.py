@@ -7,8 +7,8 @@ timing, the pruner keeps only those of the launch's regime, so a cold start time
 A second table per kernel repeats some 16-bit entries with the tiles its main loop re-reads loaded by
 TMA (tensor descriptors); those are kept only where TMA can run (Hopper or newer, aligned strides).
 
-Public: :data:`KERNELS`, :data:`TMA_FLAGS`, :func:`listed_configs`, :func:`autotuned_kernel` (to read what the autotuner
-timed and picked) and :func:`extra_configs` (to widen the lists for a sweep, as
+Public: :data:`KERNELS`, :data:`TMA_FLAGS`, :func:`listed_configs`, :func:`autotuned_kernel` (to read
+what the autotuner timed and picked) and :func:`extra_configs` (to widen the lists for a sweep, as
 ``python -m cs336_harness.attention_tuning`` does). Under the interpreter every kernel has one tiny config.
 """
 
@@ -198,7 +198,8 @@ def _check_entry(kernel: str, entry: Entry) -> None:
 def extra_configs(extra: Mapping[str, Mapping[Regime, Sequence[Entry]]]) -> Iterator[None]:
     """Add ``extra[kernel][regime]`` to each kernel's table while the block runs (configs that load by
     pointers, not TMA), then restore the tables. On entry and exit the changed kernels forget what they
-    autotuned, so the next launch of each shape times the current list.
+    autotuned, so the next launch of each shape times the current list. Under the interpreter the kernels
+    keep their one config.
 
     Args:
         extra: kernel name ("fwd", "dkdv", "dq") -> regime (bytes per element, padded head dim) -> entries
