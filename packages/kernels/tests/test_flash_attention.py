@@ -1,13 +1,12 @@
 """FlashAttention-2 (Triton and tiled PyTorch) against a float64 materialised-attention reference.
 
-On CPU the Triton kernels run in the Triton interpreter (the root conftest sets TRITON_INTERPRET=1), so
+On CPU the Triton kernels run in the Triton interpreter (conftest.py sets TRITON_INTERPRET=1), so
 those shapes stay tiny; tests marked ``gpu`` repeat the checks at real sizes, in bf16 too, and check that
 the backward pass is bitwise deterministic.
 """
 
 from __future__ import annotations
 
-import cs336_kernels.flash_attention as fa
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +18,8 @@ from cs336_kernels.flash_attention import (
     flash_attention,
     flash_backward_pytorch,
     flash_forward_pytorch,
+    flash_forward_triton,
+    tuning,
 )
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -121,7 +122,7 @@ def test_compiled_pytorch_backward(impl):
 
 
 def _check_forward(q, k, v, is_causal):
-    o, lse = fa.flash_forward_triton(q, k, v, is_causal)
+    o, lse = flash_forward_triton(q, k, v, is_causal)
     o_ref, lse_ref = attention_reference(q.double(), k.double(), v.double(), is_causal)
     assert _rel_err(o, o_ref) < REL_TOL[q.dtype]
     assert (lse.double() - lse_ref).abs().max().item() < LSE_TOL[q.dtype]
@@ -134,7 +135,7 @@ def test_forward_with_tma_loads_matches_reference(monkeypatch, shape_q, shape_kv
     # The KV_TMA configs are only autotuned on a GPU; force the interpreter onto that path. Covers a partial
     # last key tile, Tq < Tk with grouped heads, and d = 40 inside a 64-wide tile (TMA's zero fill).
     monkeypatch.setattr(
-        fa._attn_fwd_kernel, "configs",
+        tuning.autotuned_kernel("fwd"), "configs",
         [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "KV_TMA": True}, num_warps=1, num_stages=1)],
     )
     q, k, v, _ = _inputs(shape_q, shape_kv, dtype, seed=shape_q[-2])
@@ -143,11 +144,10 @@ def test_forward_with_tma_loads_matches_reference(monkeypatch, shape_q, shape_kv
 
 def _force_backward_tma(monkeypatch, configs):
     # configs: kernel name -> (BLOCK_M, BLOCK_N, num_warps, num_stages) launched with that kernel's TMA flag.
-    kernels = {"dkdv": fa._attn_bwd_dkdv_kernel, "dq": fa._attn_bwd_dq_kernel}
     for name, (block_m, block_n, num_warps, num_stages) in configs.items():
-        config = triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, fa._TMA_FLAGS[name]: True},
+        config = triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, tuning.TMA_FLAGS[name]: True},
                                num_warps=num_warps, num_stages=num_stages)
-        monkeypatch.setattr(kernels[name], "configs", [config])
+        monkeypatch.setattr(tuning.autotuned_kernel(name), "configs", [config])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -157,7 +157,7 @@ def test_backward_with_tma_loads_matches_reference(monkeypatch, shape_q, shape_k
     # Q, dO by TMA in the dK/dV kernel and K, V by TMA in the dQ kernel, forced (only a GPU autotunes them).
     # Covers partial last tiles, Tq < Tk with two query heads per K/V head (a descriptor per query head) and
     # d = 40 inside a 64-wide tile (TMA's zero fill).
-    _force_backward_tma(monkeypatch, {"dkdv": fa._INTERPRETER_CONFIG, "dq": fa._INTERPRETER_CONFIG})
+    _force_backward_tma(monkeypatch, {"dkdv": tuning._INTERPRETER_CONFIG, "dq": tuning._INTERPRETER_CONFIG})
     q, k, v, do = _inputs(shape_q, shape_kv, dtype, seed=shape_q[-2])
     _check_against_reference(flash_attention, q, k, v, do, is_causal)
 
@@ -238,13 +238,15 @@ def test_gpu_matches_reference(shape_q, shape_kv, dtype, is_causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("head_dim", "entry"), [(d, e) for (_, d), es in fa._FWD_TMA_TABLE.items() for e in es])
+@pytest.mark.parametrize(
+    ("head_dim", "entry"), [(d, e) for (_, d), es in tuning.listed_configs("fwd", tma=True).items() for e in es]
+)
 def test_gpu_forward_with_tma_loads_matches_reference(monkeypatch, head_dim, entry):
     # Each KV_TMA config on its own: the autotuner would run only the fastest one.
     block_m, block_n, num_warps, num_stages = entry
     config = triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "KV_TMA": True}, num_warps=num_warps,
                            num_stages=num_stages)
-    monkeypatch.setattr(fa._attn_fwd_kernel, "configs", [config])
+    monkeypatch.setattr(tuning.autotuned_kernel("fwd"), "configs", [config])
     for is_causal in (False, True):
         q, k, v, _ = _inputs((2, 4, 777, head_dim), (2, 2, 1000, head_dim), torch.bfloat16, seed=head_dim)
         _check_forward(q, k, v, is_causal)
@@ -253,7 +255,8 @@ def test_gpu_forward_with_tma_loads_matches_reference(monkeypatch, head_dim, ent
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("name", "head_dim", "entry"),
-    [(name, d, e) for name in ("dkdv", "dq") for (_, d), entries in fa._TABLES[name][1].items() for e in entries],
+    [(name, d, e) for name in ("dkdv", "dq") for (_, d), entries in tuning.listed_configs(name, tma=True).items()
+     for e in entries],
 )
 def test_gpu_backward_with_tma_loads_matches_reference_and_is_deterministic(monkeypatch, name, head_dim, entry):
     # Each backward TMA config on its own (the autotuner would run only the fastest one), twice: the TMA path

@@ -1,6 +1,6 @@
 """FusedAdamW against torch.optim.AdamW: updates, state, state_dict round trips, errors.
 
-CPU tests run the kernel through the Triton interpreter in float32 (the root conftest sets TRITON_INTERPRET);
+CPU tests run the kernel through the Triton interpreter in float32 (conftest.py sets TRITON_INTERPRET);
 the interpreter rounds float32 -> bfloat16 toward zero, so bfloat16 parameters are checked on the GPU only.
 """
 

@@ -1,6 +1,6 @@
 """fused_linear_cross_entropy against F.linear + F.cross_entropy: loss, both gradients, errors, memory.
 
-CPU tests run the Triton kernel through the interpreter (root conftest) and compare in float64 and float32 with
+CPU tests run the Triton kernel through the interpreter (conftest.py) and compare in float64 and float32 with
 a float64 reference. GPU tests check bfloat16, including the leaderboard shape (32,768 tokens, d_model 4,096,
 vocab 151,936) against a float32 reference computed chunk by chunk.
 """

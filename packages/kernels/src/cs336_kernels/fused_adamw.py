@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cs336_kernels.interpreter import check_device
+
 # Elements per loop iteration: 8 values per thread at 8 warps, two 16-byte fp32 loads per array. At 16 per thread
 # the compiler needs over 200 registers and one program fills an SM; at 8 it needs 64 (ptxas -v, sm_90a), so four
 # programs share an SM and one's table lookups and arithmetic hide behind the others' memory traffic.
@@ -182,6 +184,8 @@ class FusedAdamW(torch.optim.Optimizer):
         devices = {p.device for p in group["params"]}
         if len(devices) > 1:
             raise ValueError(f"FusedAdamW needs every tensor of a parameter group on one device, got {devices}")
+        for device in devices:
+            check_device(device, "FusedAdamW")
         for p in group["params"]:
             if p.dtype not in _PARAM_DTYPES:
                 raise TypeError(

@@ -32,16 +32,21 @@ bytes add to a training step's peak; 2,048-token chunks keep the GEMMs' inner di
     loss.backward()
 
 ``linear_cross_entropy_reference`` is the plain PyTorch computation that tests and benchmarks compare against.
+The module is also callable as :func:`fused_linear_cross_entropy` (see ``cs336_kernels._callable_module``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from cs336_kernels._callable_module import CallableModule
+from cs336_kernels.interpreter import check_device
 
 # Bytes of one chunk of logits: bounds the memory above inputs and gradients (2,048 x 151,936 bf16 fits).
 _CHUNK_BYTES = 5 * 2**27
@@ -225,6 +230,7 @@ def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     if not hidden.device == weight.device == targets.device:
         raise ValueError(f"hidden, weight and targets must be on one device, got {hidden.device}, "
                          f"{weight.device}, {targets.device}")
+    check_device(hidden.device, "fused_linear_cross_entropy")
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
 
@@ -295,3 +301,6 @@ def linear_cross_entropy_reference(
     loss = F.cross_entropy(logits.reshape(-1, weight.shape[0]), targets.reshape(-1).long(),
                            reduction=reduction, ignore_index=ignore_index)
     return loss.reshape(targets.shape) if reduction == "none" else loss
+
+
+sys.modules[__name__].__class__ = CallableModule

@@ -2,16 +2,18 @@
 
 The kernels in :mod:`cs336_kernels.flash_attention` autotune over a short pruned list of
 (BLOCK_M, BLOCK_N, num_warps, num_stages) per regime (dtype width, padded head dim), so that a cold
-start stays fast. This sweep widens those lists with :data:`CANDIDATES` (bf16/fp16 at d = 64 and 128),
-lets the autotuner time every candidate at the real shapes and records:
+start stays fast. This sweep widens those lists with :data:`CANDIDATES` (bf16/fp16 at d = 64 and 128,
+through :func:`cs336_kernels.flash_attention.tuning.extra_configs`), lets the autotuner time every
+candidate at the real shapes and records:
 
 - one ``bench = "tune"`` row per (shape, kernel, candidate) with the autotuner's median (a short
   ``do_bench``, so a guide for pruning, not a result);
 - ``bench = "variants"`` rows: ``do_bench`` medians of forward, backward and forward+backward of SDPA
   and ours (``triton``) in one process, with the winning config of each kernel.
 
-The short lists in the kernel module are then edited from the ``tune`` rows, and the final numbers come
-from ``cs336 attention --part anchors`` on the committed lists. Run on the GPU machine::
+The short lists in ``cs336_kernels/flash_attention/tuning.py`` are then edited from the ``tune`` rows,
+and the final numbers come from ``cs336 attention --part anchors`` on the committed lists. Run on the
+GPU machine::
 
     bash tools/gpu.sh python3 -m cs336_harness.studies.attention_tuning --out $OUT/attention_tuning.jsonl
 
@@ -36,17 +38,24 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import cs336_kernels.flash_attention as fa
 import torch
+from cs336_kernels.flash_attention import flash_attention
+from cs336_kernels.flash_attention.tuning import (
+    KERNELS,
+    TMA_FLAGS,
+    Entry,
+    Regime,
+    autotuned_kernel,
+    extra_configs,
+    listed_configs,
+)
 
 from cs336_harness.results import append_rows, provenance
 from cs336_harness.studies.attention import AttentionBenchConfig, _flash_rows, _warm_one
 
-Entry = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
-
 # Extra candidates per kernel and (bytes per element, padded head dim). The forward and dQ kernels need
 # BLOCK_N | BLOCK_M, the dK/dV kernels BLOCK_M | BLOCK_N.
-CANDIDATES: dict[str, dict[tuple[int, int], list[Entry]]] = {
+CANDIDATES: dict[str, dict[Regime, list[Entry]]] = {
     "fwd": {
         (2, 64): [(128, 64, 4, 4), (128, 128, 8, 4), (256, 64, 8, 3), (64, 64, 4, 3)],
         (2, 128): [(128, 128, 8, 3), (128, 64, 8, 4), (256, 64, 8, 2)],
@@ -66,40 +75,24 @@ SHAPES: tuple[tuple[int, int, int, int], ...] = (
 IMPLS = ("sdpa", "triton")
 
 
-def _kernels() -> dict[str, Any]:
-    return {"fwd": fa._attn_fwd_kernel, "dkdv": fa._attn_bwd_dkdv_kernel, "dq": fa._attn_bwd_dq_kernel}
-
-
-def widen() -> None:
-    """Add :data:`CANDIDATES` to the kernels' lists and forget earlier autotuning results."""
-    for name, extra in CANDIDATES.items():
-        table = fa._TABLES[name][0]
-        for key, entries in extra.items():
-            # In place: the kernels' pruners hold these very dicts.
-            table[key] = list(dict.fromkeys([*table[key], *entries]))
-    for name, kernel in _kernels().items():
-        kernel.configs = fa._configs(name)
-        kernel.cache.clear()
-
-
 def _warm_wide(shape: tuple[int, int, int, int], dtype_name: str) -> None:
-    widen()
-    _warm_one(shape, dtype_name)
+    with extra_configs(CANDIDATES):
+        _warm_one(shape, dtype_name)
 
 
 def _entry(config: Any) -> list[int | str]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages), and last the lower-cased TMA flag ("kv_tma" in the forward
     and dQ kernels, "qdo_tma" in the dK/dV kernel) for a config whose main loop loads by TMA."""
     entry: list[int | str] = [config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages]
-    return entry + [flag.lower() for flag in sorted(set(fa._TMA_FLAGS.values())) if config.kwargs.get(flag)]
+    return entry + [flag.lower() for flag in sorted(set(TMA_FLAGS.values())) if config.kwargs.get(flag)]
 
 
 def _tune_rows(shape: tuple[int, int, int, int]) -> Iterator[dict[str, Any]]:
     """Run forward+backward once (autotuning anything new) and report every kernel it just tuned."""
-    kernels = _kernels()
+    kernels = {name: autotuned_kernel(name) for name in KERNELS}
     before = {name: id(getattr(k, "configs_timings", None)) for name, k in kernels.items()}
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    fa.flash_attention(q, k, v, is_causal=True).sum().backward()
+    flash_attention(q, k, v, is_causal=True).sum().backward()
     torch.cuda.synchronize()
     for name, kernel in kernels.items():
         timings = getattr(kernel, "configs_timings", None)
@@ -123,21 +116,20 @@ def run_tuning(shapes: Sequence[tuple[int, int, int, int]], rep_ms: int, out: st
         if out:
             append_rows(out, [row], meta)
 
-    widen()
     if precompile_jobs:
         jobs = [((b, h, 256, d), "bf16") for b, h, _, d in shapes]
         with multiprocessing.get_context("spawn").Pool(precompile_jobs) as pool:
             pool.starmap(_warm_wide, list(dict.fromkeys(jobs)))
     cfg = AttentionBenchConfig(parts=("anchors",), anchor_rep_ms=rep_ms)
-    kernels = _kernels()
-    for shape in shapes:
-        for row in _tune_rows(shape):
-            emit(row)
-        for row in _flash_rows(shape, "bf16", IMPLS, rep_ms, cfg, "variants"):
-            if row["impl"] == "triton":
-                # The configs of the row's last launches (its forward+backward timing), per kernel.
-                row["configs"] = {name: _entry(kernel.best_config) for name, kernel in kernels.items()}
-            emit(row)
+    with extra_configs(CANDIDATES):
+        for shape in shapes:
+            for row in _tune_rows(shape):
+                emit(row)
+            for row in _flash_rows(shape, "bf16", IMPLS, rep_ms, cfg, "variants"):
+                if row["impl"] == "triton":
+                    # The configs of the row's last launches (its forward+backward timing), per kernel.
+                    row["configs"] = {name: _entry(autotuned_kernel(name).best_config) for name in KERNELS}
+                emit(row)
     return rows
 
 
@@ -181,16 +173,16 @@ def loop_spills(sass: str) -> list[list[int]]:
 def build_row(name: str, head_dim: int, entry: Entry, tma: bool = False) -> dict[str, Any]:
     """Compile one kernel for sm_90 as the launcher would specialise it (bf16, causal, unit d stride,
     16-divisible sizes) and read its resources; ``name`` is fwd, dkdv or dq; ``tma`` sets the kernel's TMA
-    flag (``fa._TMA_FLAGS``: K and V by TMA in the forward and dQ kernels, Q and dO in the dK/dV kernel)."""
+    flag (``TMA_FLAGS``: K and V by TMA in the forward and dQ kernels, Q and dO in the dK/dV kernel)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = _kernels()[name].fn
+    fn = autotuned_kernel(name).fn
     block_m, block_n, num_warps, num_stages = entry
     constants: dict[str, Any] = {"HEAD_DIM": head_dim, "BLOCK_D": head_dim, "EVEN_D": True, "IS_CAUSAL": True,
                                  "DOT_PRECISION": "tf32", "BLOCK_M": block_m, "BLOCK_N": block_n,
-                                 fa._TMA_FLAGS[name]: tma}
+                                 TMA_FLAGS[name]: tma}
     constants |= {arg: 1 for arg in _UNIT_STRIDES & set(fn.arg_names)}
     signature = {}
     for arg in fn.arg_names:
@@ -214,7 +206,7 @@ def build_row(name: str, head_dim: int, entry: Entry, tma: bool = False) -> dict
         sass = subprocess.run([_cuobjdump(), "-sass", cubin.name], capture_output=True, text=True).stdout
     found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
     return {"bench": "build", "kernel": name, "d": head_dim, "dtype": "bf16",
-            "config": list(entry) + ([fa._TMA_FLAGS[name].lower()] if tma else []),
+            "config": list(entry) + ([TMA_FLAGS[name].lower()] if tma else []),
             "target": "sm_90", "registers": int(found[1]) if found else None,
             "stack_bytes": int(found[2]) if found else None, "shared_bytes": compiled.metadata.shared,
             "spill_stores": sass.count("STL"), "spill_loads": sass.count("LDL"), "wgmma": sass.count("HGMMA"),
@@ -225,11 +217,12 @@ def build_rows(out: str | None) -> list[dict[str, Any]]:
     """:func:`build_row` for every listed and candidate config of the 16-bit d = 64 and 128 regimes."""
     meta = provenance()
     rows = []
-    for name, (table, _) in fa._TABLES.items():
+    for name in KERNELS:
+        table, tma_table = listed_configs(name), listed_configs(name, tma=True)
         for head_dim in (64, 128):
             entries = dict.fromkeys([*table[(2, head_dim)], *CANDIDATES[name].get((2, head_dim), [])])
             builds = [(entry, False) for entry in entries]
-            builds += [(entry, True) for entry in fa._TABLES[name][1].get((2, head_dim), [])]
+            builds += [(entry, True) for entry in tma_table.get((2, head_dim), [])]
             for entry, tma in builds:
                 row = build_row(name, head_dim, entry, tma)
                 print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)

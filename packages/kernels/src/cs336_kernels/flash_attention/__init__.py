@@ -1,0 +1,66 @@
+"""FlashAttention-2 (Dao, 2023) in Triton, with a tiled pure-PyTorch twin and a float64 reference.
+
+Attention ``softmax(Q K^T / sqrt(d)) V`` is computed one query tile at a time with an online softmax
+(Milakov & Gimelshein, 2018): a running row maximum ``m`` and denominator ``l`` let each key tile be
+folded into an fp32 accumulator without ever writing the (queries x keys) score matrix to memory. The
+forward pass saves only the output ``O`` and the row logsumexp ``L``; the backward pass recomputes the
+probabilities ``P = exp(S - L)`` tile by tile and uses ``D = rowsum(dO * O)`` in place of the softmax
+Jacobian.
+
+Modules, bottom up: ``tuning`` (tile tables, config lists, pruning, the autotune key), ``tiles`` (tile
+loads and ranges both directions share), ``forward`` (forward kernel, launcher, custom op), ``backward``
+(D pre-pass, dK/dV and dQ kernels, launcher), ``reference`` (PyTorch reference, tiled forward, compiled
+backward) and ``api`` (input checks, the autograd Functions, :func:`flash_attention`).
+
+Conventions:
+- Shapes are (batch, seq, d) or (batch, heads, seq, d). Keys and values may have fewer heads than
+  queries (grouped-query attention): query head ``h`` reads key/value head ``h // (Hq // Hkv)``.
+- Causal masking with ``Tq != Tk`` is aligned top-left, as in ``torch.nn.functional.
+  scaled_dot_product_attention(is_causal=True)``: query ``i`` sees keys ``0..i``. Every query therefore
+  sees at least key 0, so no row is ever empty; keys past ``Tq - 1`` get zero gradient.
+- ``L`` is the natural-log logsumexp of the scaled scores, fp32, shaped like ``Q`` without its last dim.
+- The Triton backward pass is two kernels without atomics, so it is deterministic.
+- fp32 inputs use true fp32 products (``input_precision="ieee"``), not TF32.
+
+This package is also callable: ``cs336_kernels.flash_attention(q, k, v)`` is :func:`flash_attention`, so
+``from cs336_kernels import flash_attention`` gives a callable whatever was imported before.
+
+Run the tests with ``uv run pytest packages/kernels/tests/test_flash_attention.py`` (on CPU they use
+the Triton interpreter) and the benchmarks with ``cs336 attention --help``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from cs336_kernels._callable_module import CallableModule
+from cs336_kernels.flash_attention.api import (
+    MAX_HEAD_DIM,
+    MIN_HEAD_DIM,
+    SUPPORTED_DTYPES,
+    BackwardImpl,
+    FlashAttentionPytorch,
+    FlashAttentionTriton,
+    flash_attention,
+)
+from cs336_kernels.flash_attention.backward import flash_backward_triton
+from cs336_kernels.flash_attention.forward import flash_forward_op, flash_forward_triton
+from cs336_kernels.flash_attention.reference import attention_reference, flash_backward_pytorch, flash_forward_pytorch
+
+__all__ = [
+    "MAX_HEAD_DIM",
+    "MIN_HEAD_DIM",
+    "SUPPORTED_DTYPES",
+    "BackwardImpl",
+    "FlashAttentionPytorch",
+    "FlashAttentionTriton",
+    "attention_reference",
+    "flash_attention",
+    "flash_backward_pytorch",
+    "flash_backward_triton",
+    "flash_forward_op",
+    "flash_forward_pytorch",
+    "flash_forward_triton",
+]
+
+sys.modules[__name__].__class__ = CallableModule

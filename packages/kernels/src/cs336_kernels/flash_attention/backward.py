@@ -1,0 +1,317 @@
+"""FlashAttention-2 backward in Triton: the D pre-pass, the dK/dV kernel, the dQ kernel and their launcher.
+
+The backward recomputes the probabilities ``P = exp(S - L)`` tile by tile from the saved logsumexp and
+uses ``D = rowsum(dO * O)`` in place of the softmax Jacobian. It is two main kernels without atomics,
+so it is deterministic: one program per key tile accumulates dK and dV over every query tile (and every
+query head of its group), one program per query tile accumulates dQ over every key tile. S and dP are
+computed in both, so the backward runs seven matmuls per tile pair instead of five.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from cs336_kernels.flash_attention.tiles import (
+    LOG2E,
+    kernel_constants,
+    key_mask,
+    key_tile_ranges,
+    load_tile,
+    load_tiles,
+    tile_ptr,
+    tma_descriptors,
+    with_tma_scratch,
+)
+from cs336_kernels.flash_attention.tuning import autotune
+from cs336_kernels.interpreter import INTERPRET
+
+
+@triton.jit
+def _bwd_preprocess_kernel(
+    O, DO, DELTA,
+    stride_ob, stride_oh, stride_ot, stride_od,
+    stride_dob, stride_doh, stride_dot, stride_dod,
+    stride_deltab, stride_deltah,
+    H_Q, N_QUERIES,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    # D = rowsum(dO * O), which equals rowsum(P * dP) and replaces the softmax Jacobian in the backward.
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H_Q).to(tl.int64)
+    h = (pid_bh % H_Q).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < N_QUERIES) & (offs_d[None, :] < HEAD_DIM)
+    o = tl.load(
+        O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :] * stride_od,
+        mask=mask, other=0.0,
+    )
+    do = tl.load(
+        DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :] * stride_dod,
+        mask=mask, other=0.0,
+    )
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(DELTA + b * stride_deltab + h * stride_deltah + offs_m, delta, mask=offs_m < N_QUERIES)
+
+
+@triton.jit
+def _dkdv_inner(
+    dk, dv, k, v, Q_BASE, DO_BASE, Q_DESC, DO_DESC, L_BASE, DELTA_BASE,
+    stride_qt, stride_qd, stride_dot, stride_dod,
+    offs_n, lo, hi, N_QUERIES, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    CHECK_ROWS: tl.constexpr, CAUSAL_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, QDO_TMA: tl.constexpr,
+):
+    Q_BLOCK = tile_ptr(Q_BASE, N_QUERIES, stride_qt, stride_qd, lo, HEAD_DIM, BLOCK_M, BLOCK_D)
+    DO_BLOCK = tile_ptr(DO_BASE, N_QUERIES, stride_dot, stride_dod, lo, HEAD_DIM, BLOCK_M, BLOCK_D)
+    for start in range(lo, hi, BLOCK_M):
+        offs_m = start + tl.arange(0, BLOCK_M)
+        q, do = load_tiles(Q_BLOCK, DO_BLOCK, Q_DESC, DO_DESC, start, CHECK_ROWS, EVEN_D, QDO_TMA)
+        if CHECK_ROWS:
+            # Padded query rows get L = +inf, hence P = 0: they add nothing to dK or dV.
+            lse = tl.load(L_BASE + offs_m, mask=offs_m < N_QUERIES, other=float("inf"))
+            delta = tl.load(DELTA_BASE + offs_m, mask=offs_m < N_QUERIES, other=0.0)
+        else:
+            lse = tl.load(L_BASE + offs_m)
+            delta = tl.load(DELTA_BASE + offs_m)
+        # Work with transposed tiles (keys x queries) so that no probability tile needs transposing.
+        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
+        p_t = tl.exp2(s_t * qk_scale - (lse * 1.4426950408889634)[None, :])
+        if CAUSAL_MASK:
+            p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, acc=dv, input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+        dk = tl.dot(ds_t, q, acc=dk, input_precision=DOT_PRECISION)
+        Q_BLOCK = tl.advance(Q_BLOCK, (BLOCK_M, 0))
+        DO_BLOCK = tl.advance(DO_BLOCK, (BLOCK_M, 0))
+    return dk, dv
+
+
+@autotune("dkdv")
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    Q, K, V, DO, L, DELTA, DK, DV,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_vd,
+    stride_dob, stride_doh, stride_dot, stride_dod,
+    stride_lb, stride_lh,
+    stride_dkb, stride_dkh, stride_dkt, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvt, stride_dvd,
+    H_KV, GROUP, N_QUERIES, N_KEYS, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QDO_TMA: tl.constexpr = False,
+):
+    # Grid: (key tiles, batch * key/value heads). Each program owns its dK, dV tile: no atomics needed,
+    # and a GQA group's query heads are summed here in a fixed order, so dK and dV are deterministic.
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H_KV).to(tl.int64)
+    h_kv = (pid_bh % H_KV).to(tl.int64)
+    k0 = pid_n * BLOCK_N
+    offs_n = k0 + tl.arange(0, BLOCK_N)
+
+    K_BLOCK = tile_ptr(
+        K + b * stride_kb + h_kv * stride_kh, N_KEYS, stride_kt, stride_kd, k0, HEAD_DIM, BLOCK_N, BLOCK_D
+    )
+    V_BLOCK = tile_ptr(
+        V + b * stride_vb + h_kv * stride_vh, N_KEYS, stride_vt, stride_vd, k0, HEAD_DIM, BLOCK_N, BLOCK_D
+    )
+    k = load_tile(K_BLOCK, True, EVEN_D)
+    v = load_tile(V_BLOCK, True, EVEN_D)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    # Query tiles: [k0, k0 + BLOCK_N) straddle the diagonal (causal only; masked); [lo_full, q_full) are
+    # complete and unmasked; [q_full, N_QUERIES) is the partial last tile. Tiles above k0 are skipped.
+    q_full = (N_QUERIES // BLOCK_M) * BLOCK_M
+    lo_full = k0 + BLOCK_N if IS_CAUSAL else 0
+    lo_tail = tl.maximum(lo_full, q_full)
+    for g in range(GROUP):
+        h = h_kv * GROUP + g
+        Q_BASE = Q + b * stride_qb + h * stride_qh
+        DO_BASE = DO + b * stride_dob + h * stride_doh
+        L_BASE = L + b * stride_lb + h * stride_lh
+        DELTA_BASE = DELTA + b * stride_lb + h * stride_lh
+        if QDO_TMA:
+            # One descriptor per query head for its three query loops.
+            Q_DESC, DO_DESC = tma_descriptors(
+                Q_BASE, DO_BASE, stride_qt, stride_dot, N_QUERIES, HEAD_DIM, BLOCK_M, BLOCK_D
+            )
+        else:
+            Q_DESC, DO_DESC = None, None
+        if IS_CAUSAL:
+            dk, dv = _dkdv_inner(
+                dk, dv, k, v, Q_BASE, DO_BASE, Q_DESC, DO_DESC, L_BASE, DELTA_BASE,
+                stride_qt, stride_qd, stride_dot, stride_dod,
+                offs_n, k0, tl.minimum(k0 + BLOCK_N, N_QUERIES), N_QUERIES, qk_scale,
+                HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_M, True, True, DOT_PRECISION, QDO_TMA,
+            )
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, Q_BASE, DO_BASE, Q_DESC, DO_DESC, L_BASE, DELTA_BASE,
+            stride_qt, stride_qd, stride_dot, stride_dod,
+            offs_n, lo_full, q_full, N_QUERIES, qk_scale,
+            HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_M, False, False, DOT_PRECISION, QDO_TMA,
+        )
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, Q_BASE, DO_BASE, Q_DESC, DO_DESC, L_BASE, DELTA_BASE,
+            stride_qt, stride_qd, stride_dot, stride_dod,
+            offs_n, lo_tail, N_QUERIES, N_QUERIES, qk_scale,
+            HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_M, True, False, DOT_PRECISION, QDO_TMA,
+        )
+
+    dk = dk * sm_scale
+    DK_BLOCK = tile_ptr(
+        DK + b * stride_dkb + h_kv * stride_dkh, N_KEYS, stride_dkt, stride_dkd, k0, HEAD_DIM, BLOCK_N, BLOCK_D
+    )
+    DV_BLOCK = tile_ptr(
+        DV + b * stride_dvb + h_kv * stride_dvh, N_KEYS, stride_dvt, stride_dvd, k0, HEAD_DIM, BLOCK_N, BLOCK_D
+    )
+    tl.store(DK_BLOCK, dk.to(DK.dtype.element_ty), boundary_check=(0, 1))
+    tl.store(DV_BLOCK, dv.to(DV.dtype.element_ty), boundary_check=(0, 1))
+
+
+@triton.jit
+def _dq_inner(
+    dq, q, do, lse2, delta, K_BASE, V_BASE, K_DESC, V_DESC,
+    stride_kt, stride_kd, stride_vt, stride_vd,
+    offs_m, lo, hi, N_KEYS, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_TMA: tl.constexpr,
+):
+    K_BLOCK = tile_ptr(K_BASE, N_KEYS, stride_kt, stride_kd, lo, HEAD_DIM, BLOCK_N, BLOCK_D)
+    V_BLOCK = tile_ptr(V_BASE, N_KEYS, stride_vt, stride_vd, lo, HEAD_DIM, BLOCK_N, BLOCK_D)
+    for start in range(lo, hi, BLOCK_N):
+        k, v = load_tiles(K_BLOCK, V_BLOCK, K_DESC, V_DESC, start, MASKED, EVEN_D, KV_TMA)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+        p = tl.exp2(s * qk_scale - lse2[:, None])
+        if MASKED:
+            keep = key_mask(offs_m, start, N_KEYS, BLOCK_N, IS_CAUSAL)
+            p = tl.where(keep, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, acc=dq, input_precision=DOT_PRECISION)
+        K_BLOCK = tl.advance(K_BLOCK, (BLOCK_N, 0))
+        V_BLOCK = tl.advance(V_BLOCK, (BLOCK_N, 0))
+    return dq
+
+
+@autotune("dq")
+@triton.jit
+def _attn_bwd_dq_kernel(
+    Q, K, V, DO, L, DELTA, DQ,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kt, stride_kd,
+    stride_vb, stride_vh, stride_vt, stride_vd,
+    stride_dob, stride_doh, stride_dot, stride_dod,
+    stride_lb, stride_lh,
+    stride_dqb, stride_dqh, stride_dqt, stride_dqd,
+    H_Q, GROUP, N_QUERIES, N_KEYS, qk_scale, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_TMA: tl.constexpr = False,
+):
+    # Grid: (query tiles, batch * query heads); the same tile walk as the forward pass.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if IS_CAUSAL else tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H_Q).to(tl.int64)
+    h = (pid_bh % H_Q).to(tl.int64)
+    h_kv = h // GROUP
+    q0 = pid_m * BLOCK_M
+    offs_m = q0 + tl.arange(0, BLOCK_M)
+
+    Q_BLOCK = tile_ptr(
+        Q + b * stride_qb + h * stride_qh, N_QUERIES, stride_qt, stride_qd, q0, HEAD_DIM, BLOCK_M, BLOCK_D
+    )
+    DO_BLOCK = tile_ptr(
+        DO + b * stride_dob + h * stride_doh, N_QUERIES, stride_dot, stride_dod, q0, HEAD_DIM, BLOCK_M, BLOCK_D
+    )
+    q = load_tile(Q_BLOCK, True, EVEN_D)
+    do = load_tile(DO_BLOCK, True, EVEN_D)
+    row_ok = offs_m < N_QUERIES
+    lse = tl.load(L + b * stride_lb + h * stride_lh + offs_m, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + b * stride_lb + h * stride_lh + offs_m, mask=row_ok, other=0.0)
+    lse2 = lse * 1.4426950408889634
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    full_end, hi = key_tile_ranges(q0, N_KEYS, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    K_BASE = K + b * stride_kb + h_kv * stride_kh
+    V_BASE = V + b * stride_vb + h_kv * stride_vh
+    if KV_TMA:
+        K_DESC, V_DESC = tma_descriptors(K_BASE, V_BASE, stride_kt, stride_vt, N_KEYS, HEAD_DIM, BLOCK_N, BLOCK_D)
+    else:
+        K_DESC, V_DESC = None, None
+    dq = _dq_inner(
+        dq, q, do, lse2, delta, K_BASE, V_BASE, K_DESC, V_DESC, stride_kt, stride_kd, stride_vt, stride_vd,
+        offs_m, 0, full_end, N_KEYS, qk_scale,
+        HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_N, False, IS_CAUSAL, DOT_PRECISION, KV_TMA,
+    )
+    dq = _dq_inner(
+        dq, q, do, lse2, delta, K_BASE, V_BASE, K_DESC, V_DESC, stride_kt, stride_kd, stride_vt, stride_vd,
+        offs_m, full_end, hi, N_KEYS, qk_scale,
+        HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_N, True, IS_CAUSAL, DOT_PRECISION, KV_TMA,
+    )
+    dq = dq * sm_scale
+    DQ_BLOCK = tile_ptr(
+        DQ + b * stride_dqb + h * stride_dqh, N_QUERIES, stride_dqt, stride_dqd, q0, HEAD_DIM, BLOCK_M, BLOCK_D
+    )
+    tl.store(DQ_BLOCK, dq.to(DQ.dtype.element_ty), boundary_check=(0, 1))
+
+
+def flash_backward_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
+    lse: torch.Tensor, is_causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV in the input dtypes, from (B, H, T, d) tensors with a unit stride on d and the saved
+    (B, Hq, Tq) logsumexp.
+
+    Three launches (D, dK/dV, dQ), no atomics, bitwise reproducible; the dQ kernel recomputes S and dP,
+    so seven matmuls per tile pair.
+    """
+    batch, heads_q, n_queries, head_dim = q.shape
+    heads_kv, n_keys = k.shape[1], k.shape[2]
+    constants = kernel_constants(q, is_causal)
+    sm_scale = 1.0 / math.sqrt(head_dim)
+
+    delta = torch.empty_like(lse)
+    preprocess_block = 64 if not INTERPRET else 16
+    _bwd_preprocess_kernel[(triton.cdiv(n_queries, preprocess_block), batch * heads_q)](
+        o, do, delta, *o.stride(), *do.stride(), delta.stride(0), delta.stride(1), heads_q, n_queries,
+        HEAD_DIM=head_dim, BLOCK_D=constants["BLOCK_D"], BLOCK_M=preprocess_block,
+    )
+
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    group = heads_q // heads_kv
+
+    def dkdv_grid(meta):
+        return (triton.cdiv(n_keys, meta["BLOCK_N"]), batch * heads_kv)
+
+    def dq_grid(meta):
+        return (triton.cdiv(n_queries, meta["BLOCK_M"]), batch * heads_q)
+
+    def launch() -> None:
+        _attn_bwd_dkdv_kernel[dkdv_grid](
+            q, k, v, do, lse, delta, dk, dv,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), lse.stride(0), lse.stride(1),
+            *dk.stride(), *dv.stride(),
+            heads_kv, group, n_queries, n_keys, sm_scale * LOG2E, sm_scale,
+            **constants,
+        )
+        _attn_bwd_dq_kernel[dq_grid](
+            q, k, v, do, lse, delta, dq,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), lse.stride(0), lse.stride(1),
+            *dq.stride(),
+            heads_q, group, n_queries, n_keys, sm_scale * LOG2E, sm_scale,
+            **constants,
+        )
+
+    with_tma_scratch(launch)
+    return dq, dk, dv

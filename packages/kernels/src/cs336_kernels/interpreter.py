@@ -1,0 +1,33 @@
+"""Where the kernels of cs336_kernels can run: CUDA tensors, or CPU tensors in Triton's interpreter.
+
+``triton.jit`` reads ``TRITON_INTERPRET`` when a kernel is defined, that is when ``cs336_kernels`` is
+imported: with ``TRITON_INTERPRET=1`` every kernel runs in Triton's numpy interpreter on CPU tensors
+(slow, for tests), otherwise it is compiled for a GPU. Setting the variable after the import changes
+nothing, so the mode is read once here and :func:`check_device` names the fix.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def check_device(device: torch.device, caller: str) -> None:
+    """Raise ValueError unless the kernels can run on ``device`` in this process.
+
+    Args:
+        device: where the caller's tensors are.
+        caller: what is asking, for the message (e.g. ``"flash_attention"``).
+    """
+    if device.type == "cuda" or (INTERPRET and device.type == "cpu"):
+        return
+    late = " (it is set now, but was not when cs336_kernels was imported)" if (
+        os.environ.get("TRITON_INTERPRET") == "1" and not INTERPRET
+    ) else ""
+    raise ValueError(
+        f"{caller} runs Triton kernels on CUDA tensors, or on CPU tensors in Triton's interpreter; got "
+        f"tensors on {device}. To run on CPU, set TRITON_INTERPRET=1 before importing cs336_kernels{late}."
+    )
