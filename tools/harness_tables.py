@@ -1,4 +1,4 @@
-"""Regenerate the tables of writeup sections 2 and 3 from the rows in writeup/results/.
+"""Regenerate the harness tables of writeup sections 2, 3 and 4 from the rows in writeup/results/.
 
 Each table goes between ``<!-- table:NAME -->`` markers in the section files (see
 ``cs336_harness.report.fill_tables``); the prose around them is written by hand.
@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "writeup" / "results"
 SECTIONS = {
     "02": ROOT / "writeup" / "sections" / "02-profiling.md",
-    "03": ROOT / "writeup" / "sections" / "03-memory-checkpointing.md",
+    "03": ROOT / "writeup" / "sections" / "03-gradient-checkpointing.md",
+    "04": ROOT / "writeup" / "sections" / "04-attention.md",
 }
 SIZE_ORDER = ["small", "medium", "large", "xl", "10B"]
 GIB = 2**30
@@ -177,7 +178,7 @@ def table_attention() -> str:
 
 def table_precision_sums() -> str:
     return markdown_table([r for r in rows("precision") if r["experiment"] == "accumulation"],
-                          ["sum", "value", ("abs_error", "|error| vs 10")], floatfmt=".6f")
+                          ["sum", "value", ("abs_error", "abs. error vs 10")], floatfmt=".6f")
 
 
 def table_toy_dtypes() -> str:
@@ -188,7 +189,7 @@ def table_toy_dtypes() -> str:
 def table_layernorm() -> str:
     return markdown_table([r for r in rows("precision") if r["experiment"] == "layernorm"],
                           [("input_scale", "input scale"), "dtype", ("sum_of_squares_finite", "sum of squares finite"),
-                           ("max_abs_error", "max |error| vs fp64"), ("output_finite", "output finite")],
+                           ("max_abs_error", "max abs. error vs fp64"), ("output_finite", "output finite")],
                           floatfmt=".4g")
 
 
@@ -262,9 +263,10 @@ TABLES: dict[str, dict[str, Callable[[], str]]] = {
     "02": {"sizes": table_sizes, "warmup": table_warmup, "profile": table_profile,
            "kernels_forward": table_kernels_forward, "attention": table_attention, "sums": table_precision_sums,
            "toy_dtypes": table_toy_dtypes, "layernorm": table_layernorm, "bf16": table_bf16,
-           "compile": table_compile},
-    "03": {"memory": table_memory, "largest": table_largest, "residuals": table_residuals,
-           "residual_top5": table_residual_top5, "checkpoint": table_checkpoint, "gradients": table_gradients},
+           "memory": table_memory, "largest": table_largest, "residuals": table_residuals,
+           "residual_top5": table_residual_top5, "gradients": table_gradients},
+    "03": {"checkpoint": table_checkpoint},
+    "04": {"compile": table_compile},
 }
 
 
