@@ -6,14 +6,16 @@
 #               a context that does not fit gives an "oom" row, so the rows show the longest that fits
 #   memory      memory_profiling (a): xl forward and training step at contexts 128 and 2048 (fp32), with
 #               the snapshot pickles that PyTorch's memory viewer opens
-#   compile     torch_compile (b): small, medium, large, xl in fp32 and bf16, eager then compiled
+#   compile     torch_compile (b): small, medium and large in fp32 and bf16, eager then compiled (~8 min)
+#   compile_xl  the same for xl (~5 min)
 # Every job is its own process with its own timeout (a row is written when its job ends, so a timeout
 # costs only that job); no job starts within 20 s of the deadline ($WRITEUP_DEADLINE_S after the start,
-# default 520), and a running one is cut there; a step cut short is finished by a second call naming it.
+# default 520), and a running one is cut there. All steps take two calls: by default the first four, then
+# `bash tools/gpu_writeup.sh compile`.
 # Back under $OUT (8 files, at most one folder down): rows/{attention_flash,bench_profile,bench_kernels,
 # bench_memory,bench_compile}.jsonl, figures.tar.gz (timeline PNGs, snapshot pickles), traces.tar (the
 # profiler traces) and log.txt.
-#   run (GPU machine, repo root): bash tools/gpu_writeup.sh; then, if it was cut, bash tools/gpu_writeup.sh compile
+#   run (GPU machine, repo root): bash tools/gpu_writeup.sh; then bash tools/gpu_writeup.sh compile
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -25,7 +27,7 @@ export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}"
 start=$(date +%s)
 deadline=$((start + ${WRITEUP_DEADLINE_S:-520}))
 steps=("$@")
-((${#steps[@]})) || steps=(flash_fp32 profile memory compile)
+((${#steps[@]})) || steps=(flash_fp32 profile memory compile_xl)
 
 # job SECONDS ARGS...: run `cs336 ARGS...` with a timeout of SECONDS, cut at the deadline.
 job() {
@@ -70,24 +72,28 @@ memory() {
     --memory "$work/memory" --out "$rows/bench_memory.jsonl"
 }
 
-compile() {
-  local size dtype
-  job 120 bench --size small,medium,large,xl --dtype fp32,bf16 --warmup 5 --steps 10 \
+# compile_sizes SIZE...: eager rows of every size first (the baseline of the same call), then one job per
+# compiled size and dtype, so a job cut by its timeout loses only its own row.
+compile_sizes() {
+  local sizes=("$@") size dtype
+  job 120 bench --size "$(IFS=,; echo "${sizes[*]}")" --compute-dtype fp32,bf16 --warmup 5 --steps 10 \
     --out "$rows/bench_compile.jsonl"
-  for size in small medium large xl; do
+  for size in "${sizes[@]}"; do
     for dtype in fp32 bf16; do
-      job 240 bench --size "$size" --dtype "$dtype" --compile --warmup 3 --steps 10 \
+      job 240 bench --size "$size" --compute-dtype "$dtype" --compile --warmup 3 --steps 10 \
         --out "$rows/bench_compile.jsonl"
     done
   done
 }
+compile() { compile_sizes small medium large; }
+compile_xl() { compile_sizes xl; }
 
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv
   for step in "${steps[@]}"; do
     case "$step" in
-      flash_fp32 | profile | memory | compile) echo "== step $step"; "$step" ;;
-      *) echo "unknown step '$step' (expected flash_fp32, profile, memory or compile)"; exit 2 ;;
+      flash_fp32 | profile | memory | compile | compile_xl) echo "== step $step"; "$step" ;;
+      *) echo "unknown step '$step' (expected flash_fp32, profile, memory, compile or compile_xl)"; exit 2 ;;
     esac
   done
   [ -f "$work/profile/kernels.jsonl" ] && mv "$work/profile/kernels.jsonl" "$rows/bench_kernels.jsonl"

@@ -96,9 +96,10 @@ def table_bf16() -> str:
 
 
 def table_compile() -> str:
-    eager = {(r["size"], r["dtype"]): r for r in rows("bench_sizes") if r["mode"] == "train"}
+    # Eager and compiled steps of one run, so the speed-up is against a baseline measured beside it.
+    eager = {(r["size"], r["dtype"]): r for r in rows("bench_compile") if not r["compile"]}
     out = []
-    for r in by_size(rows("bench_compile")):
+    for r in by_size([r for r in rows("bench_compile") if r["compile"]]):
         e = eager.get((r["size"], r["dtype"]))
         if e is None:
             continue
@@ -135,14 +136,14 @@ def table_profile() -> str:
         ks = _kernels(r["size"], r["context_length"])
         top_f, top_all = _top(ks, "forward"), _top(ks, "all")
         out.append({
-            "size": r["size"], "ctx": r["context_length"], "timer fwd": r["forward_ms_mean"],
-            "kernels fwd": _total(ks, "forward"), "timer step": r["step_ms_mean"], "kernels step": _total(ks, "all"),
+            "size": r["size"], "ctx": r["context_length"], "status": r["status"], "timer fwd": r.get("forward_ms_mean"),
+            "kernels fwd": _total(ks, "forward"), "timer step": r.get("step_ms_mean"), "kernels step": _total(ks, "all"),
             "top fwd": f"{short_kernel_name(top_f['kernel'])} ({top_f['calls_per_step']:.0f}x)" if top_f else None,
             "top step": f"{short_kernel_name(top_all['kernel'])} ({top_all['calls_per_step']:.0f}x)"
             if top_all else None,
             "mm fwd": _matmul_share(ks, "forward"), "mm step": _matmul_share(ks, "all"),
         })
-    return markdown_table(out, ["size", "ctx", ("timer fwd", "fwd timer (ms)"), ("kernels fwd", "fwd GPU kernels (ms)"),
+    return markdown_table(out, ["size", "ctx", "status", ("timer fwd", "fwd timer (ms)"), ("kernels fwd", "fwd GPU kernels (ms)"),
                                 ("timer step", "step timer (ms)"), ("kernels step", "step GPU kernels (ms)"),
                                 ("top fwd", "top fwd kernel (calls/step)"), ("top step", "top fwd+bwd+opt kernel"),
                                 ("mm fwd", "matmul share fwd"), ("mm step", "matmul share step")], floatfmt=".2f")
