@@ -136,14 +136,16 @@ def table_profile() -> str:
         ks = _kernels(r["size"], r["context_length"])
         top_f, top_all = _top(ks, "forward"), _top(ks, "all")
         out.append({
-            "size": r["size"], "ctx": r["context_length"], "status": r["status"], "timer fwd": r.get("forward_ms_mean"),
-            "kernels fwd": _total(ks, "forward"), "timer step": r.get("step_ms_mean"), "kernels step": _total(ks, "all"),
+            "size": r["size"], "ctx": r["context_length"], "status": r["status"],
+            "timer fwd": r.get("forward_ms_mean"), "kernels fwd": _total(ks, "forward"),
+            "timer step": r.get("step_ms_mean"), "kernels step": _total(ks, "all"),
             "top fwd": f"{short_kernel_name(top_f['kernel'])} ({top_f['calls_per_step']:.0f}x)" if top_f else None,
             "top step": f"{short_kernel_name(top_all['kernel'])} ({top_all['calls_per_step']:.0f}x)"
             if top_all else None,
             "mm fwd": _matmul_share(ks, "forward"), "mm step": _matmul_share(ks, "all"),
         })
-    return markdown_table(out, ["size", "ctx", "status", ("timer fwd", "fwd timer (ms)"), ("kernels fwd", "fwd GPU kernels (ms)"),
+    return markdown_table(out, ["size", "ctx", "status", ("timer fwd", "fwd timer (ms)"),
+                                ("kernels fwd", "fwd GPU kernels (ms)"),
                                 ("timer step", "step timer (ms)"), ("kernels step", "step GPU kernels (ms)"),
                                 ("top fwd", "top fwd kernel (calls/step)"), ("top step", "top fwd+bwd+opt kernel"),
                                 ("mm fwd", "matmul share fwd"), ("mm step", "matmul share step")], floatfmt=".2f")
