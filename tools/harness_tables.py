@@ -55,7 +55,7 @@ def table_sizes() -> str:
                     "step median": r.get("step_ms_median"), "status": r["status"]})
     return markdown_table(out, ["size", "params (M)", "mode", "dtype", ("fwd", "forward (ms)"),
                                 ("bwd", "backward (ms)"), ("opt", "optimizer (ms)"),
-                                ("step median", "step median (ms)"), "status"])
+                                ("step median", "step median (ms)"), "status"], floatfmt=".1f")
 
 
 def table_warmup() -> str:
@@ -66,7 +66,7 @@ def table_warmup() -> str:
                     "rest fwd": sum(r["forward_ms_all"][1:]) / (len(r["forward_ms_all"]) - 1)})
     return markdown_table(out, ["size", "warm-up", ("fwd", "forward (ms)"), ("first fwd", "1st measured fwd"),
                                 ("rest fwd", "mean of the other 9"), ("bwd", "backward (ms)"),
-                                ("opt", "optimizer (ms)")])
+                                ("opt", "optimizer (ms)")], floatfmt=".1f")
 
 
 def _pairs(rs: list[dict[str, Any]], key: Callable[[dict[str, Any]], Any]) -> dict[Any, dict[str, dict]]:
@@ -109,7 +109,8 @@ def table_compile() -> str:
                     "compiled step": r["step_ms_median"], "speed-up": e["step_ms_median"] / r["step_ms_median"]})
     return markdown_table(out, ["size", "dtype", ("eager fwd", "eager fwd (ms)"), ("compiled fwd", "compiled fwd"),
                                 ("eager bwd", "eager bwd"), ("compiled bwd", "compiled bwd"),
-                                ("eager step", "eager step"), ("compiled step", "compiled step"), "speed-up"])
+                                ("eager step", "eager step"), ("compiled step", "compiled step"), "speed-up"],
+                          floatfmt=".1f")
 
 
 def _kernels(size: str, ctx: int, mode: str = "train") -> list[dict[str, Any]]:
@@ -186,7 +187,7 @@ def table_precision_sums() -> str:
 
 def table_toy_dtypes() -> str:
     return markdown_table([r for r in rows("precision") if r["experiment"] == "toy_dtypes"],
-                          ["what", "dtype", ("on_device", "device")])
+                          ["what", "dtype", ("on_device", "device")], floatfmt=".1f")
 
 
 def table_layernorm() -> str:
@@ -205,7 +206,7 @@ def table_memory() -> str:
                     "opt": r.get("peak_optimizer_gib"), "peak": r.get("peak_step_gib")})
     return markdown_table(out, ["ctx", "mode", "dtype", "checkpoint", "warm-up", "status",
                                 ("fwd", "peak in forward (GiB)"), ("bwd", "in backward"),
-                                ("opt", "in optimizer"), ("peak", "peak (GiB)")])
+                                ("opt", "in optimizer"), ("peak", "peak (GiB)")], floatfmt=".1f")
 
 
 def table_largest(ctx: int = 2048, dtype: str = "fp32") -> str:
@@ -214,7 +215,7 @@ def table_largest(ctx: int = 2048, dtype: str = "fp32") -> str:
     if r is None:
         return "(no memory snapshot rows)"
     return markdown_table(r["memory"]["largest"], [("size_mib", "size (MiB)"), ("count", "allocations of that size"),
-                                                   ("where", "innermost frames in our code")])
+                                                   ("where", "innermost frames in our code")], floatfmt=".1f")
 
 
 def table_residuals() -> str:
@@ -236,7 +237,8 @@ def table_residual_top5() -> str:
         if r["experiment"] == "block" and r.get("top5"):
             out += [{"heads": r["num_heads"], "op": t["op"], "mib": t["mib"], "share": 100 * t["share"]}
                     for t in r["top5"]]
-    return markdown_table(out, ["heads", ("op", "module: saved by"), ("mib", "MiB"), ("share", "% of block")])
+    return markdown_table(out, ["heads", ("op", "module: saved by"), ("mib", "MiB"), ("share", "% of block")],
+                          floatfmt=".1f")
 
 
 def table_checkpoint() -> str:
@@ -248,7 +250,7 @@ def table_checkpoint() -> str:
                     "step": r.get("step_ms_median")})
     return markdown_table(out, ["policy", "status", ("fwd", "peak in fwd (GiB)"), ("bwd", "peak in bwd (GiB)"),
                                 ("fb", "activation-phase peak"), ("opt", "peak in optimizer"),
-                                ("step", "step (ms)")])
+                                ("step", "step (ms)")], floatfmt=".1f")
 
 
 def table_gradients() -> str:
