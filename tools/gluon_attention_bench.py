@@ -25,7 +25,6 @@ SHAPES = ((1, 32, 32768, 128), (1, 16, 16384, 64), (4, 32, 4096, 128))
 def _impls() -> dict:
     return {
         "gluon": lambda q, k, v: gluon_attention_forward(q, k, v, True),
-        "gluon_unpipelined": lambda q, k, v: gluon_attention_forward(q, k, v, True, pipeline=False),
         "triton": lambda q, k, v: flash_attention(q, k, v, True),
         "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
     }

@@ -24,8 +24,8 @@ def _inputs(shape_q, shape_kv, dtype, seed):
     return tuple(torch.randn(s, generator=g).to(device="cuda", dtype=dtype) for s in (shape_q, shape_kv, shape_kv))
 
 
-def _check(q, k, v, is_causal, pipeline):
-    o, lse = gluon_attention_forward(q, k, v, is_causal, pipeline=pipeline)
+def _check(q, k, v, is_causal):
+    o, lse = gluon_attention_forward(q, k, v, is_causal)
     o_ref, lse_ref = attention_reference(q.double(), k.double(), v.double(), is_causal)
     assert o.shape == q.shape and o.dtype == q.dtype
     assert lse.shape == q.shape[:-1] and lse.dtype == torch.float32
@@ -49,12 +49,11 @@ SHAPES = [
 CASES = [(sq, skv, torch.bfloat16) for sq, skv in SHAPES] + [(sq, skv, torch.float16) for sq, skv in SHAPES[2::3]]
 
 
-@pytest.mark.parametrize("pipeline", [True, False])
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize(("shape_q", "shape_kv", "dtype"), CASES)
-def test_gpu_forward_matches_reference(shape_q, shape_kv, dtype, is_causal, pipeline):
+def test_gpu_forward_matches_reference(shape_q, shape_kv, dtype, is_causal):
     q, k, v = _inputs(shape_q, shape_kv, dtype, seed=shape_q[-2])
-    _check(q, k, v, is_causal, pipeline)
+    _check(q, k, v, is_causal)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -63,7 +62,7 @@ def test_gpu_forward_takes_strided_heads(head_dim):
     # TMA descriptors take the strides as they are.
     q, k, v = (t.transpose(1, 2) for t in _inputs((2, 515, 4, head_dim), (2, 515, 2, head_dim), torch.bfloat16, 5))
     assert not q.is_contiguous()
-    _check(q, k, v, True, True)
+    _check(q, k, v, True)
 
 
 def test_gpu_input_checks():
