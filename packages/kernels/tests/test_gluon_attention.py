@@ -1,4 +1,4 @@
-"""Gluon FlashAttention (sm_90) against the float64 materialised-attention reference.
+"""Gluon FlashAttention (sm_90) against the float64 materialised-attention reference: O, L, dQ, dK, dV.
 
 Gluon kernels do not run in the Triton interpreter, so every test here is a ``gpu`` test for an H100/H200:
 ``pytest -m gpu packages/kernels/tests/test_gluon_attention.py``.
@@ -9,19 +9,30 @@ from __future__ import annotations
 import pytest
 import torch
 from cs336_kernels.flash_attention import attention_reference
-from cs336_kernels.gluon_attention import gluon_attention_forward
+from cs336_kernels.gluon_attention import gluon_attention_backward, gluon_attention_forward
 
 pytestmark = pytest.mark.gpu
 
-# The tolerances of the Triton kernels' GPU tests (test_flash_attention.py): relative Frobenius error of O
-# against float64 on the same rounded inputs (P is rounded to the input dtype before P V), absolute error of L.
+# The tolerances of the Triton kernels' GPU tests (test_flash_attention.py): relative Frobenius error of O,
+# dQ, dK, dV against float64 on the same rounded inputs (P and dS are rounded to the input dtype before their
+# products), absolute error of L.
 REL_TOL = {torch.float16: 5e-3, torch.bfloat16: 2e-2}
 LSE_TOL = 2e-4
 
 
 def _inputs(shape_q, shape_kv, dtype, seed):
+    """q, k, v and an output gradient dO shaped like q."""
     g = torch.Generator(device="cpu").manual_seed(seed)
-    return tuple(torch.randn(s, generator=g).to(device="cuda", dtype=dtype) for s in (shape_q, shape_kv, shape_kv))
+    shapes = (shape_q, shape_kv, shape_kv, shape_q)
+    return tuple(torch.randn(s, generator=g).to(device="cuda", dtype=dtype) for s in shapes)
+
+
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    # The floor (entries of 0.1 on average) keeps an exactly-zero reference, such as dQ with one key, from
+    # turning rounding noise into an infinite relative error.
+    assert torch.isfinite(got).all(), "non-finite values"
+    floor = 0.1 * ref.numel() ** 0.5
+    return ((got.double() - ref).norm() / ref.norm().clamp_min(floor)).item()
 
 
 def _check(q, k, v, is_causal):
@@ -29,11 +40,22 @@ def _check(q, k, v, is_causal):
     o_ref, lse_ref = attention_reference(q.double(), k.double(), v.double(), is_causal)
     assert o.shape == q.shape and o.dtype == q.dtype
     assert lse.shape == q.shape[:-1] and lse.dtype == torch.float32
-    assert torch.isfinite(o).all() and torch.isfinite(lse).all()
-    rel = ((o.double() - o_ref).norm() / o_ref.norm()).item()
+    assert torch.isfinite(lse).all()
+    rel = _rel_err(o, o_ref)
     assert rel < REL_TOL[q.dtype], f"O: relative error {rel:.2e}"
     lse_err = (lse.double() - lse_ref).abs().max().item()
     assert lse_err < LSE_TOL, f"L: max error {lse_err:.2e}"
+
+
+def _check_backward(q, k, v, do, is_causal):
+    o, lse = gluon_attention_forward(q, k, v, is_causal)
+    grads = gluon_attention_backward(q, k, v, o, do, lse, is_causal)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    attention_reference(q64, k64, v64, is_causal)[0].backward(do.double())
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, (q64.grad, k64.grad, v64.grad), strict=True):
+        assert got.shape == ref.shape and got.dtype == q.dtype, name
+        rel = _rel_err(got, ref)
+        assert rel < REL_TOL[q.dtype], f"{name}: relative error {rel:.2e}"
 
 
 # (shape of q, shape of k and v): one query and one key; lengths that are not multiples of the 64-row query
@@ -52,21 +74,38 @@ CASES = [(sq, skv, torch.bfloat16) for sq, skv in SHAPES] + [(sq, skv, torch.flo
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize(("shape_q", "shape_kv", "dtype"), CASES)
 def test_gpu_forward_matches_reference(shape_q, shape_kv, dtype, is_causal):
-    q, k, v = _inputs(shape_q, shape_kv, dtype, seed=shape_q[-2])
+    q, k, v, _ = _inputs(shape_q, shape_kv, dtype, seed=shape_q[-2])
     _check(q, k, v, is_causal)
 
 
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize(("shape_q", "shape_kv", "dtype"), CASES)
+def test_gpu_backward_matches_reference(shape_q, shape_kv, dtype, is_causal):
+    _check_backward(*_inputs(shape_q, shape_kv, dtype, seed=shape_q[-2]), is_causal)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_gpu_forward_takes_strided_heads(head_dim):
+def test_gpu_backward_dk_dv_are_deterministic(head_dim):
+    # dK and dV have one owner per key tile and a fixed order over the query heads; dQ is summed by reduce-adds.
+    q, k, v, do = _inputs((2, 8, 1500, head_dim), (2, 2, 1500, head_dim), torch.bfloat16, seed=3)
+    o, lse = gluon_attention_forward(q, k, v, True)
+    first, second = (gluon_attention_backward(q, k, v, o, do, lse, True) for _ in range(2))
+    assert torch.equal(first[1], second[1]) and torch.equal(first[2], second[2])
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_takes_strided_heads(head_dim):
     # (batch, seq, heads, d) memory seen as (batch, heads, seq, d), as a model's projections produce it: the
     # TMA descriptors take the strides as they are.
-    q, k, v = (t.transpose(1, 2) for t in _inputs((2, 515, 4, head_dim), (2, 515, 2, head_dim), torch.bfloat16, 5))
+    shapes = ((2, 515, 4, head_dim), (2, 515, 2, head_dim))
+    q, k, v, do = (t.transpose(1, 2) for t in _inputs(*shapes, torch.bfloat16, seed=5))
     assert not q.is_contiguous()
     _check(q, k, v, True)
+    _check_backward(q, k, v, do, True)
 
 
 def test_gpu_input_checks():
-    q, k, v = _inputs((1, 2, 64, 64), (1, 2, 64, 64), torch.bfloat16, seed=0)
+    q, k, v, _ = _inputs((1, 2, 64, 64), (1, 2, 64, 64), torch.bfloat16, seed=0)
     with pytest.raises(ValueError, match="batch, heads, seq, d"):
         gluon_attention_forward(q[0], k[0], v[0], True)
     with pytest.raises(TypeError, match="dtype"):
@@ -74,7 +113,7 @@ def test_gpu_input_checks():
     with pytest.raises(ValueError, match="head dim"):
         gluon_attention_forward(q[..., :32], k[..., :32], v[..., :32], True)
     with pytest.raises(ValueError, match="multiple"):
-        gluon_attention_forward(q, *_inputs((1, 3, 64, 64), (1, 3, 64, 64), torch.bfloat16, seed=1)[1:], True)
+        gluon_attention_forward(q, *_inputs((1, 3, 64, 64), (1, 3, 64, 64), torch.bfloat16, seed=1)[1:3], True)
     with pytest.raises(ValueError, match="CUDA"):
         gluon_attention_forward(q.cpu(), k.cpu(), v.cpu(), True)
     with pytest.raises(TypeError, match="is_causal"):

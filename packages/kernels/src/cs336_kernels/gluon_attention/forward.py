@@ -60,6 +60,12 @@ PRODUCER_REGISTERS = gl.constexpr(24)
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
 
+@gluon.constexpr_function
+def mma_layout(n):
+    """The register layout of a (64 * k, n) fp32 wgmma accumulator of one warpgroup (instructions m64nNk16)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
 @gluon.jit
 def _producer(
     q_desc, k_desc, v_desc, bufs, b, h, h_kv, q0, n_tiles,
@@ -108,10 +114,8 @@ def _consumer(
 ):
     q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty, v_empty = bufs
     dtype: gl.constexpr = o_desc.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = mma_layout(BLOCK_N)
+    o_layout: gl.constexpr = mma_layout(HEAD_DIM)
     # P feeds the P V wgmma from registers: for 16-bit types this layout holds the same elements per thread as
     # the S accumulator, so the conversion moves no data.
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -230,7 +234,7 @@ def _attn_fwd_kernel(
     )
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> None:
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> None:
     # The portable kernels' checks (types, shapes, GQA heads, devices), then what these kernels add.
     check_portable_inputs(q, k, v, is_causal)
     if q.dim() != 4:
@@ -243,13 +247,13 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
         raise ValueError(f"the Gluon kernels need CUDA tensors on an sm_90 GPU (H100/H200); got device {q.device}")
 
 
-def _tma_ready(x: torch.Tensor) -> torch.Tensor:
+def tma_ready(x: torch.Tensor) -> torch.Tensor:
     # TMA needs a 16-byte-aligned base, unit stride on d and 16-byte-aligned other strides; copy otherwise.
     aligned = x.data_ptr() % 16 == 0 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1])
     return x if aligned and x.stride(-1) == 1 else x.contiguous()
 
 
-def _descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
+def descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
     # (1, 1, rows, d) boxes of a (batch, heads, seq, d) tensor: reads past the end of a head's rows come back
     # as zeros and writes there are dropped, whatever lies next in memory.
     block = [1, 1, block_rows, x.shape[-1]]
@@ -269,8 +273,8 @@ def gluon_attention_forward(
     Returns:
         ``(o, lse)``: o shaped and typed like q (contiguous), lse (batch, heads_q, seq_q) in fp32, natural log.
     """
-    _check_inputs(q, k, v, is_causal)
-    q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
+    check_inputs(q, k, v, is_causal)
+    q, k, v = tma_ready(q), tma_ready(k), tma_ready(v)
     batch, heads_q, n_queries, head_dim = q.shape
     heads_kv, n_keys = k.shape[1], k.shape[2]
     block_m, block_n, stages = CONFIGS[head_dim]
@@ -278,7 +282,7 @@ def gluon_attention_forward(
     lse = torch.empty((batch, heads_q, n_queries), device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(n_queries, 2 * block_m), batch * heads_q)
     _attn_fwd_kernel[grid](
-        _descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(o, block_m), lse,
+        descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(o, block_m), lse,
         heads_q, heads_q // heads_kv, n_queries, n_keys, LOG2E / math.sqrt(head_dim),
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, IS_CAUSAL=is_causal,
         num_warps=4, maxnreg=MAX_REGISTERS,
