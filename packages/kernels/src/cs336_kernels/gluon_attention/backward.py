@@ -236,6 +236,25 @@ def _attn_bwd_kernel(
     )
 
 
+def backward_args(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+    dq_acc: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, is_causal: bool,
+) -> tuple[tuple, dict]:
+    """The backward kernel's arguments and constexprs for these tensors (for the launcher and offline builds)."""
+    heads_q, n_queries, head_dim = q.shape[1:]
+    heads_kv, n_keys = k.shape[1], k.shape[2]
+    block_m, block_n, stages = CONFIGS[head_dim]
+    sm_scale = 1.0 / math.sqrt(head_dim)
+    dq_block = [1, 1, block_m, head_dim // 2 if head_dim == 128 else head_dim]
+    dq_desc = TensorDescriptor.from_tensor(dq_acc, dq_block, gl.NVMMASharedLayout.get_default_for(dq_block, gl.float32))
+    args = (
+        descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(do, block_m), dq_desc,
+        lse, delta, dk, dv, heads_kv, heads_q // heads_kv, n_queries, n_keys, sm_scale * LOG2E, sm_scale,
+    )
+    return args, {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages,
+                  "IS_CAUSAL": is_causal}
+
+
 def gluon_attention_backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
     is_causal: bool,
@@ -263,25 +282,15 @@ def gluon_attention_backward(
     lse = lse.contiguous()
     q, k, v, do = tma_ready(q), tma_ready(k), tma_ready(v), tma_ready(do)
     batch, heads_q, n_queries, head_dim = q.shape
-    heads_kv, n_keys = k.shape[1], k.shape[2]
-    block_m, block_n, stages = CONFIGS[head_dim]
-    sm_scale = 1.0 / math.sqrt(head_dim)
     delta = torch.empty_like(lse)  # D = rowsum(dO * O), fp32
     _bwd_preprocess_kernel[(triton.cdiv(n_queries, 64), batch * heads_q)](
         o, do, delta, *o.stride(), *do.stride(), delta.stride(0), delta.stride(1), heads_q, n_queries,
         HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=64,
     )
-    dq_acc = torch.zeros((batch, heads_q, n_queries, head_dim), device=q.device, dtype=torch.float32)
-    dk = torch.empty((batch, heads_kv, n_keys, head_dim), device=q.device, dtype=q.dtype)
+    dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+    dk = torch.empty(k.shape, device=q.device, dtype=q.dtype)
     dv = torch.empty_like(dk)
-    dq_block = [1, 1, block_m, head_dim // 2 if head_dim == 128 else head_dim]
-    dq_desc = TensorDescriptor.from_tensor(dq_acc, dq_block, gl.NVMMASharedLayout.get_default_for(dq_block, gl.float32))
-    grid = (triton.cdiv(n_keys, block_n), batch * heads_kv)
-    _attn_bwd_kernel[grid](
-        descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(do, block_m), dq_desc,
-        lse, delta, dk, dv,
-        heads_kv, heads_q // heads_kv, n_queries, n_keys, sm_scale * LOG2E, sm_scale,
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, IS_CAUSAL=is_causal,
-        num_warps=4, maxnreg=MAX_REGISTERS,
-    )
+    args, constants = backward_args(q, k, v, do, lse, delta, dq_acc, dk, dv, is_causal)
+    grid = (triton.cdiv(k.shape[2], constants["BLOCK_N"]), batch * k.shape[1])
+    _attn_bwd_kernel[grid](*args, **constants, num_warps=4, maxnreg=MAX_REGISTERS)
     return dq_acc.to(q.dtype), dk, dv

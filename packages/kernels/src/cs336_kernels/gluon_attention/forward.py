@@ -260,6 +260,21 @@ def descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(x, block, gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[x.dtype]))
 
 
+def forward_args(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, is_causal: bool
+) -> tuple[tuple, dict]:
+    """The forward kernel's arguments and constexprs for these tensors (for the launcher and offline builds)."""
+    heads_q, n_queries, head_dim = q.shape[1:]
+    heads_kv, n_keys = k.shape[1], k.shape[2]
+    block_m, block_n, stages = CONFIGS[head_dim]
+    args = (
+        descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(o, block_m), lse,
+        heads_q, heads_q // heads_kv, n_queries, n_keys, LOG2E / math.sqrt(head_dim),
+    )
+    return args, {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages,
+                  "IS_CAUSAL": is_causal}
+
+
 def gluon_attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -275,16 +290,10 @@ def gluon_attention_forward(
     """
     check_inputs(q, k, v, is_causal)
     q, k, v = tma_ready(q), tma_ready(k), tma_ready(v)
-    batch, heads_q, n_queries, head_dim = q.shape
-    heads_kv, n_keys = k.shape[1], k.shape[2]
-    block_m, block_n, stages = CONFIGS[head_dim]
-    o = torch.empty((batch, heads_q, n_queries, head_dim), device=q.device, dtype=q.dtype)
+    batch, heads_q, n_queries, _ = q.shape
+    o = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     lse = torch.empty((batch, heads_q, n_queries), device=q.device, dtype=torch.float32)
-    grid = (triton.cdiv(n_queries, 2 * block_m), batch * heads_q)
-    _attn_fwd_kernel[grid](
-        descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(o, block_m), lse,
-        heads_q, heads_q // heads_kv, n_queries, n_keys, LOG2E / math.sqrt(head_dim),
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, IS_CAUSAL=is_causal,
-        num_warps=4, maxnreg=MAX_REGISTERS,
-    )
+    args, constants = forward_args(q, k, v, o, lse, is_causal)
+    grid = (triton.cdiv(n_queries, 2 * constants["BLOCK_M"]), batch * heads_q)
+    _attn_fwd_kernel[grid](*args, **constants, num_warps=4, maxnreg=MAX_REGISTERS)
     return o, lse
