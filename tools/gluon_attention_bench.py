@@ -51,9 +51,13 @@ def main() -> None:
     parser.add_argument("--call-id", required=True, help="shared by every row of this run")
     parser.add_argument("--rep-ms", type=int, default=500, help="do_bench repetition time per measurement")
     parser.add_argument("--passes", nargs="+", choices=("fwd", "fwd_bwd"), default=["fwd", "fwd_bwd"])
+    parser.add_argument("--shapes", default=None, help="b,h,s,d[;b,h,s,d...] (default: the three anchors)")
     args = parser.parse_args()
+    shapes = SHAPES
+    if args.shapes:
+        shapes = tuple(tuple(int(x) for x in item.split(",")) for item in args.shapes.split(";"))
     meta = provenance() | {"call_id": args.call_id}
-    for which, (batch, heads, seq, head_dim) in ((w, shape) for w in args.passes for shape in SHAPES):
+    for which, (batch, heads, seq, head_dim) in ((w, shape) for w in args.passes for shape in shapes):
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v, do = (torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
                        for _ in range(4))
