@@ -43,7 +43,6 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from cs336_kernels.flash_attention import _check_inputs as check_portable_inputs
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_HEAD_DIMS = (64, 128)
 
