@@ -33,25 +33,6 @@ def test_builds_with_and_without_tma_loads() -> None:
     assert len(dkdv["loops"]) == len(dkdv_tma["loops"]) == 3
 
 
-def test_loop_spills_counts_innermost_loops_with_wgmma() -> None:
-    sass = """
-        /*0000*/                   MOV R1, c[0x0][0x28] ;
-        /*0010*/                   STL [R1], R2 ;
-        /*0020*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24 ;
-        /*0030*/                   LDL R3, [R1] ;
-        /*0040*/                   STL [R1+0x4], R3 ;
-        /*0050*/               @P0 BRA 0x20 ;
-        /*0060*/               @P1 BRA 0x10 ;
-        /*0070*/                   IADD3 R4, R4, 0x1, RZ ;
-        /*0080*/               @P2 BRA 0x70 ;
-        /*0090*/                   BRA 0x20 ;
-        /*00a0*/                   EXIT ;
-    """
-    # The loop at 0x20..0x50 sits inside 0x10..0x60; 0x70..0x80 has no wgmma; the unpredicated branch back
-    # from 0x90 is not a loop.
-    assert attention_tuning.loop_spills(sass) == [[1, 1, 4]]
-
-
 def test_entry_marks_tma_configs() -> None:
     config = triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "KV_TMA": True}, num_warps=8, num_stages=3)
     assert attention_tuning._entry(config) == [128, 64, 8, 3, "kv_tma"]

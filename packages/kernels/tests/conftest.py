@@ -6,9 +6,13 @@ without CUDA; ``slow`` marks tests that take more than a few seconds on CPU.
 """
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))  # shared test modules (attention_tolerances)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

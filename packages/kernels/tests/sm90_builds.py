@@ -16,27 +16,20 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import tempfile
-from pathlib import Path
 from typing import Any
 
 import triton
 import triton.backends.nvidia
 from cs336_kernels import rms_norm, rope, swiglu
+from cs336_kernels.sass import cuobjdump
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def cuobjdump() -> str:
-    bundled = Path(triton.backends.nvidia.__file__).parent / "bin" / "cuobjdump"
-    found = shutil.which("cuobjdump") or (str(bundled) if bundled.exists() else None)
-    if found is None:
-        raise RuntimeError("cuobjdump not found (neither on PATH nor bundled with Triton)")
-    return found
 
 
 def build(name: str, kernel: Any, types: dict[str, str], constants: dict[str, Any], num_warps: int) -> dict:

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import triton
+from attention_tolerances import LSE_TOL, REL_TOL
 from cs336_kernels.flash_attention import (
     FlashAttentionPytorch,
     FlashAttentionTriton,
@@ -21,14 +22,13 @@ from cs336_kernels.flash_attention import (
     flash_forward_triton,
     tuning,
 )
+from cs336_kernels.flash_attention.forward import gluon_forward_applies
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 # Relative Frobenius error of O, dQ, dK, dV against float64 on the same (already rounded) inputs, and the
 # absolute error of the logsumexp L. The 16-bit kernels round P and dS to the input dtype before their
 # matrix products; fp32 uses true fp32 products, not TF32.
-REL_TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
-LSE_TOL = {torch.float32: 2e-5, torch.float16: 2e-4, torch.bfloat16: 2e-4}
 
 
 def _inputs(shape_q, shape_kv, dtype, device=DEVICE, seed=0):
@@ -212,6 +212,20 @@ def test_bad_flags_raise():
         flash_attention(q, k, v, 1)
     with pytest.raises(ValueError, match="backward"):
         flash_attention(q, k, v, backward="cuda")
+    with pytest.raises(ValueError, match="forward must be one of auto, triton, gluon"):
+        flash_attention(q, k, v, forward="fa3")
+
+
+def test_auto_forward_is_triton_off_sm90():
+    # On this machine (CPU, or a GPU other than sm_90) "auto" runs the Triton forward: its output equals the
+    # forced Triton path bit for bit; forcing the Gluon kernels where they cannot run names what they need.
+    q, k, v = (torch.randn(1, 2, 33, 64) for _ in range(3))
+    if torch.cuda.is_available():
+        q, k, v = (t.cuda() for t in (q, k, v))
+    assert not gluon_forward_applies(q)
+    assert torch.equal(flash_attention(q, k, v, True), flash_attention(q, k, v, True, forward="triton"))
+    with pytest.raises((ValueError, TypeError), match="sm_90|dtype"):
+        flash_attention(q, k, v, True, forward="gluon")
 
 
 # ------------------------------------------------------------------------------------------------ GPU

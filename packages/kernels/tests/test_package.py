@@ -35,6 +35,15 @@ def test_flash_attention_is_the_subpackage_and_callable_as_its_function():
     assert torch.equal(top_level(q, k, v, is_causal=True, backward="pytorch"), function(q, k, v, True))
 
 
+@pytest.mark.parametrize("name", ["rms_norm", "rope"])
+def test_glue_modules_are_callable_as_their_functions(name):
+    import importlib
+
+    module = importlib.import_module(f"cs336_kernels.{name}")
+    assert getattr(cs336_kernels, name) is module and callable(module)
+    assert module.__call__ is not None and getattr(module, name) is not module
+
+
 def test_fused_linear_cross_entropy_is_the_module_and_callable_as_its_function():
     import cs336_kernels.fused_linear_cross_entropy as module
     from cs336_kernels import fused_linear_cross_entropy as top_level
@@ -56,6 +65,11 @@ def test_fused_linear_cross_entropy_is_the_module_and_callable_as_its_function()
             torch.randn(3, 16, device="meta"), torch.randn(5, 16, device="meta"),
             torch.zeros(3, dtype=torch.long, device="meta"),
         ),
+        lambda: cs336_kernels.rms_norm(torch.randn(3, 16, device="meta"), torch.ones(16, device="meta")),
+        lambda: cs336_kernels.rope(*(torch.randn(1, 3, 2, 16, device="meta") for _ in range(2)),
+                                   *(torch.randn(8, 8, device="meta") for _ in range(2)),
+                                   torch.arange(3, device="meta")),
+        lambda: cs336_kernels.silu_mul(torch.randn(3, 16, device="meta"), torch.randn(3, 16, device="meta")),
     ],
 )
 def test_kernels_reject_devices_they_cannot_run_on(call):

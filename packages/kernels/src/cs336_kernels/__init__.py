@@ -4,19 +4,23 @@
   :class:`FlashAttentionPytorch`, :func:`attention_reference`;
 - :class:`FusedAdamW`, AdamW in one launch per parameter group and dtype;
 - :func:`fused_linear_cross_entropy` (LM head + cross-entropy without the logits),
-  :class:`FusedLinearCrossEntropy`, :func:`linear_cross_entropy_reference`.
+  :class:`FusedLinearCrossEntropy`, :func:`linear_cross_entropy_reference`;
+- the glue of a Transformer block: :func:`rms_norm`, :func:`rope` (queries and keys in the projections' layout)
+  and :func:`silu_mul` (SwiGLU's ``silu(a) * b``), forward and backward.
 
 The kernels run on CUDA tensors, or on CPU tensors in Triton's interpreter when ``TRITON_INTERPRET=1`` is
 set before this package is imported (install ``cs336-kernels[cpu]`` for the interpreter's numpy).
-``flash_attention`` and ``fused_linear_cross_entropy`` are both the submodules and, called, their functions.
+``flash_attention``, ``fused_linear_cross_entropy``, ``rms_norm`` and ``rope`` are both the submodules and,
+called, their functions.
 """
 
 from importlib.metadata import PackageNotFoundError, version
 
-from cs336_kernels import flash_attention, fused_linear_cross_entropy
+from cs336_kernels import flash_attention, fused_linear_cross_entropy, rms_norm, rope
 from cs336_kernels.flash_attention import FlashAttentionPytorch, FlashAttentionTriton, attention_reference
 from cs336_kernels.fused_adamw import FusedAdamW
 from cs336_kernels.fused_linear_cross_entropy import FusedLinearCrossEntropy, linear_cross_entropy_reference
+from cs336_kernels.swiglu import silu_mul
 
 try:
     __version__ = version("cs336-kernels")
@@ -33,4 +37,7 @@ __all__ = [
     "flash_attention",
     "fused_linear_cross_entropy",
     "linear_cross_entropy_reference",
+    "rms_norm",
+    "rope",
+    "silu_mul",
 ]

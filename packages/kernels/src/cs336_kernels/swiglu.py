@@ -23,11 +23,12 @@ more accurate than the module's.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from cs336_kernels.interpreter import check_device
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Elements per program along a row: 8 bf16 values per thread at 4 warps, one 16-byte load per tensor.
@@ -144,8 +145,6 @@ def _check_inputs(a: torch.Tensor, b: torch.Tensor) -> None:
         raise ValueError(f"the last dim must be at most {MAX_N}, got {a.shape[-1]}")
     if a.device != b.device:
         raise ValueError(f"a and b must be on one device, got {a.device} and {b.device}")
-    if a.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1); got device {a.device}")
 
 
 def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -160,6 +159,7 @@ def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         (..., n) contiguous, in the input dtype.
     """
     _check_inputs(a, b)
+    check_device(a.device, "silu_mul")
     return SiLUMulFunction.apply(a, b)
 
 

@@ -11,17 +11,21 @@ Parts (handout section 4):
 - ``flash`` (flash_benchmarking): ``triton.testing.do_bench`` medians, batch 1, one head, causal, every
   (dtype, d, seq) of ``flash_dtypes`` x ``flash_head_dims`` x ``flash_seq_lens``: forward, backward and
   forward+backward of our Triton FlashAttention-2, the plain PyTorch attention and torch SDPA.
-- ``anchors``: the two targets of ANCHORS.md, (1, 32, 32768, 128) and (1, 16, 16384, 64), bf16, causal,
-  ours (``triton``) against SDPA, measured in the same run.
+- ``anchors``: (1, 32, 32768, 128) (one layer of the leaderboard model), (1, 16, 16384, 64) and
+  (4, 32, 4096, 128), bf16, causal, every path of ours and the PyTorch baselines in the same process:
+  ``ours`` (``flash_attention`` as it is called by default: the Gluon forward on sm_90, the Triton backward),
+  ``triton`` (Triton forward and backward), ``gluon`` (Gluon forward and backward), ``sdpa`` (PyTorch's
+  default backend, cuDNN on an H200), ``sdpa_flash`` (its FlashAttention-2 backend) and ``flex``
+  (FlexAttention under ``torch.compile`` with a causal block mask).
 
-FLOPs of causal attention, counted as in ANCHORS.md (two matmuls of 2*s*s*d FLOPs per head, half of the
-score matrix kept by the mask; the backward pass has five such matmuls, so 2.5x the forward)::
+FLOPs of causal attention (two matmuls of 2*s*s*d FLOPs per head, half of the score matrix kept by the mask;
+the backward pass has five such matmuls, so 2.5x the forward)::
 
     fwd = 4 * b * h * s^2 * d / 2        bwd = 2.5 * fwd        fwd+bwd = 3.5 * fwd
 
 Usage::
 
-    from cs336_harness.attention_bench import AttentionBenchConfig, run_attention_bench
+    from cs336_harness.studies.attention import AttentionBenchConfig, run_attention_bench
     rows = run_attention_bench(AttentionBenchConfig(parts=("anchors",)))
 """
 
@@ -36,18 +40,18 @@ import torch
 import torch.nn.functional as F
 from cs336_basics.model import scaled_dot_product_attention
 from cs336_kernels.flash_attention import flash_attention
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 from cs336_harness.analysis.tables import markdown_table
+from cs336_harness.device import H200_BF16_MATMUL_FLOPS
 
 PARTS: tuple[str, ...] = ("pytorch", "compiled", "flash", "anchors")
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-BF16_MATMUL_FLOPS = 772e12  # H200 bf16 8192^3 matmul on random data (ANCHORS.md)
-ANCHOR_SHAPES: tuple[tuple[int, int, int, int], ...] = ((1, 32, 32768, 128), (1, 16, 16384, 64))
-ANCHOR_TARGET_MS = {(1, 16, 16384, 64): 4.0}  # fwd+bwd; the other shape's target is SDPA's own time
-# What the anchors part times and its table shows, in this order. Older rows of other impls (the removed
-# atomic-dQ backward, ``triton_atomic``) stay in the results file but not in the table.
-ANCHOR_IMPLS: tuple[str, ...] = ("triton", "sdpa")
+ANCHOR_SHAPES: tuple[tuple[int, int, int, int], ...] = ((1, 32, 32768, 128), (1, 16, 16384, 64), (4, 32, 4096, 128))
+ANCHOR_TARGET_MS = {(1, 16, 16384, 64): 4.0}  # fwd+bwd; the 32k shape's target is 0.95x SDPA's time
+# What the anchors part times and its table shows, in this order.
+ANCHOR_IMPLS: tuple[str, ...] = ("ours", "triton", "gluon", "sdpa", "sdpa_flash", "flex")
 
 
 @dataclass(frozen=True)
@@ -102,12 +106,34 @@ def _plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return scaled_dot_product_attention(q, k, v, mask)
 
 
-def _impls(mask: torch.Tensor) -> dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]]:
+def _sdpa_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _flex(seq: int, device: torch.device) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, seq, seq, device=device)
+    compiled = torch.compile(flex_attention)
+    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
+
+
+def _impl(name: str, seq: int, device: torch.device) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
+                                                                   torch.Tensor]:
+    """Causal attention over (b, h, s, d) tensors by the implementation ``name``."""
+    if name == "pytorch":
+        mask = _causal_mask(seq, device)
+        return lambda q, k, v: _plain(q, k, v, mask)
+    if name == "flex":
+        return _flex(seq, device)
     return {
-        "triton": lambda q, k, v: flash_attention(q, k, v, is_causal=True),
-        "pytorch": lambda q, k, v: _plain(q, k, v, mask),
+        "ours": lambda q, k, v: flash_attention(q, k, v, is_causal=True),
+        "triton": lambda q, k, v: flash_attention(q, k, v, is_causal=True, forward="triton"),
+        "gluon": lambda q, k, v: flash_attention(q, k, v, is_causal=True, forward="gluon", backward="gluon"),
         "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-    }
+        "sdpa_flash": _sdpa_flash,
+    }[name]
 
 
 # ------------------------------------------------------------------------ pytorch_attention, torch_compile
@@ -206,12 +232,11 @@ def _flash_rows(
     gen = torch.Generator(device=device).manual_seed(seq * 1000 + head_dim)
     q, k, v = (torch.randn(shape, device=device, dtype=DTYPES[dtype_name], generator=gen).requires_grad_()
                for _ in range(3))
-    impls = _impls(_causal_mask(seq, device) if "pytorch" in impl_names else None)
     flops = causal_attention_flops(batch, heads, seq, head_dim)
     for name in impl_names:
         row = {"bench": bench, "impl": name, "dtype": dtype_name, "batch": batch, "heads": heads, "seq": seq,
                "d": head_dim, "causal": True, "rep_ms": rep_ms}
-        row |= _measure(impls[name], q, k, v, rep_ms, cfg)
+        row |= _measure(_impl(name, seq, device), q, k, v, rep_ms, cfg)
         for mode in ("fwd", "bwd", "fwd_bwd"):
             ms = row[f"{mode}_ms"]
             row[f"{mode}_tflops"] = None if ms is None else flops[mode] / (ms * 1e-3) / 1e12
@@ -261,7 +286,7 @@ def run_attention_bench(
             for row in _flash_rows(shape, "bf16", ANCHOR_IMPLS, cfg.anchor_rep_ms, cfg, "anchors"):
                 row["target_fwd_bwd_ms"] = ANCHOR_TARGET_MS.get(shape)
                 if row["fwd_bwd_tflops"] is not None:
-                    row["fraction_of_772_tflops"] = row["fwd_bwd_tflops"] * 1e12 / BF16_MATMUL_FLOPS
+                    row["fraction_of_772_tflops"] = row["fwd_bwd_tflops"] * 1e12 / H200_BF16_MATMUL_FLOPS
                 emit(row)
     if "flash" in cfg.parts:
         for dtype_name in cfg.flash_dtypes:

@@ -30,12 +30,10 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,6 +47,7 @@ from cs336_kernels.flash_attention.tuning import (
     extra_configs,
     listed_configs,
 )
+from cs336_kernels.sass import cuobjdump, loop_spills
 
 from cs336_harness.results import append_rows, provenance
 from cs336_harness.studies.attention import AttentionBenchConfig, _flash_rows, _warm_one
@@ -140,36 +139,6 @@ _UNIT_STRIDES = {"stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_dod
                  "stride_dqd"}
 
 
-def _cuobjdump() -> str:
-    import triton.backends.nvidia
-
-    bundled = Path(triton.backends.nvidia.__file__).parent / "bin" / "cuobjdump"
-    found = shutil.which("cuobjdump") or (str(bundled) if bundled.exists() else None)
-    if found is None:
-        raise RuntimeError("cuobjdump not found (neither on PATH nor bundled with Triton)")
-    return found
-
-
-_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
-_BRANCH = re.compile(r"\bBRA\s+(0x[0-9a-f]+)")
-
-
-def loop_spills(sass: str) -> list[list[int]]:
-    """[spill stores, spill loads, instructions] of each innermost loop with wgmma in it, in SASS order.
-
-    A loop is the address range from a predicated backward branch's target to the branch; unpredicated
-    backward branches are returns from out-of-line code such as mbarrier wait retries. Whole-kernel spill
-    counts mix the main loops with code that runs once per program; only spills inside the loops cost per tile.
-    """
-    code = [(int(m[1], 16), m[2]) for m in _SASS_LINE.finditer(sass)]
-    ranges = {(int(b[1], 16), addr) for addr, text in code
-              if text.startswith("@") and (b := _BRANCH.search(text)) and int(b[1], 16) <= addr}
-    body = {r: [text for addr, text in code if r[0] <= addr <= r[1]] for r in ranges}
-    with_mma = [r for r in sorted(ranges) if any("HGMMA" in text for text in body[r])]
-    innermost = [r for r in with_mma if not any(o != r and r[0] <= o[0] and o[1] <= r[1] for o in with_mma)]
-    return [[sum("STL" in t for t in body[r]), sum("LDL" in t for t in body[r]), len(body[r])] for r in innermost]
-
-
 def build_row(name: str, head_dim: int, entry: Entry, tma: bool = False) -> dict[str, Any]:
     """Compile one kernel for sm_90 as the launcher would specialise it (bf16, causal, unit d stride,
     16-divisible sizes) and read its resources; ``name`` is fwd, dkdv or dq; ``tma`` sets the kernel's TMA
@@ -202,8 +171,8 @@ def build_row(name: str, head_dim: int, entry: Entry, tma: bool = False) -> dict
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
-        usage = subprocess.run([_cuobjdump(), "-res-usage", cubin.name], capture_output=True, text=True).stdout
-        sass = subprocess.run([_cuobjdump(), "-sass", cubin.name], capture_output=True, text=True).stdout
+        usage = subprocess.run([cuobjdump(), "-res-usage", cubin.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([cuobjdump(), "-sass", cubin.name], capture_output=True, text=True).stdout
     found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
     return {"bench": "build", "kernel": name, "d": head_dim, "dtype": "bf16",
             "config": list(entry) + ([TMA_FLAGS[name].lower()] if tma else []),

@@ -7,10 +7,12 @@ forward pass saves only the output ``O`` and the row logsumexp ``L``; the backwa
 probabilities ``P = exp(S - L)`` tile by tile and uses ``D = rowsum(dO * O)`` in place of the softmax
 Jacobian.
 
-Modules, bottom up: ``tuning`` (tile tables, config lists, pruning, the autotune key), ``tiles`` (tile
-loads and ranges both directions share), ``forward`` (forward kernel, launcher, custom op), ``backward``
-(D pre-pass, dK/dV and dQ kernels, launcher), ``reference`` (PyTorch reference, tiled forward, compiled
-backward) and ``api`` (input checks, the autograd Functions, :func:`flash_attention`).
+Modules, bottom up: ``checks`` (the input checks every path shares), ``tuning`` (tile tables, config lists,
+pruning, the autotune key), ``tiles`` (tile loads and ranges both directions share), ``gluon_forward`` and
+``gluon_backward`` (warp-specialised sm_90 kernels in Gluon, FlashAttention-3 style), ``forward`` (Triton forward
+kernel, launcher, and the custom op that picks Triton or Gluon), ``backward`` (D pre-pass, dK/dV and dQ kernels,
+launcher), ``reference`` (PyTorch reference, tiled forward, compiled backward) and ``api`` (the autograd
+Functions, :func:`flash_attention`).
 
 Conventions:
 - Shapes are (batch, seq, d) or (batch, heads, seq, d). Keys and values may have fewer heads than
@@ -35,15 +37,14 @@ import sys
 
 from cs336_kernels._callable_module import CallableModule
 from cs336_kernels.flash_attention.api import (
-    MAX_HEAD_DIM,
-    MIN_HEAD_DIM,
-    SUPPORTED_DTYPES,
     BackwardImpl,
     FlashAttentionPytorch,
     FlashAttentionTriton,
+    ForwardImpl,
     flash_attention,
 )
 from cs336_kernels.flash_attention.backward import flash_backward_triton
+from cs336_kernels.flash_attention.checks import MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES
 from cs336_kernels.flash_attention.forward import flash_forward_op, flash_forward_triton
 from cs336_kernels.flash_attention.reference import attention_reference, flash_backward_pytorch, flash_forward_pytorch
 
@@ -52,6 +53,7 @@ __all__ = [
     "MIN_HEAD_DIM",
     "SUPPORTED_DTYPES",
     "BackwardImpl",
+    "ForwardImpl",
     "FlashAttentionPytorch",
     "FlashAttentionTriton",
     "attention_reference",

@@ -1,10 +1,12 @@
-"""FlashAttention-2 as differentiable PyTorch functions: input checks, two ``torch.autograd.Function``
-classes and :func:`flash_attention`.
+"""FlashAttention-2 as differentiable PyTorch functions: two ``torch.autograd.Function`` classes and
+:func:`flash_attention`.
 
-:class:`FlashAttentionTriton` runs the Triton forward (through the custom op
-``torch.ops.cs336.flash_attention_forward``) and the Triton backward, or the compiled PyTorch backward;
-:class:`FlashAttentionPytorch` runs the tiled PyTorch forward and the compiled PyTorch backward. Both
-save only ``O`` and the logsumexp ``L`` for the backward.
+:class:`FlashAttentionTriton` runs the kernel forward (through the custom op
+``torch.ops.cs336.flash_attention_forward``: Triton, or Gluon on sm_90, see
+:func:`~cs336_kernels.flash_attention.forward.gluon_forward_applies`) and a kernel backward: by default the
+deterministic two-kernel Triton one, else the Gluon one (dQ by fp32 reduce-adds, not bitwise reproducible) or the
+compiled PyTorch recomputation. :class:`FlashAttentionPytorch` runs the tiled PyTorch forward and the compiled
+PyTorch backward. Both save only ``O`` and the logsumexp ``L`` for the backward.
 """
 
 from __future__ import annotations
@@ -14,52 +16,15 @@ from typing import Literal
 import torch
 
 from cs336_kernels.flash_attention.backward import flash_backward_triton
-from cs336_kernels.flash_attention.forward import flash_forward_op
+from cs336_kernels.flash_attention.checks import check_inputs, unit_stride
+from cs336_kernels.flash_attention.forward import FORWARD_IMPLS, flash_forward_op
+from cs336_kernels.flash_attention.gluon_backward import gluon_attention_backward
 from cs336_kernels.flash_attention.reference import as_4d, flash_backward_compiled, flash_forward_pytorch
 from cs336_kernels.interpreter import check_device
 
-MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-BackwardImpl = Literal["triton", "pytorch"]
-
-
-def _unit_stride(x: torch.Tensor) -> torch.Tensor:
-    # The kernels take any strides, but a unit stride on d keeps their loads coalesced.
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
-    if q.dim() not in (3, 4) or k.dim() != q.dim() or v.dim() != q.dim():
-        raise ValueError(
-            "q, k, v must all be (batch, seq, d) or all (batch, heads, seq, d); got shapes "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(
-            f"q, k, v must share one dtype among {SUPPORTED_DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}"
-        )
-    if k.device != q.device or v.device != q.device:
-        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k.shape[0] != q.shape[0] or k.shape[-1] != q.shape[-1]:
-        raise ValueError(
-            f"q and k must agree on batch and head dim; got {tuple(q.shape)} and {tuple(k.shape)}"
-        )
-    if q.dim() == 4 and q.shape[1] % k.shape[1] != 0:
-        raise ValueError(
-            f"the number of query heads ({q.shape[1]}) must be a multiple of the number of key/value "
-            f"heads ({k.shape[1]})"
-        )
-    if not MIN_HEAD_DIM <= q.shape[-1] <= MAX_HEAD_DIM:
-        raise ValueError(f"head dim must be in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {q.shape[-1]}")
-    if q.shape[-2] == 0 or k.shape[-2] == 0 or q.shape[0] == 0:
-        raise ValueError(f"batch and sequence lengths must be positive; got {tuple(q.shape)}, {tuple(k.shape)}")
+BackwardImpl = Literal["triton", "gluon", "pytorch"]
+ForwardImpl = Literal["auto", "triton", "gluon"]
+_BACKWARDS = {"triton": flash_backward_triton, "gluon": gluon_attention_backward, "pytorch": flash_backward_compiled}
 
 
 class FlashAttentionPytorch(torch.autograd.Function):
@@ -67,7 +32,7 @@ class FlashAttentionPytorch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
-        _check_inputs(Q, K, V, is_causal)
+        check_inputs(Q, K, V, is_causal)
         o, lse = flash_forward_pytorch(as_4d(Q), as_4d(K), as_4d(V), is_causal)
         o = o.view(Q.shape)
         ctx.save_for_backward(lse.view(Q.shape[:-1]), Q, K, V, o)
@@ -85,19 +50,21 @@ class FlashAttentionPytorch(torch.autograd.Function):
 
 
 class FlashAttentionTriton(torch.autograd.Function):
-    """FlashAttention-2 with a Triton forward and a Triton (or compiled PyTorch) backward."""
+    """FlashAttention-2 with a kernel forward and a kernel (or compiled PyTorch) backward."""
 
     @staticmethod
     def forward(
         ctx, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, is_causal: bool = False,
-        backward: BackwardImpl = "triton",
+        backward: BackwardImpl = "triton", forward: ForwardImpl = "auto",
     ) -> torch.Tensor:
-        _check_inputs(Q, K, V, is_causal)
-        if backward not in ("triton", "pytorch"):
-            raise ValueError(f"backward must be 'triton' or 'pytorch', got {backward!r}")
+        check_inputs(Q, K, V, is_causal)
+        if backward not in _BACKWARDS:
+            raise ValueError(f"backward must be one of {', '.join(_BACKWARDS)}, got {backward!r}")
+        if forward not in FORWARD_IMPLS:
+            raise ValueError(f"forward must be one of {', '.join(FORWARD_IMPLS)}, got {forward!r}")
         check_device(Q.device, "flash_attention")
-        Q, K, V = _unit_stride(Q), _unit_stride(K), _unit_stride(V)
-        o, lse = flash_forward_op(as_4d(Q), as_4d(K), as_4d(V), is_causal)
+        Q, K, V = unit_stride(Q), unit_stride(K), unit_stride(V)
+        o, lse = flash_forward_op(as_4d(Q), as_4d(K), as_4d(V), is_causal, forward)
         o = o.view(Q.shape)
         ctx.save_for_backward(lse.view(Q.shape[:-1]), Q, K, V, o)
         ctx.is_causal = is_causal
@@ -108,26 +75,30 @@ class FlashAttentionTriton(torch.autograd.Function):
     def backward(ctx, dO: torch.Tensor):
         lse, Q, K, V, O = ctx.saved_tensors
         q4 = as_4d(Q)
-        args = (q4, as_4d(K), as_4d(V), as_4d(O), as_4d(_unit_stride(dO)), lse.view(q4.shape[:-1]), ctx.is_causal)
-        backward = flash_backward_triton if ctx.backward_impl == "triton" else flash_backward_compiled
-        dq, dk, dv = backward(*args)
-        return dq.view(Q.shape), dk.view(K.shape), dv.view(V.shape), None, None
+        args = (q4, as_4d(K), as_4d(V), as_4d(O), as_4d(unit_stride(dO)), lse.view(q4.shape[:-1]), ctx.is_causal)
+        dq, dk, dv = _BACKWARDS[ctx.backward_impl](*args)
+        return dq.view(Q.shape), dk.view(K.shape), dv.view(V.shape), None, None, None
 
 
 def flash_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False, *,
-    backward: BackwardImpl = "triton",
+    backward: BackwardImpl = "triton", forward: ForwardImpl = "auto",
 ) -> torch.Tensor:
-    """``softmax(q k^T / sqrt(d)) v`` without materialising the score matrix (Triton, differentiable).
+    """``softmax(q k^T / sqrt(d)) v`` without materialising the score matrix (kernels, differentiable).
 
     Args:
         q: (batch, seq_q, d) or (batch, heads_q, seq_q, d); fp16, bf16 or fp32; d in [16, 256].
         k, v: (batch, seq_k, d) or (batch, heads_kv, seq_k, d) with heads_q a multiple of heads_kv.
         is_causal: mask keys after the query, aligned top-left (query i sees keys 0..i).
-        backward: "triton" (Triton kernels: separate dK/dV and dQ kernels, bitwise-reproducible
-            gradients) or "pytorch" (compiled recomputation).
+        backward: "triton" (the default: separate dK/dV and dQ kernels without atomics, bitwise-reproducible
+            gradients, and the faster backward on an H200), "gluon" (sm_90, fp16/bf16, d 64 or 128: five matmuls
+            per tile pair, dQ by fp32 reduce-adds, so dQ is not reproducible bit for bit) or "pytorch" (compiled
+            recomputation).
+        forward: "auto" (the Gluon kernel where
+            :func:`~cs336_kernels.flash_attention.forward.gluon_forward_applies`, else Triton), "triton" or
+            "gluon".
 
     Returns:
         The attention output, shaped and typed like ``q``.
     """
-    return FlashAttentionTriton.apply(q, k, v, is_causal, backward)
+    return FlashAttentionTriton.apply(q, k, v, is_causal, backward, forward)

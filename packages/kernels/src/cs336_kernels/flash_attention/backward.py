@@ -31,7 +31,7 @@ from cs336_kernels.interpreter import INTERPRET
 
 
 @triton.jit
-def _bwd_preprocess_kernel(
+def bwd_preprocess_kernel(
     O, DO, DELTA,
     stride_ob, stride_oh, stride_ot, stride_od,
     stride_dob, stride_doh, stride_dot, stride_dod,
@@ -281,7 +281,7 @@ def flash_backward_triton(
 
     delta = torch.empty_like(lse)
     preprocess_block = 64 if not INTERPRET else 16
-    _bwd_preprocess_kernel[(triton.cdiv(n_queries, preprocess_block), batch * heads_q)](
+    bwd_preprocess_kernel[(triton.cdiv(n_queries, preprocess_block), batch * heads_q)](
         o, do, delta, *o.stride(), *do.stride(), delta.stride(0), delta.stride(1), heads_q, n_queries,
         HEAD_DIM=head_dim, BLOCK_D=constants["BLOCK_D"], BLOCK_M=preprocess_block,
     )

@@ -6,7 +6,11 @@ exponential is an ``exp2``, and writes the output ``O`` and the natural-log logs
 backward pass reads. Causal: key tiles above the diagonal are never loaded, tiles that straddle it are
 masked element-wise, all others run unmasked; heavier query tiles are launched first.
 
-:func:`flash_forward_op` is the launcher registered as ``torch.ops.cs336.flash_attention_forward``.
+:func:`flash_forward_op` is the forward registered as ``torch.ops.cs336.flash_attention_forward``. It runs this
+kernel or the warp-specialised Gluon kernel of :mod:`~cs336_kernels.flash_attention.gluon_forward`; with
+``impl="auto"`` it follows :func:`gluon_forward_applies`: the Gluon kernel on an sm_90 GPU (H100/H200) for fp16 and
+bf16 at head dims 64 and 128, where it is the faster of the two; this kernel everywhere else (other GPUs and head
+dims, fp32, the CPU interpreter).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cs336_kernels.flash_attention import gluon_forward
 from cs336_kernels.flash_attention.tiles import (
     LOG2E,
     kernel_constants,
@@ -151,17 +156,30 @@ def flash_forward_triton(
     return o, lse
 
 
+FORWARD_IMPLS: tuple[str, ...] = ("auto", "triton", "gluon")
+
+
+def gluon_forward_applies(q: torch.Tensor) -> bool:
+    """The ``auto`` rule: whether the Gluon forward runs for queries like ``q`` (keys and values match them)."""
+    return (q.is_cuda and q.dtype in gluon_forward.SUPPORTED_DTYPES and q.shape[-1] in gluon_forward.SUPPORTED_HEAD_DIMS
+            and torch.cuda.get_device_capability(q.device)[0] == 9)
+
+
 @torch.library.custom_op("cs336::flash_attention_forward", mutates_args=())
 def flash_forward_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, impl: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`flash_forward_triton` as the operator ``torch.ops.cs336.flash_attention_forward``, so that tools
-    working at the operator level see it: selective activation checkpointing can keep its outputs instead
-    of running it again in the backward, and ``torch.compile`` treats it as one opaque op."""
+    """Output and logsumexp of (B, H, T, d) inputs from ``impl`` (one of :data:`FORWARD_IMPLS`), as the operator
+    ``torch.ops.cs336.flash_attention_forward``, so that tools working at the operator level see it: selective
+    activation checkpointing can keep its outputs instead of running it again in the backward, and
+    ``torch.compile`` treats it as one opaque op."""
+    if impl == "gluon" or (impl == "auto" and gluon_forward_applies(q)):
+        return gluon_forward.gluon_attention_forward(q, k, v, is_causal)
     return flash_forward_triton(q, k, v, is_causal)
 
 
 @flash_forward_op.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+      impl: str) -> tuple[torch.Tensor, torch.Tensor]:
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 

@@ -1,0 +1,298 @@
+"""FlashAttention forward for Hopper (sm_90) in Gluon, warp-specialised as in FlashAttention-3 (Shah et al., 2024).
+
+One program owns ``2 * BLOCK_M`` query rows of one (batch, query head) and runs three partitions:
+
+- a one-warp producer that loads the two Q tiles once and then streams K and V tiles by TMA into a
+  ``STAGES``-deep shared-memory ring, each slot guarded by "ready" mbarriers (the TMA completes them) and
+  "empty" mbarriers (both consumers release them);
+- two consumer warpgroups, one per ``BLOCK_M``-row Q tile, that run ``S = Q K^T`` and ``O += P V`` on the
+  tensor cores with ``warpgroup_mma`` (wgmma) and the online softmax in fp32 with exp2 on the CUDA cores.
+  A consumer issues the next tile's ``Q K^T`` and the current tile's ``P V`` back to back and computes the
+  next softmax while ``P V`` runs (FA3's intra-warpgroup overlap); the two consumers also overlap each
+  other, since the warp schedulers interleave them. On an H200 this overlap made the forward 2-13% faster
+  than the same kernel without it (writeup/results/gluon_attention.jsonl).
+
+Conventions are those of :mod:`cs336_kernels.flash_attention`: (batch, heads, seq, d) tensors, grouped-query
+attention (query head ``h`` reads key/value head ``h // (Hq // Hkv)``), causal masking aligned top-left
+(query ``i`` sees keys ``0..i``), and the logsumexp ``L`` of the scaled scores in natural-log units, fp32.
+Key tiles wholly above the diagonal are never loaded; only tiles that straddle it or the end of the keys
+are masked. The tensors are addressed by 4-D TMA descriptors, so the hardware zero-fills reads past the
+end of a head and clips the O store there: any sequence length works without masked loads.
+
+The kernels need an sm_90 GPU; they do not run in the Triton interpreter. Tests:
+``pytest -m gpu packages/kernels/tests/test_gluon_attention.py`` on an H100/H200.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from cs336_kernels.flash_attention.checks import check_inputs as check_portable_inputs
+
+LOG2E = 1.4426950408889634
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+SUPPORTED_HEAD_DIMS = (64, 128)
+
+# Per head dim: (BLOCK_M query rows per consumer warpgroup, BLOCK_N keys per tile, STAGES of the K/V ring).
+# One wgmma warpgroup covers 64 rows; the ring fills most of the 227 KiB of shared memory per block:
+# d = 128: 2 x 16 KiB Q + 2 x (32 + 32) KiB K/V; d = 64: 2 x 8 KiB Q + 3 x (16 + 16) KiB K/V.
+CONFIGS = {64: (64, 128, 3), 128: (64, 128, 2)}
+# 12 warps (two consumer warpgroups and the producer's warpgroup) share 64 K registers per SM: 168 each at
+# launch, then setmaxnreg moves them from the producer (24) to the consumers (240).
+MAX_REGISTERS = 168
+CONSUMER_REGISTERS = gl.constexpr(240)
+PRODUCER_REGISTERS = gl.constexpr(24)
+
+_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+
+
+@gluon.constexpr_function
+def mma_layout(n):
+    """The register layout of a (64 * k, n) fp32 wgmma accumulator of one warpgroup (instructions m64nNk16)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def _producer(
+    q_desc, k_desc, v_desc, bufs, b, h, h_kv, q0, n_tiles,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+):
+    q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty, v_empty = bufs
+    for c in gl.static_range(2):
+        mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, q0 + c * BLOCK_M, 0], q_ready.index(c), q_bufs.index(c))
+    for j in range(n_tiles):
+        stage = j % STAGES
+        # A fresh mbarrier counts as having completed the phase before phase 0, so the first pass through
+        # the ring does not wait.
+        phase = ((j // STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(stage), phase)
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, h_kv, j * BLOCK_N, 0], k_ready.index(stage), k_bufs.index(stage))
+        mbarrier.wait(v_empty.index(stage), phase)
+        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [b, h_kv, j * BLOCK_N, 0], v_ready.index(stage), v_bufs.index(stage))
+
+
+@gluon.jit
+def _scores(s, j, offs_m, masked_from, N_KEYS, qk_scale, m_i, s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+            IS_CAUSAL: gl.constexpr):
+    # Scores stay raw (unscaled) so that the row max needs no multiply and exp2(s * scale - m) is one FMA;
+    # the scale (sm_scale * log2(e)) is positive, so max and scaling commute. Only tiles from masked_from on
+    # straddle the diagonal or the end of the keys.
+    if j >= masked_from:
+        offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        keep = offs_n[None, :] < N_KEYS
+        if IS_CAUSAL:
+            keep = keep & (offs_m[:, None] >= offs_n[None, :])
+        s = gl.where(keep, s, float("-inf"))
+    # Key 0 is in the first tile and visible to every row, so m_new is finite from the first tile on.
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    p = gl.exp2(s * qk_scale - m_new[:, None])
+    return p, m_new
+
+
+@gluon.jit
+def _consumer(
+    o_desc, L, bufs, b, h, H_Q, q0, n_tiles, masked_from, N_QUERIES, N_KEYS, qk_scale,
+    CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+    STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+):
+    q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty, v_empty = bufs
+    dtype: gl.constexpr = o_desc.dtype
+    s_layout: gl.constexpr = mma_layout(BLOCK_N)
+    o_layout: gl.constexpr = mma_layout(HEAD_DIM)
+    # P feeds the P V wgmma from registers: for 16-bit types this layout holds the same elements per thread as
+    # the S accumulator, so the conversion moves no data.
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    row0 = q0 + CONSUMER * BLOCK_M
+    offs_m = row0 + gl.arange(0, BLOCK_M, layout=row_s)
+    q_tile = q_bufs.index(CONSUMER)
+    q_smem = q_tile.reshape([BLOCK_M, HEAD_DIM])
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    mbarrier.wait(q_ready.index(CONSUMER), 0)
+
+    # Tile 0: scores and probabilities only; its P V is issued together with tile 1's Q K^T.
+    mbarrier.wait(k_ready.index(0), 0)
+    s = warpgroup_mma(q_smem, k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+                      use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s,))
+    mbarrier.arrive(k_empty.index(0))
+    p, m_i = _scores(s, 0, offs_m, masked_from, N_KEYS, qk_scale, m_i, s_layout, BLOCK_N, IS_CAUSAL)
+    l_i = gl.sum(p, axis=1)
+    p16 = gl.convert_layout(p.to(dtype), p_layout)
+    for j in range(1, n_tiles):
+        stage = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+        s = warpgroup_mma(q_smem, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+                          use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p16, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+        # wgmma groups retire in order: one outstanding group means Q K^T is done and P V may still run.
+        s = warpgroup_mma_wait(1, deps=(s,))
+        mbarrier.arrive(k_empty.index(stage))
+        p, m_new = _scores(s, j, offs_m, masked_from, N_KEYS, qk_scale, m_i, s_layout, BLOCK_N, IS_CAUSAL)
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
+        mbarrier.arrive(v_empty.index(prev))
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p16 = gl.convert_layout(p.to(dtype), p_layout)
+        m_i = m_new
+    last = (n_tiles - 1) % STAGES
+    mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
+    acc = warpgroup_mma(p16, v_bufs.index(last).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    mbarrier.arrive(v_empty.index(last))
+
+    # Epilogue: O through this consumer's Q buffer (no wgmma reads it any more) and one TMA store, which
+    # clips rows past the end of the head; L by a masked store.
+    acc = acc / gl.convert_layout(l_i, row_o)[:, None]
+    q_smem.store(acc.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], q_tile)
+    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # natural-log units
+    gl.store(L + (b * H_Q + h).to(gl.int64) * N_QUERIES + offs_m, lse, mask=offs_m < N_QUERIES)
+    tma.store_wait(0)
+
+
+# Lengths and head counts only enter comparisons and offsets: one build serves them all.
+@gluon.jit(do_not_specialize=["H_Q", "GROUP", "N_QUERIES", "N_KEYS"])
+def _attn_fwd_kernel(
+    q_desc, k_desc, v_desc, o_desc, L,
+    H_Q, GROUP, N_QUERIES, N_KEYS, qk_scale,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+):
+    # Grid: (query tiles of 2 * BLOCK_M rows, batch * query heads). Causal tiles near the end have the most
+    # key tiles; start them first.
+    pid_m = gl.num_programs(0) - 1 - gl.program_id(0) if IS_CAUSAL else gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    b = pid_bh // H_Q
+    h = pid_bh % H_Q
+    h_kv = h // GROUP
+    q0 = pid_m * (2 * BLOCK_M)
+    # Key tiles [0, masked_from) are complete and wholly below the diagonal; tiles from there to n_tiles
+    # straddle the diagonal or the end of the keys; later tiles are never loaded.
+    if IS_CAUSAL:
+        n_tiles = gl.cdiv(gl.minimum(q0 + 2 * BLOCK_M, N_KEYS), BLOCK_N)
+        masked_from = gl.minimum(q0 // BLOCK_N, N_KEYS // BLOCK_N)
+    else:
+        n_tiles = gl.cdiv(N_KEYS, BLOCK_N)
+        masked_from = N_KEYS // BLOCK_N
+
+    dtype: gl.constexpr = q_desc.dtype
+    q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(2):
+        mbarrier.init(q_ready.index(c), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        # Both consumers read every K and V tile; each releases it once.
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+
+    bufs = (q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty, v_empty)
+    gl.warp_specialize(
+        [
+            (_consumer, (o_desc, L, bufs, b, h, H_Q, q0, n_tiles, masked_from, N_QUERIES, N_KEYS, qk_scale,
+                         0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL)),
+            (_consumer, (o_desc, L, bufs, b, h, H_Q, q0, n_tiles, masked_from, N_QUERIES, N_KEYS, qk_scale,
+                         1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL)),
+            (_producer, (q_desc, k_desc, v_desc, bufs, b, h, h_kv, q0, n_tiles, BLOCK_M, BLOCK_N, STAGES)),
+        ],
+        [4, 1],
+        [CONSUMER_REGISTERS, PRODUCER_REGISTERS],
+    )
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> None:
+    # The portable kernels' checks (types, shapes, GQA heads, devices), then what these kernels add.
+    check_portable_inputs(q, k, v, is_causal)
+    if q.dim() != 4:
+        raise ValueError(f"q, k, v must be (batch, heads, seq, d); got shapes {tuple(q.shape)}, {tuple(k.shape)}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"q, k, v must share one dtype among {SUPPORTED_DTYPES}; got {q.dtype}")
+    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim must be one of {SUPPORTED_HEAD_DIMS}, got {q.shape[-1]}")
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        raise ValueError(f"the Gluon kernels need CUDA tensors on an sm_90 GPU (H100/H200); got device {q.device}")
+
+
+def tma_ready(x: torch.Tensor) -> torch.Tensor:
+    # TMA needs a 16-byte-aligned base, unit stride on d and 16-byte-aligned other strides; copy otherwise.
+    aligned = x.data_ptr() % 16 == 0 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1])
+    return x if aligned and x.stride(-1) == 1 else x.contiguous()
+
+
+def descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
+    # (1, 1, rows, d) boxes of a (batch, heads, seq, d) tensor: reads past the end of a head's rows come back
+    # as zeros and writes there are dropped, whatever lies next in memory.
+    block = [1, 1, block_rows, x.shape[-1]]
+    return TensorDescriptor.from_tensor(x, block, gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[x.dtype]))
+
+
+def forward_args(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, is_causal: bool
+) -> tuple[tuple, dict]:
+    """The forward kernel's arguments and constexprs for these tensors (for the launcher and offline builds)."""
+    heads_q, n_queries, head_dim = q.shape[1:]
+    heads_kv, n_keys = k.shape[1], k.shape[2]
+    block_m, block_n, stages = CONFIGS[head_dim]
+    args = (
+        descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(o, block_m), lse,
+        heads_q, heads_q // heads_kv, n_queries, n_keys, LOG2E / math.sqrt(head_dim),
+    )
+    return args, {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages,
+                  "IS_CAUSAL": is_causal}
+
+
+def gluon_attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention output and logsumexp from the warp-specialised sm_90 kernel.
+
+    Args:
+        q: (batch, heads_q, seq_q, d), fp16 or bf16, d in (64, 128), on an sm_90 GPU.
+        k, v: (batch, heads_kv, seq_k, d) with heads_q a multiple of heads_kv.
+        is_causal: mask keys after the query, aligned top-left (query i sees keys 0..i).
+
+    Returns:
+        ``(o, lse)``: o shaped and typed like q (contiguous), lse (batch, heads_q, seq_q) in fp32, natural log.
+    """
+    check_inputs(q, k, v, is_causal)
+    q, k, v = tma_ready(q), tma_ready(k), tma_ready(v)
+    batch, heads_q, n_queries, _ = q.shape
+    o = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    lse = torch.empty((batch, heads_q, n_queries), device=q.device, dtype=torch.float32)
+    args, constants = forward_args(q, k, v, o, lse, is_causal)
+    grid = (triton.cdiv(n_queries, 2 * constants["BLOCK_M"]), batch * heads_q)
+    _attn_fwd_kernel[grid](*args, **constants, num_warps=4, maxnreg=MAX_REGISTERS)
+    return o, lse

@@ -1,0 +1,45 @@
+"""Reading what ptxas built for a GPU, offline: the cuobjdump that ships with Triton, and spills per main loop.
+
+Offline sm_90 builds (``triton.compile`` for ``GPUTarget("cuda", 90, 32)``, no GPU needed) are how the kernels'
+register pressure is checked before a GPU run; :func:`cuobjdump` prints their resource usage and SASS, and
+:func:`loop_spills` counts the local-memory traffic inside the loops that run once per tile.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+
+def cuobjdump() -> str:
+    """The cuobjdump on PATH, else the one bundled with Triton."""
+    import triton.backends.nvidia
+
+    bundled = Path(triton.backends.nvidia.__file__).parent / "bin" / "cuobjdump"
+    found = shutil.which("cuobjdump") or (str(bundled) if bundled.exists() else None)
+    if found is None:
+        raise RuntimeError("cuobjdump not found (neither on PATH nor bundled with Triton)")
+    return found
+
+
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
+
+
+_BRANCH = re.compile(r"\bBRA\s+(0x[0-9a-f]+)")
+
+
+def loop_spills(sass: str) -> list[list[int]]:
+    """[spill stores, spill loads, instructions] of each innermost loop with wgmma in it, in SASS order.
+
+    A loop is the address range from a predicated backward branch's target to the branch; unpredicated
+    backward branches are returns from out-of-line code such as mbarrier wait retries. Whole-kernel spill
+    counts mix the main loops with code that runs once per program; only spills inside the loops cost per tile.
+    """
+    code = [(int(m[1], 16), m[2]) for m in _SASS_LINE.finditer(sass)]
+    ranges = {(int(b[1], 16), addr) for addr, text in code
+              if text.startswith("@") and (b := _BRANCH.search(text)) and int(b[1], 16) <= addr}
+    body = {r: [text for addr, text in code if r[0] <= addr <= r[1]] for r in ranges}
+    with_mma = [r for r in sorted(ranges) if any("HGMMA" in text for text in body[r])]
+    innermost = [r for r in with_mma if not any(o != r and r[0] <= o[0] and o[1] <= r[1] for o in with_mma)]
+    return [[sum("STL" in t for t in body[r]), sum("LDL" in t for t in body[r]), len(body[r])] for r in innermost]

@@ -1,0 +1,134 @@
+"""Gluon FlashAttention (sm_90) against the float64 materialised-attention reference: O, L, dQ, dK, dV.
+
+Gluon kernels do not run in the Triton interpreter, so every test here is a ``gpu`` test for an H100/H200:
+``pytest -m gpu packages/kernels/tests/test_gluon_attention.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from attention_tolerances import LSE_TOL, REL_TOL
+from cs336_kernels.flash_attention import attention_reference, flash_attention
+from cs336_kernels.flash_attention.forward import gluon_forward_applies
+from cs336_kernels.flash_attention.gluon_backward import gluon_attention_backward
+from cs336_kernels.flash_attention.gluon_forward import gluon_attention_forward
+
+pytestmark = pytest.mark.gpu
+
+
+def _inputs(shape_q, shape_kv, dtype, seed):
+    """q, k, v and an output gradient dO shaped like q."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    shapes = (shape_q, shape_kv, shape_kv, shape_q)
+    return tuple(torch.randn(s, generator=g).to(device="cuda", dtype=dtype) for s in shapes)
+
+
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    # The floor (entries of 0.1 on average) keeps an exactly-zero reference, such as dQ with one key, from
+    # turning rounding noise into an infinite relative error.
+    assert torch.isfinite(got).all(), "non-finite values"
+    floor = 0.1 * ref.numel() ** 0.5
+    return ((got.double() - ref).norm() / ref.norm().clamp_min(floor)).item()
+
+
+def _check(q, k, v, is_causal):
+    o, lse = gluon_attention_forward(q, k, v, is_causal)
+    o_ref, lse_ref = attention_reference(q.double(), k.double(), v.double(), is_causal)
+    assert o.shape == q.shape and o.dtype == q.dtype
+    assert lse.shape == q.shape[:-1] and lse.dtype == torch.float32
+    assert torch.isfinite(lse).all()
+    rel = _rel_err(o, o_ref)
+    assert rel < REL_TOL[q.dtype], f"O: relative error {rel:.2e}"
+    lse_err = (lse.double() - lse_ref).abs().max().item()
+    assert lse_err < LSE_TOL[q.dtype], f"L: max error {lse_err:.2e}"
+
+
+def _check_backward(q, k, v, do, is_causal):
+    o, lse = gluon_attention_forward(q, k, v, is_causal)
+    grads = gluon_attention_backward(q, k, v, o, do, lse, is_causal)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    attention_reference(q64, k64, v64, is_causal)[0].backward(do.double())
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, (q64.grad, k64.grad, v64.grad), strict=True):
+        assert got.shape == ref.shape and got.dtype == q.dtype, name
+        rel = _rel_err(got, ref)
+        assert rel < REL_TOL[q.dtype], f"{name}: relative error {rel:.2e}"
+
+
+# (shape of q, shape of k and v): one query and one key; lengths that are not multiples of the 64-row query
+# tiles or the 128-key tiles (127, 1000, 4097); Tq < Tk and Tq > Tk; grouped-query heads (2:1, 4:1, 2:1).
+SHAPES = [
+    ((1, 2, 1, 64), (1, 2, 1, 64)),
+    ((2, 4, 127, 128), (2, 2, 127, 128)),
+    ((1, 4, 1000, 64), (1, 1, 1000, 64)),
+    ((1, 2, 4097, 128), (1, 2, 4097, 128)),
+    ((2, 3, 300, 64), (2, 3, 777, 64)),
+    ((1, 2, 777, 128), (1, 1, 300, 128)),
+]
+CASES = [(sq, skv, torch.bfloat16) for sq, skv in SHAPES] + [(sq, skv, torch.float16) for sq, skv in SHAPES[2::3]]
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize(("shape_q", "shape_kv", "dtype"), CASES)
+def test_gpu_forward_matches_reference(shape_q, shape_kv, dtype, is_causal):
+    q, k, v, _ = _inputs(shape_q, shape_kv, dtype, seed=shape_q[-2])
+    _check(q, k, v, is_causal)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize(("shape_q", "shape_kv", "dtype"), CASES)
+def test_gpu_backward_matches_reference(shape_q, shape_kv, dtype, is_causal):
+    _check_backward(*_inputs(shape_q, shape_kv, dtype, seed=shape_q[-2]), is_causal)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_backward_dk_dv_are_deterministic(head_dim):
+    # dK and dV have one owner per key tile and a fixed order over the query heads; dQ is summed by reduce-adds.
+    q, k, v, do = _inputs((2, 8, 1500, head_dim), (2, 2, 1500, head_dim), torch.bfloat16, seed=3)
+    o, lse = gluon_attention_forward(q, k, v, True)
+    first, second = (gluon_attention_backward(q, k, v, o, do, lse, True) for _ in range(2))
+    assert torch.equal(first[1], second[1]) and torch.equal(first[2], second[2])
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_takes_strided_heads(head_dim):
+    # (batch, seq, heads, d) memory seen as (batch, heads, seq, d), as a model's projections produce it: the
+    # TMA descriptors take the strides as they are.
+    shapes = ((2, 515, 4, head_dim), (2, 515, 2, head_dim))
+    q, k, v, do = (t.transpose(1, 2) for t in _inputs(*shapes, torch.bfloat16, seed=5))
+    assert not q.is_contiguous()
+    _check(q, k, v, True)
+    _check_backward(q, k, v, do, True)
+
+
+def test_gpu_input_checks():
+    q, k, v, _ = _inputs((1, 2, 64, 64), (1, 2, 64, 64), torch.bfloat16, seed=0)
+    with pytest.raises(ValueError, match="batch, heads, seq, d"):
+        gluon_attention_forward(q[0], k[0], v[0], True)
+    with pytest.raises(TypeError, match="dtype"):
+        gluon_attention_forward(q.float(), k.float(), v.float(), True)
+    with pytest.raises(ValueError, match="head dim"):
+        gluon_attention_forward(q[..., :32], k[..., :32], v[..., :32], True)
+    with pytest.raises(ValueError, match="multiple"):
+        gluon_attention_forward(q, *_inputs((1, 3, 64, 64), (1, 3, 64, 64), torch.bfloat16, seed=1)[1:3], True)
+    with pytest.raises(ValueError, match="CUDA"):
+        gluon_attention_forward(q.cpu(), k.cpu(), v.cpu(), True)
+    with pytest.raises(TypeError, match="is_causal"):
+        gluon_attention_forward(q, k, v, 1)
+
+
+@pytest.mark.parametrize(("forward", "backward"), [("auto", "triton"), ("gluon", "gluon"), ("triton", "gluon")])
+def test_gpu_flash_attention_runs_each_path(forward, backward):
+    # Through the public function: the custom op's dispatch, the autograd Function and the backward choice.
+    q, k, v, do = _inputs((2, 4, 777, 128), (2, 2, 777, 128), torch.bfloat16, seed=11)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    assert gluon_forward_applies(q)
+    out = flash_attention(q, k, v, is_causal=True, forward=forward, backward=backward)
+    out.backward(do)
+    grads = [t.grad for t in (q, k, v)]
+    o_ref, _ = attention_reference(q.double(), k.double(), v.double(), True)
+    ref_grads = torch.autograd.grad(o_ref, (q, k, v), do.double())
+    assert _rel_err(out, o_ref) < REL_TOL[torch.bfloat16]
+    for name, got, ref in zip(("dQ", "dK", "dV"), grads, ref_grads, strict=True):
+        assert _rel_err(got, ref.double()) < REL_TOL[torch.bfloat16], name
+    assert not gluon_forward_applies(q.float()) and not gluon_forward_applies(q[..., :96])

@@ -1,0 +1,82 @@
+"""Offline sm_90 builds of the Gluon attention kernels (no GPU needed): registers, spills, wgmma and TMA counts.
+
+Each kernel is compiled as its launcher would call it (bf16, GQA, the launcher's own argument list) for
+GPUTarget("cuda", 90, 32), and its SASS is read with the cuobjdump bundled with Triton. ``max_register`` is
+the highest register the SASS names (the partitions raise their budget with setmaxnreg, so the launch value
+says little); ``loops`` is spill stores + loads (instructions) per main-loop body, as in
+``cs336_harness.studies.attention_tuning``.
+
+    uv run python tools/gluon_attention_builds.py --out writeup/results/gluon_attention.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import tempfile
+
+import torch
+import triton
+from cs336_harness.results import append_rows, provenance
+from cs336_kernels.flash_attention import gluon_backward as backward
+from cs336_kernels.flash_attention import gluon_forward as forward
+from cs336_kernels.sass import cuobjdump, loop_spills
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+
+
+def _compile(kernel, args: tuple, constants: dict) -> tuple[triton.compiler.CompiledKernel, str]:
+    names = kernel.arg_names
+    runtime = [name for name in names if name not in constants]
+    signature = {name: "constexpr" if name in constants else mangle_type(arg)
+                 for name, arg in zip(names, [*args, *constants.values()], strict=True)}
+    # The launcher's pointers come from fresh allocations, 16-byte aligned.
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in runtime if signature[name].startswith("*")}
+    source = GluonASTSource(kernel, signature, constants, attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4, "maxnreg": forward.MAX_REGISTERS})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        sass = subprocess.run([cuobjdump(), "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
+    return compiled, sass
+
+
+def build_row(name: str, head_dim: int, is_causal: bool) -> dict:
+    """Compile the ``name`` (fwd or bwd) kernel at ``head_dim`` and count what its SASS holds."""
+    q = torch.zeros(1, 4, 1024, head_dim, dtype=torch.bfloat16)
+    k = torch.zeros(1, 2, 1024, head_dim, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 4, 1024)
+    if name == "fwd":
+        kernel, (args, constants) = forward._attn_fwd_kernel, forward.forward_args(q, k, k, q, lse, is_causal)
+    else:
+        kernel = backward._attn_bwd_kernel
+        args, constants = backward.backward_args(q, k, k, q, lse, lse, q.float(), k, k, is_causal)
+    compiled, sass = _compile(kernel, args, constants)
+    return {"bench": "gluon_build", "kernel": name, "d": head_dim, "dtype": "bf16", "causal": is_causal,
+            "config": [constants["BLOCK_M"], constants["BLOCK_N"], constants["STAGES"]], "target": "sm_90",
+            "max_register": max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)),
+            "shared_bytes": compiled.metadata.shared, "spill_stores": sass.count("STL"),
+            "spill_loads": sass.count("LDL"), "wgmma": sass.count("HGMMA"), "tma_loads": sass.count("UTMALDG"),
+            "tma_stores": sass.count("UTMASTG"), "tma_reduce_adds": sass.count("UTMAREDG"),
+            "loops": loop_spills(sass)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None, help="append rows (with provenance) to this JSONL file")
+    args = parser.parse_args()
+    meta = provenance()
+    for name in ("fwd", "bwd"):
+        for head_dim in forward.SUPPORTED_HEAD_DIMS:
+            for is_causal in (False, True):
+                row = build_row(name, head_dim, is_causal)
+                print(" ".join(f"{key}={value}" for key, value in row.items()), flush=True)
+                if args.out:
+                    append_rows(args.out, [row], meta)
+
+
+if __name__ == "__main__":
+    main()
