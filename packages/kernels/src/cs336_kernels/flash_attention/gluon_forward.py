@@ -9,8 +9,7 @@ One program owns ``2 * BLOCK_M`` query rows of one (batch, query head) and runs 
   tensor cores with ``warpgroup_mma`` (wgmma) and the online softmax in fp32 with exp2 on the CUDA cores.
   A consumer issues the next tile's ``Q K^T`` and the current tile's ``P V`` back to back and computes the
   next softmax while ``P V`` runs (FA3's intra-warpgroup overlap); the two consumers also overlap each
-  other, since the warp schedulers interleave them. On an H200 this overlap made the forward 2-13% faster
-  than the same kernel without it (writeup/results/gluon_attention.jsonl).
+  other, since the warp schedulers interleave them.
 
 Conventions are those of :mod:`cs336_kernels.flash_attention`: (batch, heads, seq, d) tensors, grouped-query
 attention (query head ``h`` reads key/value head ``h // (Hq // Hkv)``), causal masking aligned top-left
@@ -20,7 +19,8 @@ are masked. The tensors are addressed by 4-D TMA descriptors, so the hardware ze
 end of a head and clips the O store there: any sequence length works without masked loads.
 
 The kernels need an sm_90 GPU; they do not run in the Triton interpreter. Tests:
-``pytest -m gpu packages/kernels/tests/test_gluon_attention.py`` on an H100/H200.
+``pytest -m gpu packages/kernels/tests/test_gluon_attention.py`` on an H100/H200. What each variant measured is in
+``writeup/results/attention_notes.md``.
 """
 
 from __future__ import annotations
