@@ -4,8 +4,9 @@
 #            cs336_harness.attention_tuning: every candidate config timed at the real shapes, then ours
 #            against SDPA in one process).
 #            Rows: $OUT/attention_tuning.jsonl (about 5 minutes).
-#   final:   the attention GPU tests 5 times in a row, then `cs336 attention --part anchors` (ours and
-#            SDPA at the two anchor shapes). Rows: $OUT/attention_anchors.jsonl.
+#   final:   the attention GPU tests (Triton and Gluon) 5 times in a row, then `cs336 attention --part anchors`
+#            (ours by each path, SDPA, its flash backend, FlexAttention at the three anchor shapes).
+#            Rows: $OUT/attention_anchors.jsonl.
 # Every step has its own timeout and no step starts after $ATTN_DEADLINE_S seconds (default 420), so
 # rows written before a hang still come back. Log: $OUT/log.txt.
 #   run (GPU machine, repo root): bash tools/gpu_attention.sh explore
@@ -28,7 +29,7 @@ xdist=()
     explore)
       timeout 150 "${py[@]}" -m pytest -m gpu packages/kernels -q -p no:cacheprovider "${xdist[@]}" \
         || echo "== gpu tests FAILED or timed out (rc $?)"
-      timeout "$(left)" "${py[@]}" -m cs336_harness.attention_tuning --precompile-jobs 8 \
+      timeout "$(left)" "${py[@]}" -m cs336_harness.studies.attention_tuning --precompile-jobs 8 \
         --out "$OUT/attention_tuning.jsonl"
       ;;
     final)
@@ -38,6 +39,7 @@ xdist=()
         if [ "$(left)" -lt 135 ]; then echo "[skip: deadline] test run $run"; continue; fi
         echo "== gpu test run $run"
         timeout $(($(left) - 100)) "${py[@]}" -m pytest -m gpu packages/kernels/tests/test_flash_attention.py \
+          packages/kernels/tests/test_gluon_attention.py \
           -q -p no:cacheprovider "${xdist[@]}" || echo "== gpu test run $run FAILED or timed out (rc $?)"
       done
       timeout "$(left)" "${py[@]}" -m cs336_harness.cli attention --part anchors --precompile-jobs 6 \
