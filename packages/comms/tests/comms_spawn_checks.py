@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from cs336_comms.collectives import benchmark_collectives
 from cs336_comms.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlappedDDP
+from cs336_comms.reduce import tree_all_reduce, tree_reduce_scatter
 
 WORLD_SIZE = 2
 INIT_SEED = 100  # rank r initialises with INIT_SEED + r; the wrappers must make every rank hold rank 0's
@@ -206,6 +207,20 @@ def _bucket_layout() -> list[list[str]]:
     return [[names[p] for p in b.params] for b in ddp._buckets]
 
 
+def _tree_reductions(rank: int) -> dict[str, list[float]]:
+    """cs336_comms.reduce on rank-dependent inputs: rank r all-reduces [r + 1, 10 (r + 1)] and reduce-scatters
+    [r + 1, 2 (r + 1), 3 (r + 1), 4 (r + 1)] (two elements per destination rank)."""
+    reduced = torch.tensor([1.0, 10.0]) * (rank + 1)
+    tree_all_reduce(reduced).wait()
+    scattered = torch.empty(2)
+    tree_reduce_scatter(scattered, torch.tensor([1.0, 2.0, 3.0, 4.0]) * (rank + 1)).wait()
+    try:
+        tree_reduce_scatter(torch.empty(3), torch.empty(4))
+    except ValueError as e:
+        size_error = str(e)
+    return {"all_reduce": reduced.tolist(), "reduce_scatter": scattered.tolist(), "size_error": size_error}
+
+
 def all_checks(rank: int, world_size: int, out_dir: str) -> None:
     torch.set_num_threads(1)  # the same kernels and reduction order in the ranks and the reference
     record: dict = {"train": {}, "reference_vs_full": {}}
@@ -222,6 +237,7 @@ def all_checks(rank: int, world_size: int, out_dir: str) -> None:
     record["mismatch"] = _mismatch_error(rank)
     record["double_backward"] = _double_backward_error(rank)
     record["collectives"] = benchmark_collectives(sizes_bytes=[4096, 40_000], warmup=1, iters=3)
+    record["tree"] = _tree_reductions(rank)
     with open(f"{out_dir}/rank{rank}.pkl", "wb") as f:
         pickle.dump(record, f)
     dist.barrier()

@@ -82,3 +82,11 @@ def test_collectives_rows_are_well_formed(records: list[dict]) -> None:
         assert r["algbw_gbps"] == pytest.approx(r["bytes"] / (r["time_ms"] / 1e3) / 1e9)
         factor = 2 * (WORLD_SIZE - 1) / WORLD_SIZE if r["op"] == "all_reduce" else (WORLD_SIZE - 1) / WORLD_SIZE
         assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * factor)
+
+
+def test_tree_reductions_sum_over_ranks(records: list[dict]) -> None:
+    # 1 + 2 for each element: all-reduce [3, 30] everywhere; rank r receives chunk r of every rank's input.
+    for rank, record in enumerate(records):
+        assert record["tree"]["all_reduce"] == [3.0, 30.0]
+        assert record["tree"]["reduce_scatter"] == [3.0 * (2 * rank + 1), 3.0 * (2 * rank + 2)]
+        assert "world_size (2) x output (3)" in record["tree"]["size_error"]

@@ -43,6 +43,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from cs336_comms.reduce import TreeReduction, tree_all_reduce
+
 __all__ = ["NaiveDDP", "FlatDDP", "OverlappedDDP", "BucketedDDP"]
 
 
@@ -69,7 +71,7 @@ class _Bucket:
     def __init__(self, params: list[nn.Parameter]):
         self.params = params
         self.ready: set[int] = set()  # ids of params whose gradient is final for this step
-        self.work: dist.Work | None = None
+        self.work: dist.Work | TreeReduction | None = None
         self.flat: torch.Tensor | None = None  # the buffer being reduced when the bucket has several params
 
 
@@ -164,6 +166,12 @@ class _GradientSync(nn.Module):
             target = grads[0]
         else:
             bucket.flat = target = torch.cat([g.reshape(-1) for g in grads])
+        if torch.are_deterministic_algorithms_enabled():
+            # The ranks' gradients are added in the batch tree's order (cs336_comms.reduce), which makes the
+            # step bit-identical to one process on the whole batch; dividing first is exact for 2^k ranks.
+            target.div_(self.world_size)
+            bucket.work = tree_all_reduce(target)
+            return
         if self._average_in_collective:
             # NCCL averages inside the collective: no extra kernel launch per bucket on the backward
             # thread, whose launch rate bounds a bf16 step.
