@@ -9,10 +9,10 @@ and the number of ranks is a power of two. Two rules give that:
 1. Batch invariance. Every kernel sees one batch element (one index of the leading dimension) at a time,
    with its operands contiguous at 64-byte-aligned addresses. BLAS and reduction kernels choose their
    blocking, and with it their order of summation, from the shapes and the alignment of their operands
-   (MKL and cuBLAS give row 0 of ``x @ W.T`` other bits for 160 rows than for 80; MKL also for a
-   16-byte-misaligned ``x`` or ``W``; a CUDA row sum splits a row over more lanes when there are fewer than
-   16 rows), so per-example kernels on aligned copies compute each example's activations and gradients the
-   same way wherever the example sits and however many examples share its batch.
+   (MKL and cuBLAS both give rows of ``x @ W.T`` other bits when the matrix has fewer rows, MKL also when
+   ``x`` or ``W`` is not 16-byte aligned; a CUDA row sum splits each row over more lanes when there are fewer
+   than 16 rows), so per-example kernels on aligned copies compute each example's activations and gradients
+   the same way wherever the example sits and however many examples share its batch.
 2. Tree reduction. A weight's gradient is the sum of the examples' contributions (a matmul over the
    example's rows, an index-put of its tokens, a sum over its positions), added as a balanced pairwise tree
    split at midpoints, ``[lo, hi) -> [lo, mid) + [mid, hi)`` with ``mid = lo + (hi - lo) // 2``. With
@@ -30,10 +30,15 @@ copies of operands that are not aligned, a copy to stack the per-example outputs
 ``(vocab, d_model)`` table). Partial sums are kept in at least fp32. Outside deterministic mode nothing here
 runs.
 
-Limits: a weight used more than once in one forward (tied weights, a layer applied twice) gets the sum of
-its uses' trees, which DDP then reduces over ranks, a different order from the whole batch's, so it is not
-bit-identical under DDP. Operations outside these layers (attention, softmax, the loss) must be batch
-invariant themselves; PyTorch's elementwise ops are, and so are row reductions over at least 16 rows.
+Limits. A weight used more than once in one forward (tied weights, a layer applied twice) gets the sum of
+its uses' trees, which DDP then reduces over ranks: a different order from the whole batch's, so not
+bit-identical under DDP (FSDP reduce-scatters each use on its own and stays exact). ``cross_entropy`` also
+takes one example at a time in deterministic mode; everything else between the layers must be batch invariant
+by itself. CUDA elementwise kernels are, and row reductions over at least 16 rows (attention's softmax over
+``batch * heads * seq`` rows). CPU elementwise kernels compute a tensor's last ``numel % 16`` elements (AVX2)
+in scalar code, and ``torch.sigmoid``'s scalar code rounds differently from its vector code, so SwiGLU is batch
+invariant on CPU only when ``seq * d_ff`` is a multiple of 16. On CPU the full-batch run must use as many
+threads as the ranks: MKL's small matmuls round differently with another thread count.
 """
 
 from __future__ import annotations
