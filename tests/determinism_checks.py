@@ -71,10 +71,27 @@ class OddToy(nn.Module):
         return self.down(self.norm2(torch.relu(self.up(self.norm1(self.embedding(ids))))))
 
 
+class TiedToy(nn.Module):
+    """An LM head tied to the embedding: FSDP reduce-scatters each use's gradient and adds them in finish."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = Embedding(37, 15)
+        self.norm = RMSNorm(15)
+        self.up = Linear(15, 23)
+        self.down = Linear(23, 15)
+        self.lm_head = Linear(15, 37)
+        self.lm_head.weight = self.embedding.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.down(torch.relu(self.up(self.norm(self.embedding(ids))))))
+
+
 # name -> (model factory, vocab, global batch of sequences, whether the loss reads only the last position)
 MODELS: dict[str, tuple[Callable[[], nn.Module], int, int, bool]] = {
     "course": (CourseToy, 100, 20, True),
     "odd": (OddToy, 37, 8, False),
+    "tied": (TiedToy, 37, 8, False),
     # d_model 18 and d_ff 23: the embedding, head and FFN weights need padding on four ranks.
     "lm": (lambda: BasicsTransformerLM(37, SEQ, d_model=18, num_layers=2, num_heads=3, d_ff=23), 37, 8, False),
 }
@@ -96,15 +113,19 @@ DDP_WRAPPERS: dict[str, Callable[[nn.Module], nn.Module]] = {
 }
 
 # (wrapper, model, optimizer) trained on every world size. FusedAdamW runs in the Triton interpreter on CPU,
-# seconds per step, so only on the smallest model there.
+# seconds per step, so only on the smallest model there. The tied model runs under FSDP only: DDP reduces the
+# sum of a tied weight's uses, which is not the whole batch's order (cs336_basics.deterministic, Limits).
+UNTIED = ("course", "odd", "lm")
 RUNS = (
-    [(w, k, o) for w in ("fsdp", "zero1") for k in MODELS for o in ("sgd", "basics_adamw", "torch_adamw")]
+    [(w, k, o) for w in ("fsdp", "zero1") for k in UNTIED for o in ("sgd", "basics_adamw", "torch_adamw")]
+    + [("fsdp", "tied", o) for o in ("sgd", "torch_adamw")]
     + [(w, "odd", "fused_adamw") for w in ("fsdp", "zero1")]
-    + [("bucketed", k, "sgd") for k in MODELS]
+    + [("bucketed", k, "sgd") for k in UNTIED]
     + [("bucketed", "lm", "torch_adamw")]
     + [(w, "lm", "sgd") for w in ("naive", "flat", "overlapped")]
 )
-GPU_RUNS = [(w, k, o) for w in ("fsdp", "zero1", "bucketed") for k in MODELS for o in ("sgd", "fused_adamw")]
+GPU_RUNS = [(w, k, o) for w in ("fsdp", "zero1", "bucketed") for k in UNTIED for o in ("sgd", "fused_adamw")]
+GPU_RUNS += [("fsdp", "tied", "sgd")]
 
 
 def new_model(kind: str, seed: int, device: torch.device) -> nn.Module:

@@ -1,9 +1,10 @@
 """Data-parallel training in deterministic mode against true full-batch training, bit for bit (issue 15).
 
 FSDP (through tests/adapters.py), ZeRO-1 over BucketedDDP gradients and the four DDP wrappers train the
-course's toy model, a toy with odd weight sizes and a small Transformer with SGD, our AdamW, torch's AdamW
-and FusedAdamW, on 2 and 4 gloo ranks that each take a contiguous shard of the batch; after every step their
-fp32 parameters must equal those of one process trained on the whole batch. One spawn per world size runs
+course's toy model, a toy with odd weight sizes, a small Transformer and (FSDP only) a toy whose LM head is
+tied to its embedding, with SGD, our AdamW, torch's AdamW and FusedAdamW, on 2 and 4 gloo ranks that each
+take a contiguous shard of the batch; after every step their fp32 parameters must equal those of one process
+trained on the whole batch. One spawn per world size runs
 every check (determinism_checks.py); the tests assert on what each rank recorded.
 """
 
