@@ -23,19 +23,21 @@ import torch.nn as nn
 import torch.nn.functional as F
 from cs336_comms.collectives import benchmark_collectives
 from cs336_comms.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlappedDDP
+from cs336_comms.reduce import tree_all_reduce, tree_reduce_scatter
 
 WORLD_SIZE = 2
 INIT_SEED = 100  # rank r initialises with INIT_SEED + r; the wrappers must make every rank hold rank 0's
 STEPS = 4
 BUCKET_CAP_FLOATS = 50
 
+# The toy model has a parameter no rank uses and one only rank 0 uses: the wrappers count who had a gradient.
 VARIANTS: dict[str, Callable[[nn.Module], nn.Module]] = {
-    "naive": NaiveDDP,
-    "flat": FlatDDP,
-    "overlapped": OverlappedDDP,
+    "naive": lambda m: NaiveDDP(m, find_unused_parameters=True),
+    "flat": lambda m: FlatDDP(m, find_unused_parameters=True),
+    "overlapped": lambda m: OverlappedDDP(m, find_unused_parameters=True),
     # A 50-float cap so the toy models span several buckets, some holding several tensors (see
     # test_buckets_close_once_they_reach_the_cap).
-    "bucketed": lambda m: BucketedDDP(m, bucket_size_mb=BUCKET_CAP_FLOATS * 4 / 2**20),
+    "bucketed": lambda m: BucketedDDP(m, bucket_size_mb=BUCKET_CAP_FLOATS * 4 / 2**20, find_unused_parameters=True),
 }
 
 
@@ -206,6 +208,44 @@ def _bucket_layout() -> list[list[str]]:
     return [[names[p] for p in b.params] for b in ddp._buckets]
 
 
+def _tree_reductions(rank: int) -> dict[str, list[float]]:
+    """cs336_comms.reduce on rank-dependent inputs: rank r all-reduces [r + 1, 10 (r + 1)] and reduce-scatters
+    [r + 1, 2 (r + 1), 3 (r + 1), 4 (r + 1)] (two elements per destination rank)."""
+    reduced = torch.tensor([1.0, 10.0]) * (rank + 1)
+    tree_all_reduce(reduced).wait()
+    scattered = torch.empty(2)
+    tree_reduce_scatter(scattered, torch.tensor([1.0, 2.0, 3.0, 4.0]) * (rank + 1)).wait()
+    try:
+        tree_reduce_scatter(torch.empty(3), torch.empty(4))
+    except ValueError as e:
+        size_error = str(e)
+    return {"all_reduce": reduced.tolist(), "reduce_scatter": scattered.tolist(), "size_error": size_error}
+
+
+def _default_unused(rank: int) -> dict:
+    """Without find_unused_parameters: the collectives one step issues (no flag all-reduce), and the gradients of
+    a parameter no rank uses (zero, not None) and of one only rank 0 uses (the average of its gradient and zero)."""
+    model = new_model("toy", seed=INIT_SEED)
+    ddp = NaiveDDP(model)
+    calls = []
+    original = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].numel())
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        x, y = _batches("toy", 1, 1)[0][rank][0]
+        _loss(ddp, x, y, use_extra=rank == 0).backward()
+        ddp.finish_gradient_synchronization()
+    finally:
+        dist.all_reduce = original
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return {"all_reduces": len(calls), "trainable": len(trainable), "unused_grad": model.unused.grad.clone(),
+            "extra_grad": model.extra.grad.clone()}
+
+
 def all_checks(rank: int, world_size: int, out_dir: str) -> None:
     torch.set_num_threads(1)  # the same kernels and reduction order in the ranks and the reference
     record: dict = {"train": {}, "reference_vs_full": {}}
@@ -222,6 +262,8 @@ def all_checks(rank: int, world_size: int, out_dir: str) -> None:
     record["mismatch"] = _mismatch_error(rank)
     record["double_backward"] = _double_backward_error(rank)
     record["collectives"] = benchmark_collectives(sizes_bytes=[4096, 40_000], warmup=1, iters=3)
+    record["tree"] = _tree_reductions(rank)
+    record["default_unused"] = _default_unused(rank)
     with open(f"{out_dir}/rank{rank}.pkl", "wb") as f:
         pickle.dump(record, f)
     dist.barrier()

@@ -12,6 +12,7 @@ import pytest
 import torch
 from comms_spawn_checks import INIT_SEED, VARIANTS, WORLD_SIZE, all_checks, new_model
 from cs336_comms.collectives import OPS
+from cs336_comms.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlappedDDP
 from cs336_comms.process_group import spawn
 
 FULL_BATCH_RTOL, FULL_BATCH_ATOL = 1e-5, 1e-6  # reference vs one full-batch backward (sum order differs)
@@ -82,3 +83,38 @@ def test_collectives_rows_are_well_formed(records: list[dict]) -> None:
         assert r["algbw_gbps"] == pytest.approx(r["bytes"] / (r["time_ms"] / 1e3) / 1e9)
         factor = 2 * (WORLD_SIZE - 1) / WORLD_SIZE if r["op"] == "all_reduce" else (WORLD_SIZE - 1) / WORLD_SIZE
         assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * factor)
+
+
+def test_tree_reductions_sum_over_ranks(records: list[dict]) -> None:
+    # 1 + 2 for each element: all-reduce [3, 30] everywhere; rank r receives chunk r of every rank's input.
+    for rank, record in enumerate(records):
+        assert record["tree"]["all_reduce"] == [3.0, 30.0]
+        assert record["tree"]["reduce_scatter"] == [3.0 * (2 * rank + 1), 3.0 * (2 * rank + 2)]
+        assert "world_size (2) x output (3)" in record["tree"]["size_error"]
+
+
+def test_unused_parameters_are_not_counted_by_default(records: list[dict]) -> None:
+    for record in records:
+        got = record["default_unused"]
+        assert got["all_reduces"] == got["trainable"]  # one per gradient, no extra flag reduction
+        assert torch.equal(got["unused_grad"], torch.zeros_like(got["unused_grad"]))
+    # Only rank 0 used `extra`: every rank holds the average of rank 0's gradient and zeros.
+    assert torch.equal(records[0]["default_unused"]["extra_grad"], records[1]["default_unused"]["extra_grad"])
+    assert records[0]["default_unused"]["extra_grad"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("cls", [NaiveDDP, FlatDDP, OverlappedDDP, BucketedDDP])
+def test_without_a_process_group_a_wrapper_is_a_single_rank(cls) -> None:
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    ddp = cls(model)
+    x = torch.randn(4, 3)
+    ddp(x).sum().backward()
+    ddp.finish_gradient_synchronization()
+    plain = torch.nn.Linear(3, 2)
+    plain.load_state_dict(model.state_dict())
+    plain(x).sum().backward()
+    assert torch.equal(model.weight.grad, plain.weight.grad) and torch.equal(model.bias.grad, plain.bias.grad)

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from cs336_basics import deterministic
 from cs336_basics.config import ModelConfig
 from cs336_basics.nn_utils import cross_entropy, softmax
 
@@ -44,6 +45,8 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(nn.init.trunc_normal_(weight, std=std, a=-3 * std, b=3 * std))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.are_deterministic_algorithms_enabled() and x.dim() > 1:
+            return deterministic.linear(x, self.weight)
         return x @ self.weight.T
 
     def extra_repr(self) -> str:
@@ -64,6 +67,8 @@ class Embedding(nn.Module):
         self.weight = nn.Parameter(nn.init.trunc_normal_(weight, std=1.0, a=-3.0, b=3.0))
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if torch.are_deterministic_algorithms_enabled() and token_ids.dim() > 0:
+            return deterministic.embedding(token_ids, self.weight)
         return self.weight[token_ids]
 
     def extra_repr(self) -> str:
@@ -81,6 +86,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.are_deterministic_algorithms_enabled() and x.dim() > 1:
+            return deterministic.rms_norm(x, self.weight, self.eps)
         in_dtype = x.dtype
         x = x.float()
         rms = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)

@@ -32,7 +32,12 @@ def cross_entropy(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         )
     if targets.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"targets must be int32 or int64, got {targets.dtype}")
-    logp = log_softmax(inputs.float(), dim=-1)  # (..., V)
+    if torch.are_deterministic_algorithms_enabled() and inputs.dim() > 1:
+        # One example at a time, so the row sums' kernels cannot depend on the batch size (a CUDA row sum
+        # over fewer than 16 rows splits each row differently): see cs336_basics.deterministic.
+        logp = torch.stack([log_softmax(x.float(), dim=-1) for x in inputs])
+    else:
+        logp = log_softmax(inputs.float(), dim=-1)  # (..., V)
     return -logp.gather(-1, targets.long().unsqueeze(-1)).mean()
 
 

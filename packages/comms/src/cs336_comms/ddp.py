@@ -14,10 +14,20 @@ BucketedDDP    buckets of about ``bucket_size_mb`` MiB       during backward, as
 Usage is the same for all four (the overlapping ones need ``finish_gradient_synchronization`` to
 wait; for the others it is where the communication happens)::
 
-    model = BucketedDDP(model, bucket_size_mb=25)     # after init_process_group
+    model = BucketedDDP(model, bucket_size_mb=25)     # over the world of an initialised process group
     loss_fn(model(x), y).backward()
     model.finish_gradient_synchronization()
     optimizer.step()
+
+Each wrapper takes a ``process_group`` (default: the world). Without an initialised process group it runs as a
+single rank and communicates nothing, as FSDP and ZeRO-1 (cs336-sharding) do, so a script runs with and without
+``torchrun``.
+
+Unused parameters: a parameter without a gradient on some rank contributes zeros to its bucket, so every rank
+issues the same collectives. By default (as torch's DDP) every trainable parameter is assumed to get a gradient
+in every step, and one no rank used ends with a zero gradient. With ``find_unused_parameters=True`` one more small
+all-reduce per step counts the ranks that had each gradient, and a parameter no rank used keeps ``.grad = None``,
+as in single-process training.
 
 Gradient accumulation: backward passes run inside ``with model.no_sync():`` only accumulate locally;
 the next backward outside it reduces the accumulated sum.
@@ -43,15 +53,18 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from cs336_comms.process_group import rank_and_world
+from cs336_comms.reduce import TreeReduction, tree_all_reduce
+
 __all__ = ["NaiveDDP", "FlatDDP", "OverlappedDDP", "BucketedDDP"]
 
 
-def _check_same_layout(module: nn.Module) -> None:
+def _check_same_layout(module: nn.Module, group: dist.ProcessGroup | None) -> None:
     """Raise ``ValueError`` on every rank if any rank's parameters or buffers differ from rank 0's."""
     layout = [("param", n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]
     layout += [("buffer", n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()]
-    layouts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(layouts, layout)
+    layouts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(layouts, layout, group=group)
     for rank, other in enumerate(layouts[1:], start=1):
         if other == layouts[0]:
             continue
@@ -69,7 +82,7 @@ class _Bucket:
     def __init__(self, params: list[nn.Parameter]):
         self.params = params
         self.ready: set[int] = set()  # ids of params whose gradient is final for this step
-        self.work: dist.Work | None = None
+        self.work: dist.Work | TreeReduction | None = None
         self.flat: torch.Tensor | None = None  # the buffer being reduced when the bucket has several params
 
 
@@ -82,19 +95,22 @@ class _GradientSync(nn.Module):
 
     overlap: bool = False
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, *, process_group: dist.ProcessGroup | None = None,
+                 find_unused_parameters: bool = False):
         super().__init__()
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(f"{type(self).__name__} needs an initialized default process group")
         self.module = module
-        self.world_size = dist.get_world_size()
-        self._average_in_collective = dist.get_backend() == "nccl"
-        _check_same_layout(module)
-        with torch.no_grad():
-            for t in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(t, src=0)
-        # parameters() yields a shared parameter once, so tied weights land in one bucket once.
-        trainable = [p for p in module.parameters() if p.requires_grad]
+        self._group = process_group
+        _, self.world_size = rank_and_world(process_group)
+        self.find_unused_parameters = find_unused_parameters
+        # parameters() yields a shared parameter once, so tied weights land in one bucket once. A single rank
+        # has nothing to exchange: no buckets, no hooks.
+        trainable = [p for p in module.parameters() if p.requires_grad] if self.world_size > 1 else []
+        if self.world_size > 1:
+            self._average_in_collective = dist.get_backend(process_group) == "nccl"
+            _check_same_layout(module, process_group)
+            with torch.no_grad():
+                for t in [*module.parameters(), *module.buffers()]:
+                    dist.broadcast(t, group=process_group, group_src=0)
         # Reverse registration order approximates the order backward produces gradients in.
         self._buckets = [_Bucket(ps) for ps in self._bucket_params(trainable[::-1]) if ps]
         self._bucket_of = {id(p): i for i, b in enumerate(self._buckets) for p in b.params}
@@ -164,21 +180,27 @@ class _GradientSync(nn.Module):
             target = grads[0]
         else:
             bucket.flat = target = torch.cat([g.reshape(-1) for g in grads])
+        if torch.are_deterministic_algorithms_enabled():
+            # The ranks' gradients are added in the batch tree's order (cs336_comms.reduce), which makes the
+            # step bit-identical to one process on the whole batch; dividing first is exact for 2^k ranks.
+            target.div_(self.world_size)
+            bucket.work = tree_all_reduce(target, group=self._group)
+            return
         if self._average_in_collective:
             # NCCL averages inside the collective: no extra kernel launch per bucket on the backward
             # thread, whose launch rate bounds a bf16 step.
-            bucket.work = dist.all_reduce(target, op=dist.ReduceOp.AVG, async_op=True)
+            bucket.work = dist.all_reduce(target, op=dist.ReduceOp.AVG, group=self._group, async_op=True)
             return
         # gloo has no AVG. Dividing before the sum keeps values in range for large world sizes; for a
         # power-of-two world size it is exact, so the result is bit-identical to dividing the sum.
         target.div_(self.world_size)
-        bucket.work = dist.all_reduce(target, op=dist.ReduceOp.SUM, async_op=True)
+        bucket.work = dist.all_reduce(target, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
 
     def finish_gradient_synchronization(self) -> None:
         """Launch what backward has not, wait for all reductions, and leave averaged ``.grad`` behind.
 
-        A no-op inside :meth:`no_sync`. Parameters that received no gradient on any rank keep
-        ``.grad = None``, as they would in single-process training.
+        A no-op inside :meth:`no_sync`. With ``find_unused_parameters``, parameters that received no gradient on
+        any rank keep ``.grad = None``, as they would in single-process training.
         """
         if not self._sync:
             return
@@ -187,14 +209,16 @@ class _GradientSync(nn.Module):
             self._next_launch += 1
         if self._ones is None:
             return
-        # One small extra reduction counts the ranks that had each gradient, so a gradient missing
-        # here but present elsewhere is kept; every rank issues it, keeping the collectives aligned.
         missing = {id(p) for p in self._zero_filled}
-        had_grad = self._ones.clone()
-        for i, p in enumerate(self._trainable):
-            if id(p) in missing:
-                had_grad[i] = 0.0
-        flag_work = dist.all_reduce(had_grad, async_op=True)
+        flag_work = None
+        if self.find_unused_parameters:
+            # One small extra reduction counts the ranks that had each gradient, so a gradient missing
+            # here but present elsewhere is kept; every rank issues it, keeping the collectives aligned.
+            had_grad = self._ones.clone()
+            for i, p in enumerate(self._trainable):
+                if id(p) in missing:
+                    had_grad[i] = 0.0
+            flag_work = dist.all_reduce(had_grad, group=self._group, async_op=True)
         for bucket in self._buckets:
             assert bucket.work is not None
             bucket.work.wait()
@@ -208,8 +232,9 @@ class _GradientSync(nn.Module):
                     offset += n
             bucket.work, bucket.flat = None, None
             bucket.ready.clear()
-        flag_work.wait()
-        if missing:
+        if flag_work is not None:
+            flag_work.wait()
+        if flag_work is not None and missing:
             counts = had_grad.tolist()
             for p, count in zip(self._trainable, counts, strict=True):
                 if id(p) in missing and count == 0:
@@ -252,11 +277,12 @@ class BucketedDDP(_GradientSync):
 
     overlap = True
 
-    def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0):
+    def __init__(self, module: nn.Module, bucket_size_mb: float = 25.0, *,
+                 process_group: dist.ProcessGroup | None = None, find_unused_parameters: bool = False):
         if not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
         self.bucket_size_bytes = bucket_size_mb * 2**20
-        super().__init__(module)
+        super().__init__(module, process_group=process_group, find_unused_parameters=find_unused_parameters)
 
     def _bucket_params(self, params: list[nn.Parameter]) -> Sequence[list[nn.Parameter]]:
         buckets: list[list[nn.Parameter]] = [[]]

@@ -64,6 +64,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from cs336_comms.process_group import rank_and_world
+from cs336_comms.reduce import TreeReduction, tree_all_reduce, tree_reduce_scatter
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -264,8 +265,9 @@ class FSDP(nn.Module):
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(lambda param: owner()._all_reduce_grad(param))
 
-        self._pending_reduce_scatters: list[tuple[_Unit, dist.Work | None, torch.Tensor, torch.Tensor]] = []
-        self._pending_all_reduces: dict[nn.Parameter, dist.Work] = {}
+        self._pending_reduce_scatters: list[tuple[_Unit, dist.Work | TreeReduction | None, torch.Tensor,
+                                                  torch.Tensor]] = []
+        self._pending_all_reduces: dict[nn.Parameter, dist.Work | TreeReduction] = {}
         # The profiler range of each module forward in progress, exited after it.
         self._in_forward: dict[nn.Module, list[Any]] = {}
         # Set when the gradient reaches the model's output: unit forwards from then on are recomputations.
@@ -438,7 +440,12 @@ class FSDP(nn.Module):
             return
         out = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
         with torch.profiler.record_function(f"fsdp.reduce_scatter.{unit.name}"):
-            work = dist.reduce_scatter_tensor(out, flat, group=self._group, async_op=True)
+            if torch.are_deterministic_algorithms_enabled():
+                # The ranks' gradients added in the batch tree's order (cs336_comms.reduce): with the
+                # deterministic cs336_basics layers, bit-identical to one process on the whole batch.
+                work = tree_reduce_scatter(out, flat, group=self._group)
+            else:
+                work = dist.reduce_scatter_tensor(out, flat, group=self._group, async_op=True)
         self._pending_reduce_scatters.append((unit, work, out, flat))
 
     def _retire_reduce_scatter(self) -> None:
@@ -452,7 +459,10 @@ class FSDP(nn.Module):
             return
         if param in self._pending_all_reduces:
             raise RuntimeError("call finish_gradient_synchronization() after each backward pass")
-        self._pending_all_reduces[param] = dist.all_reduce(param.grad, group=self._group, async_op=True)
+        if torch.are_deterministic_algorithms_enabled():
+            self._pending_all_reduces[param] = tree_all_reduce(param.grad, group=self._group)
+        else:
+            self._pending_all_reduces[param] = dist.all_reduce(param.grad, group=self._group, async_op=True)
 
     # Public API.
 

@@ -1,0 +1,94 @@
+"""Data-parallel training in deterministic mode against true full-batch training, bit for bit (issue 15).
+
+FSDP (through tests/adapters.py), ZeRO-1 over BucketedDDP gradients and the four DDP wrappers train the
+course's toy model, a toy with odd weight sizes, a small Transformer and (FSDP only) a toy whose LM head is
+tied to its embedding, with SGD, our AdamW, torch's AdamW and FusedAdamW, on 2 and 4 gloo ranks that each
+take a contiguous shard of the batch; after every step their fp32 parameters must equal those of one process
+trained on the whole batch. One spawn per world size runs
+every check (determinism_checks.py); the tests assert on what each rank recorded.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from cs336_comms.process_group import spawn
+from determinism_checks import GPU_RUNS, RUNS, STEPS, cpu_checks, gpu_checks
+
+WORLD_SIZES = (2, 4)
+
+
+def _spawn(fn, world_size: int, out) -> list[dict]:
+    spawn(fn, world_size, str(out), backend="gloo", timeout_s=300)
+    return [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(world_size)]
+
+
+@pytest.fixture(scope="session", params=WORLD_SIZES, ids=lambda w: f"{w}ranks")
+def records(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return _spawn(cpu_checks, request.param, tmp_path_factory.mktemp(f"determinism{request.param}"))
+
+
+def _assert_bit_identical(records: list[dict], run: tuple[str, str, str]) -> None:
+    for rank, record in enumerate(records):
+        got_steps = record["runs"][run]
+        want_steps = record["full_batch"][run[1:]]
+        assert len(got_steps) == len(want_steps) == STEPS
+        for step, (got, want) in enumerate(zip(got_steps, want_steps, strict=True)):
+            assert got.keys() == want.keys()
+            for name in want:
+                assert got[name].dtype == torch.float32
+                diff = (got[name] - want[name]).abs().max().item()
+                assert torch.equal(got[name], want[name]), f"rank {rank} step {step}: {name} differs by {diff:.3g}"
+
+
+@pytest.mark.parametrize("run", RUNS, ids=["-".join(r) for r in RUNS])
+def test_data_parallel_equals_full_batch_training(records: list[dict], run: tuple[str, str, str]) -> None:
+    _assert_bit_identical(records, run)
+
+
+def test_wrappers_over_a_process_group_keep_to_it(records: list[dict]) -> None:
+    if len(records) != 4:
+        pytest.skip("the pairs run in the 4-rank spawn")
+    for rank, record in enumerate(records):
+        for run, got_steps in record["pairs"].items():
+            want_steps = record["full_batch"][run[1:]]
+            for step, (got, want) in enumerate(zip(got_steps, want_steps, strict=True)):
+                for name in want:
+                    assert torch.equal(got[name], want[name]), f"rank {rank} {run} step {step}: {name} differs"
+
+
+def test_without_deterministic_mode_the_comparison_sees_the_summation_order(records: list[dict]) -> None:
+    # The issue's case (FSDP, course model, SGD) in the ordinary mode, where the ranks sum their halves: if
+    # these were equal, the tests above could not tell a tree reduction from any other order.
+    for record in records:
+        fsdp, full = record["plain"]
+        assert any(not torch.equal(f[n], w[n]) for f, w in zip(fsdp, full, strict=True) for n in w)
+
+
+def test_ordinary_mode_calls_no_deterministic_function(records: list[dict]) -> None:
+    for record in records:
+        assert set(record["calls_plain"].values()) == {0}, record["calls_plain"]
+        assert all(n > 0 for n in record["calls_deterministic"].values()), record["calls_deterministic"]
+
+
+def test_reductions_add_ranks_as_a_balanced_tree(records: list[dict]) -> None:
+    if len(records) != 4:
+        pytest.skip("the order of two ranks' sum cannot show")
+    e = 2.0**-24
+    for record in records:
+        assert record["tree_order"] == {"all_reduce": [e] * 3, "reduce_scatter": [e] * 2}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_data_parallel_equals_full_batch_training(tmp_path) -> None:
+    records = _spawn(gpu_checks, 2, tmp_path)
+    failures = []
+    for run in GPU_RUNS:
+        try:
+            _assert_bit_identical(records, run)
+        except AssertionError as e:
+            failures.append(f"{'-'.join(run)}: {e}")
+    assert not failures, "\n".join(failures)
