@@ -44,10 +44,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 from cs336_harness.analysis.tables import markdown_table
-from cs336_harness.device import H200_BF16_MATMUL_FLOPS
+from cs336_harness.device import DTYPES, H200_BF16_MATMUL_FLOPS
 
 PARTS: tuple[str, ...] = ("pytorch", "compiled", "flash", "anchors")
-DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 ANCHOR_SHAPES: tuple[tuple[int, int, int, int], ...] = ((1, 32, 32768, 128), (1, 16, 16384, 64), (4, 32, 4096, 128))
 ANCHOR_TARGET_MS = {(1, 16, 16384, 64): 4.0}  # fwd+bwd; the 32k shape's target is 0.95x SDPA's time
 # What the anchors part times and its table shows, in this order.
