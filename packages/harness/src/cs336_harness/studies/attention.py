@@ -384,6 +384,21 @@ def attention_tables(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
                  "fwd+bwd TFLOP/s", "target (ms)"],
                 strict=True)))
         )
+    # The Gluon kernels' first timing rows (tools/gluon bench, before the anchors part timed every path): one line
+    # per (shape, pass), the latest row of each implementation.
+    gluon: dict[tuple, dict[str, Any]] = {}
+    for r in sorted((r for r in rows if r.get("bench") == "gluon_attention"), key=lambda r: r.get("date", "")):
+        line = gluon.setdefault((tuple(r["shape"]), r["pass"]), {"shape": str(tuple(r["shape"])), "pass": r["pass"]})
+        line[r["impl"]] = f"{r['ms']:.3g}"
+        line["device"] = r["device"]
+    if gluon:
+        lines = [gluon[k] for k in sorted(gluon, key=lambda k: (k[1], -k[0][2] * k[0][3]))]
+        tables["gluon"] = (
+            f"Gluon kernels against our Triton kernels and SDPA, bf16, causal, do_bench medians in ms, "
+            f"{lines[0]['device']}:\n\n"
+            + markdown_table(lines, [("shape", "(b, h, s, d)"), ("pass", "pass"), ("gluon", "Gluon"),
+                                     ("triton", "Triton"), ("sdpa", "SDPA (cuDNN)")])
+        )
     flash = [r for r in rows if r.get("bench") == "flash"]
     for dtype_name in dict.fromkeys(r["dtype"] for r in flash):
         by_key = {(r["d"], r["seq"], r["impl"]): r for r in flash if r["dtype"] == dtype_name}
