@@ -108,10 +108,10 @@ def breakdown_markdown(rows: Sequence[dict[str, Any]], labels: Sequence[str]) ->
             continue
         line = {"kind": KIND_LABELS[kind]}
         for label, b in chosen:
-            line[label] = f"{b['kernel_ms'][kind]:.0f} ({b['kernel_ms'][kind] / b['kernel_total_ms']:.1%})"
+            line[label] = f"{b['kernel_ms'][kind]:.4g} ({b['kernel_ms'][kind] / b['kernel_total_ms']:.1%})"
         table.append(line)
-    table.append({"kind": "kernel time", **{label: f"{b['kernel_total_ms']:.0f}" for label, b in chosen}})
-    table.append({"kind": "idle", **{label: f"{b['idle_ms']:.0f}" for label, b in chosen}})
+    table.append({"kind": "kernel time", **{label: f"{b['kernel_total_ms']:.4g}" for label, b in chosen}})
+    table.append({"kind": "idle", **{label: f"{b['idle_ms']:.4g}" for label, b in chosen}})
     table.append({"kind": "glue share", **{label: f"{b['glue_share']:.1%}" for label, b in chosen}})
     columns = [("kind", "kind (ms, share of kernel time)"), *((label, label) for label, _ in chosen)]
     return markdown_table(table, columns)

@@ -561,7 +561,7 @@ def writeup_tables(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
     """The writeup's tables by marker name: ``leaderboard``, our rows of the leaderboard configuration (8B, context
     32768, batch 2, two ranks, bf16) fastest first; ``leaderboard_proxy``, the one-GPU proxy rows against their
     call's baselines (:func:`proxy_rows`); ``leaderboard_breakdown``, the GPU time by kind of the profiled proxy
-    rows of the latest call that has any. Rows of other configurations are left out."""
+    rows of the latest call that has any. A table without rows is left out (its marker keeps what it has)."""
     chosen = [r for r in rows if (r["size"], r["context_length"], r["global_batch"], r["world_size"],
                                   r["compute_dtype"]) == ("8B", 32768, 2, 2, "bf16") and r.get("status") == "ok"
               and r.get("impl", "ours") == "ours"]
@@ -570,9 +570,12 @@ def writeup_tables(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
     profiled = [r for r in proxy if r.get("breakdown")]
     latest = max((str(r.get("call_id")) for r in profiled), default=None)
     profiled = [r for r in profiled if str(r.get("call_id")) == latest]
-    tables = {"leaderboard": markdown_table(chosen, list(zip(_WRITEUP_COLUMNS, _WRITEUP_HEADERS, strict=True)),
-                                            floatfmt=".4g"),
-              "leaderboard_proxy": markdown_table(proxy, _PROXY_COLUMNS, floatfmt=".4g")}
+    tables = {}
+    if chosen:
+        tables["leaderboard"] = markdown_table(chosen, list(zip(_WRITEUP_COLUMNS, _WRITEUP_HEADERS, strict=True)),
+                                               floatfmt=".4g")
+    if proxy:
+        tables["leaderboard_proxy"] = markdown_table(proxy, _PROXY_COLUMNS, floatfmt=".4g")
     if profiled:
         tables["leaderboard_breakdown"] = kernel_kinds.breakdown_markdown(profiled, [_label(r) for r in profiled])
     return tables
