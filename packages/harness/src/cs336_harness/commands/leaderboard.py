@@ -27,7 +27,6 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 import torch
@@ -67,10 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma list of {', '.join(leaderboard.IMPLS)}: ours, and PyTorch's plain and strong "
                              "steps, one row each (default ours)")
     parser.add_argument("--attention", default="triton", help=f"{' | '.join(leaderboard.ATTENTIONS)} (default triton)")
-    parser.add_argument("--checkpoint", default=None,
+    parser.add_argument("--checkpoint", default="all",
                         help="activation checkpointing policy: none, all, group:K, first:N, sqrt, nested:B, "
-                             "selective, attention[:N], or budget (the least recomputation that fits the memory cap); "
-                             "default: all for ours and the plain baseline, budget for the strong one")
+                             "selective, attention[:N], or budget (the least recomputation that fits the memory cap) "
+                             "for ours (default all); the baselines' are their recipes' (plain all, strong budget)")
     parser.add_argument("--glue", default="model",
                         help=f"{' | '.join(GLUES)}: RMSNorm, RoPE and SiLU-mul by the model's code, our Triton "
                              "kernels or torch.compile of their references (ours only; default model)")
@@ -100,24 +99,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def configs_from_args(args: argparse.Namespace) -> list[leaderboard.LeaderboardConfig]:
     """One config per ``--impl``: flags given, else the proxy's, the leaderboard's (CUDA) or the CPU try-out's
-    defaults; each baseline with its recipe's settings (and ``--checkpoint`` when given)."""
+    defaults; each baseline with its recipe's settings (attention, glue, checkpointing, compilation, optimizer are
+    the recipe's; the sizes, the memory cap and the run's settings are shared)."""
     defaults = leaderboard.LEADERBOARD_DEFAULTS if torch.cuda.is_available() else leaderboard.CPU_DEFAULTS
     if args.proxy:
         defaults = leaderboard.PROXY_DEFAULTS
     sized = {name: defaults.get(name) if getattr(args, name) is None else getattr(args, name) for name in _SIZED}
     ours = leaderboard.LeaderboardConfig(
-        **sized, backend=args.backend, attention=args.attention, checkpoint=args.checkpoint or "all", glue=args.glue,
+        **sized, backend=args.backend, attention=args.attention, checkpoint=args.checkpoint, glue=args.glue,
         compile_blocks=args.compile_blocks, fused_qkv=args.fused_qkv, memory_cap_gib=args.memory_cap_gib,
         optimizer=args.optimizer, warmup=args.warmup, steps=args.steps, profile=args.profile,
         time_limit_s=args.time_limit_s, seed=args.seed,
     )
-    configs = []
-    for impl in args.impl:
-        config = leaderboard.recipe(ours, impl)
-        if args.checkpoint is not None and impl != "ours":
-            config = dataclasses.replace(config, checkpoint=args.checkpoint)
-        configs.append(config)
-    return configs
+    return [leaderboard.recipe(ours, impl) for impl in args.impl]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -516,7 +516,7 @@ _WRITEUP_COLUMNS = ("attention", "checkpoint", "optimizer", "step_s", "step_max_
                     "peak_init_gib", "peak_step_gib", "commit")
 _WRITEUP_HEADERS = ("attention", "checkpointing", "AdamW", "step (s)", "slowest step (s)", "tokens/s", "MFU",
                     "peak at init (GiB)", "peak in step (GiB)", "commit")
-_PROXY_COLUMNS = (("impl", "step"), ("attention", "attention"), ("glue", "glue"), ("compile_blocks", "compiled blocks"),
+_PROXY_COLUMNS = (("impl", "impl"), ("attention", "attention"), ("glue", "glue"), ("compile_blocks", "compiled blocks"),
                   ("fused_qkv", "one qkv matmul"), ("checkpoint", "checkpointing"), ("step_s", "step (s)"),
                   ("vs_strong", "/ strong"), ("vs_plain", "/ plain"), ("peak_step_gib", "peak (GiB)"),
                   ("memory_cap_gib", "cap (GiB)"), ("expected_peak_gib", "expected peak (GiB)"),
