@@ -212,9 +212,9 @@ def apply_checkpointing(model: nn.Module, policy: str | CheckpointPolicySpec) ->
     return model
 
 
-# What the activation estimate covers: the model's own PyTorch glue, or kernels / compiled code that save only the
-# inputs of RMSNorm and of silu(a) * b (``cs336_sharding.parallelize.GLUES`` without "model").
-ESTIMATED_GLUES: tuple[str, ...] = ("model", "triton", "compiled")
+# How a block's RMSNorm, RoPE and silu(a) * b run (cs336_sharding.parallelize.apply_glue): named here, below
+# parallelize, because what a block keeps for its backward depends on it (block_memory).
+GLUES: tuple[str, ...] = ("model", "triton", "compiled")
 
 
 class BlockShape(Protocol):
@@ -268,8 +268,8 @@ def block_memory(shape: BlockShape, batch: int, seq: int, *, dtype_bytes: int = 
     ``attention`` is the output plus the attention op's output and log-sum-exp; ``checkpointed`` the output.
     ``glue="compiled"`` (torch.compile of the kernels' PyTorch references) is counted as the kernels.
     """
-    if glue not in ESTIMATED_GLUES:
-        raise ValueError(f"glue must be one of {', '.join(ESTIMATED_GLUES)}, got {glue!r}")
+    if glue not in GLUES:
+        raise ValueError(f"glue must be one of {', '.join(GLUES)}, got {glue!r}")
     for name, value in (("batch", batch), ("seq", seq), ("dtype_bytes", dtype_bytes)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")

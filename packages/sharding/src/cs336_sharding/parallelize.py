@@ -40,10 +40,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from cs336_sharding.checkpointing import CheckpointPolicySpec, apply_checkpointing
+from cs336_sharding.checkpointing import GLUES, CheckpointPolicySpec, apply_checkpointing
 from cs336_sharding.fsdp import FSDP
 
-GLUES: tuple[str, ...] = ("model", "triton", "compiled")
 NormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
