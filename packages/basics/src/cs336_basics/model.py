@@ -214,7 +214,8 @@ class CausalMultiHeadSelfAttention(nn.Module):
       ``cs336_kernels.rope``), for a kernel that rotates both in the projections' layout.
     - ``fused_qkv``: compute q, k and v by one matmul with the (3 d_model, d_model) concatenation of the three
       projection weights instead of three matmuls (the weights stay three parameters under their names; every
-      output element is the same dot product, so results agree to rounding).
+      output element is the same dot product, so results agree to rounding; in deterministic mode the three
+      projections run as usual).
     """
 
     def __init__(
@@ -247,7 +248,8 @@ class CausalMultiHeadSelfAttention(nn.Module):
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as (..., T, H, Dh) views of the projections' outputs."""
         *batch, seq, _ = x.shape
-        if self.fused_qkv:
+        # Deterministic mode keeps the three projections: their Linear modules own the batch-invariant path.
+        if self.fused_qkv and not torch.are_deterministic_algorithms_enabled():
             weight = torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))  # (3D, D)
             qkv = x @ weight.T  # (..., T, 3D)
             # unbind's backward stacks the three gradients into one (..., T, 3, H, Dh) tensor: one copy.
