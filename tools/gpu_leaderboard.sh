@@ -29,6 +29,6 @@ run_leaderboard() {  # run_leaderboard NAME [FLAGS...]: skipped when under 90 s 
     -p no:cacheprovider
   run_leaderboard "leaderboard (defaults)"
   run_leaderboard "ablation: sdpa attention" --attention sdpa
-  run_leaderboard "ablation: torch AdamW (fused=True)" --optimizer torch
+  run_leaderboard "ablation: torch AdamW (fused=True)" --optimizer torch-adamw
   ls -la "$OUT"
 } 2>&1 | tee "$OUT/log.txt"

@@ -211,3 +211,85 @@ def test_forward_with_targets_is_the_mean_cross_entropy():
     torch.testing.assert_close(lm(ids, targets).double(), expected, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="shape of token_ids"):
         lm(ids, targets[:, :5])
+
+
+def _attention_pair(**kwargs) -> tuple[CausalMultiHeadSelfAttention, CausalMultiHeadSelfAttention]:
+    """The same attention (same weights) without and with ``kwargs``, in float64."""
+    torch.manual_seed(0)
+    plain = CausalMultiHeadSelfAttention(12, 3, RotaryEmbedding(16, 4), attention="sdpa").double()
+    other = CausalMultiHeadSelfAttention(12, 3, RotaryEmbedding(16, 4), attention="sdpa", **kwargs).double()
+    other.load_state_dict(plain.state_dict())
+    return plain, other
+
+
+def _outputs_and_grads(attn: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    x = x.clone().requires_grad_()
+    out = attn(x)
+    out.backward(torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(5)))
+    return out.detach(), [x.grad, *(p.grad for p in attn.parameters())]
+
+
+def test_fused_qkv_matches_three_projections():
+    plain, fused = _attention_pair(fused_qkv=True)
+    assert [n for n, _ in fused.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    x = torch.randn(2, 7, 12, dtype=torch.float64)
+    out, grads = _outputs_and_grads(fused, x)
+    want, want_grads = _outputs_and_grads(plain, x)
+    torch.testing.assert_close(out, want)
+    for g, w in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w)
+    with pytest.raises(TypeError, match="fused_qkv must be a bool"):
+        CausalMultiHeadSelfAttention(12, 3, None, fused_qkv=1)
+
+
+def test_rotary_hook_gets_the_projections_layout():
+    plain, hooked = _attention_pair()
+    seen = []
+
+    def rotary(q, k, cos, sin, positions):  # RotaryEmbedding's formula (fp32 inside) on (B, T, H, Dh)
+        seen.append((q.shape, q.is_contiguous(), k.is_contiguous(), cos.dtype, positions.tolist()))
+        c, s = cos[positions].unsqueeze(-2), sin[positions].unsqueeze(-2)  # (T, 1, Dh/2)
+
+        def rotate(t):
+            even, odd = t[..., 0::2].float(), t[..., 1::2].float()
+            return torch.stack((even * c - odd * s, even * s + odd * c), dim=-1).flatten(-2).to(t.dtype)
+
+        return rotate(q), rotate(k)
+
+    hooked.rotary = rotary
+    x = torch.randn(2, 7, 12, dtype=torch.float64)
+    out, grads = _outputs_and_grads(hooked, x)
+    want, want_grads = _outputs_and_grads(plain, x)
+    # One call per forward, q and k together, as views of the projections' outputs (B, T, H, Dh), no copy made;
+    # the tables are the encoder's (cast to float64 with the module here).
+    assert seen == [((2, 7, 3, 4), True, True, torch.float64, list(range(7)))]
+    torch.testing.assert_close(out, want)
+    for g, w in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+def test_attention_reads_strided_views_of_the_projections():
+    shapes = []
+
+    def spy(q, k, v, is_causal):
+        shapes.append((q.shape, v.transpose(1, 2).is_contiguous()))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+
+    attn = CausalMultiHeadSelfAttention(12, 3, RotaryEmbedding(16, 4), attention=spy)
+    attn(torch.randn(2, 7, 12))
+    assert shapes == [((2, 3, 7, 4), True)]  # v is the (B, T, H, Dh) projection output, transposed in place
+
+
+def test_swiglu_gate_is_replaceable():
+    ffn = SwiGLU(6, 10)
+    x = torch.randn(2, 3, 6)
+    calls = []
+
+    def gate(a, b):
+        calls.append(a.shape)
+        return F.silu(a) * b
+
+    expected = ffn(x)
+    ffn.gate = gate
+    torch.testing.assert_close(ffn(x), expected, atol=ATOL, rtol=RTOL)
+    assert calls == [(2, 3, 10)]

@@ -1,5 +1,6 @@
-"""What each spawned rank runs for test_leaderboard.py: one leaderboard training step per config, with the
-mean loss over ranks, every gradient before the update and every parameter after it, gathered to full size.
+"""What each spawned rank runs for test_leaderboard.py: one leaderboard training step per config (ours on our FSDP,
+the baselines on FSDP2), with the mean loss over ranks, every gradient before the update and every parameter after
+it, gathered to full size.
 
 It lives outside the test module because spawned ranks import their entry point by module name, which
 pytest's importlib mode does not give test modules (the test puts this folder on ``sys.path``).
@@ -13,7 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from cs336_harness.studies.leaderboard import LeaderboardConfig, Training, build_training, rank_batch
-from cs336_sharding.fsdp import gather_full_params
+from cs336_sharding.fsdp import FSDP, gather_full_params
+from torch.distributed.tensor import DTensor
 
 
 def _full_grads(training: Training, shapes: dict[str, torch.Size], world_size: int) -> dict[str, torch.Tensor]:
@@ -30,6 +32,21 @@ def _full_grads(training: Training, shapes: dict[str, torch.Size], world_size: i
     return grads
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
+
+
+def _grads_and_params(training: Training, world_size: int) -> tuple:
+    """(full gradients by name, a callable giving the full parameters by name), for our FSDP or FSDP2."""
+    if isinstance(training.model, FSDP):
+        shapes = {n: p.shape for n, p in gather_full_params(training.model).items()}
+        return (lambda: _full_grads(training, shapes, world_size),
+                lambda: {name: p.cpu() for name, p in gather_full_params(training.model).items()})
+    params = dict(training.model.named_parameters())
+    return (lambda: {name: _full(p.grad) for name, p in params.items()},
+            lambda: {name: _full(p) for name, p in params.items()})
+
+
 def one_step_each(rank: int, world_size: int, configs: list[LeaderboardConfig], out_dir: str) -> None:
     """Per config: the mean loss over ranks of one step and the full parameters after it (pickled by rank 0)."""
     device = torch.device("cuda", rank) if configs[0].resolved_backend == "nccl" else torch.device("cpu")
@@ -37,12 +54,12 @@ def one_step_each(rank: int, world_size: int, configs: list[LeaderboardConfig], 
     for config in configs:
         training = build_training(config, device)
         inputs, targets = rank_batch(config, rank, device)
-        shapes = {n: p.shape for n, p in gather_full_params(training.model).items()}
+        full_grads, full_params = _grads_and_params(training, world_size)
         loss = training.forward_backward(inputs, targets).float().reshape(1)
-        grads = _full_grads(training, shapes, world_size)
+        grads = full_grads()
         training.optimizer.step()
         dist.all_reduce(loss)  # gloo has no AVG
-        params = {name: p.cpu() for name, p in gather_full_params(training.model).items()}
-        records.append({"loss": loss.item() / world_size, "grads": grads, "params": params})
+        records.append({"loss": loss.item() / world_size, "grads": grads, "params": full_params(),
+                        "checkpoint": str(training.plan.policy)})
     if rank == 0:
         (Path(out_dir) / "records.pkl").write_bytes(pickle.dumps(records))

@@ -1,9 +1,11 @@
 """cs336 leaderboard: one sharded step (FSDP, fused LM head loss, fused or torch AdamW, Triton or SDPA
-attention, checkpointing) on two ranks against a plain single-process step (model logits, F.cross_entropy,
+attention, checkpointing, our glue kernels, one qkv matmul) and the PyTorch-only baselines (FSDP2, chunked loss)
+on two ranks and on one, against a plain single-process step (the model's own glue, logits, F.cross_entropy,
 torch AdamW) over the same global batch, in fp32; config checks; the command on CPU; a run on two GPUs.
 
-The sharded step differs from the reference in summation order only (chunked loss, per-rank halves of the
-batch, a reduce-scatter), so losses and updated parameters agree to fp32 rounding, not bitwise."""
+The sharded step differs from the reference in summation order and fp32 rounding only (chunked loss, per-rank
+halves of the batch, a reduce-scatter, kernels instead of the model's glue), so losses and updated parameters
+agree to fp32 rounding, not bitwise."""
 
 from __future__ import annotations
 
@@ -18,11 +20,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cs336_basics.config import ModelConfig
+from cs336_basics.model import BasicsTransformerLM
 from cs336_comms.process_group import spawn
 from cs336_harness import cli
+from cs336_harness.device import GIB
 from cs336_harness.studies import leaderboard
+from cs336_harness.studies.attention_impls import get_attention
 from cs336_harness.studies.leaderboard import LeaderboardConfig
-from cs336_sharding.checkpointing import apply_checkpointing
+from cs336_sharding.checkpointing import activation_peak_bytes, apply_checkpointing
 
 sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import the checks module by name
 
@@ -42,17 +47,35 @@ PARAM_ATOL, PARAM_RTOL = 1e-6, 1e-5
 # optimizers and checkpointing policies are spread over them.
 _SMALL = dict(size="tiny", vocab_size=37, context_length=13, global_batch=4, world_size=2, compute_dtype="fp32",
               lr=1e-4, warmup=0, steps=1)
+_GLUE = dict(_SMALL, backend="gloo", attention="triton", glue="triton", fused_qkv=True, seed=2)
+
+
+def _cap_for(config: LeaderboardConfig, policy: str) -> float:
+    """The memory cap (GiB) whose budget is exactly what ``policy`` needs: the budget rule must pick it."""
+    plan = leaderboard.memory_plan(dataclasses.replace(config, checkpoint="all", memory_cap_gib=None), None)
+    blocks = activation_peak_bytes(plan.block, config.model_config.num_layers, policy)
+    return (leaderboard.reserved_bytes(config) + blocks) / GIB
+
+
 CPU_CONFIGS = [
     LeaderboardConfig(**_SMALL, backend="gloo", attention="sdpa", optimizer="fused-adamw", checkpoint="all"),
     LeaderboardConfig(**_SMALL, backend="gloo", attention="triton", optimizer="torch-adamw", checkpoint="group:2",
                       seed=1),
+    LeaderboardConfig(**_GLUE, checkpoint="budget", memory_cap_gib=_cap_for(LeaderboardConfig(**_GLUE), "attention:1")),
+    leaderboard.recipe(LeaderboardConfig(**_SMALL, backend="gloo", seed=3), "torch_native"),
 ]
+# On one rank: ours with the compiled glue is slow to compile, so the one-rank set is ours plain and the baseline.
+ONE_RANK_CONFIGS = [dataclasses.replace(c, global_batch=2, world_size=1) for c in (CPU_CONFIGS[0], CPU_CONFIGS[3])]
 
 
-def _reference_step(config: LeaderboardConfig, device: torch.device) -> tuple[float, dict, dict]:
-    """One plain step on one process over the whole global batch: logits, F.cross_entropy, torch AdamW."""
+def _reference_step(config: LeaderboardConfig, checkpoint: str, device: torch.device) -> tuple[float, dict, dict]:
+    """One plain step on one process over the whole global batch: the model's own glue and three q / k / v
+    matmuls, logits, F.cross_entropy, torch AdamW."""
     # The same checkpointing keeps the parameter names equal to the sharded model's; it changes no value.
-    model = apply_checkpointing(leaderboard.build_model(config, device), config.checkpoint)
+    torch.manual_seed(config.seed)
+    model = BasicsTransformerLM.from_config(config.model_config, attention=get_attention(config.attention),
+                                            device=device)
+    model = apply_checkpointing(model, checkpoint)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     inputs, targets = (t.to(device) for t in leaderboard.make_batch(config))
     logits = model(inputs)  # (B, T, V)
@@ -71,7 +94,7 @@ def _sharded_steps(configs: list[LeaderboardConfig], tmp_path: Path) -> list[dic
 
 def _assert_same_step(configs: list[LeaderboardConfig], records: list[dict], device: torch.device) -> None:
     for config, record in zip(configs, records, strict=True):
-        loss, grads, params = _reference_step(config, device)
+        loss, grads, params = _reference_step(config, record["checkpoint"], device)
         assert record["loss"] == pytest.approx(loss, rel=LOSS_RTOL), config
         assert record["grads"].keys() == grads.keys() == record["params"].keys() == params.keys()
         for name, want in grads.items():
@@ -85,13 +108,31 @@ def _assert_same_step(configs: list[LeaderboardConfig], records: list[dict], dev
                                        msg=lambda m, n=name, c=config: f"{c.attention}/{c.optimizer} param {n}: {m}")
         assert conditioned > 0.99 * sum(p.numel() for p in params.values())
         # The step did move every weight (a test that cannot fail is no test).
-        initial = apply_checkpointing(leaderboard.build_model(config, device), config.checkpoint)
+        initial = apply_checkpointing(leaderboard.build_model(config, device), record["checkpoint"])
         moved = [n for n, p in initial.named_parameters() if not torch.equal(p.detach().cpu(), record["params"][n])]
         assert len(moved) == len(params)
 
 
 def test_sharded_step_matches_single_process_step(tmp_path: Path) -> None:
-    _assert_same_step(CPU_CONFIGS, _sharded_steps(CPU_CONFIGS, tmp_path), torch.device("cpu"))
+    records = _sharded_steps(CPU_CONFIGS, tmp_path)
+    assert [r["checkpoint"] for r in records] == ["all", "group:2", "attention:1", "all"]  # the budget's pick
+    _assert_same_step(CPU_CONFIGS, records, torch.device("cpu"))
+
+
+def test_one_rank_step_matches_single_process_step(tmp_path: Path) -> None:
+    _assert_same_step(ONE_RANK_CONFIGS, _sharded_steps(ONE_RANK_CONFIGS, tmp_path), torch.device("cpu"))
+
+
+@pytest.mark.slow
+def test_compiled_steps_match_single_process_step(tmp_path: Path) -> None:
+    # torch.compile on CPU (Inductor's C++ backend): the strong baseline, and ours with compiled glue and blocks.
+    configs = [leaderboard.recipe(LeaderboardConfig(**_SMALL, backend="gloo", seed=4, memory_cap_gib=1.0),
+                                  "torch_native_compiled"),
+               LeaderboardConfig(**_SMALL, backend="gloo", attention="sdpa", glue="compiled", compile_blocks=True,
+                                 checkpoint="attention", seed=5)]
+    records = _sharded_steps(configs, tmp_path)
+    assert records[0]["checkpoint"] == "none"  # the cap leaves room for every block: nothing recomputed
+    _assert_same_step(configs, records, torch.device("cpu"))
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [

@@ -15,7 +15,11 @@ and owns its attention implementation: a name from :data:`ATTENTION_IMPLS` or an
     loss = model(token_ids, targets)            # mean cross-entropy; model(token_ids) gives the logits
 
 The LM head computes the loss itself (``lm_head(hidden, targets)``), so a fused linear + cross-entropy head that
-never materialises the logits can take its place. Run ``uv run cs336 sizes`` to print the size presets.
+never materialises the logits can take its place. In the same way the attention's RoPE
+(``CausalMultiHeadSelfAttention.rotary``) and SwiGLU's ``silu(a) * b`` (``SwiGLU.gate``) are plain attributes that
+kernels with the same numerics can take over, and queries, keys and values stay in the projections' (batch, seq,
+heads, head_dim) layout so that such kernels read them without copies. Run ``uv run cs336 sizes`` to print the
+size presets.
 """
 
 from __future__ import annotations
@@ -122,18 +126,30 @@ class RotaryEmbedding(nn.Module):
         return f"context_length={self.context_length}, dim={self.dim}, theta={self.theta}"
 
 
+GateFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def silu_gate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate ``silu(a) * b``, written as ``a * sigmoid(a) * b`` (each op rounds to the input dtype)."""
+    return a * torch.sigmoid(a) * b
+
+
 class SwiGLU(nn.Module):
-    """``w2(silu(w1 x) * w3 x)``."""
+    """``w2(silu(w1 x) * w3 x)``.
+
+    ``gate`` computes ``silu(a) * b`` from ``a = w1 x`` and ``b = w3 x``; it is a plain attribute (default
+    :func:`silu_gate`), so a fused kernel with the same rounding can take its place without touching the weights.
+    """
 
     def __init__(self, d_model: int, d_ff: int, device: torch.device | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
         self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
         self.w3 = Linear(d_model, d_ff, device=device, dtype=dtype)
+        self.gate: GateFn = silu_gate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = self.w1(x)
-        return self.w2(a * torch.sigmoid(a) * self.w3(x))
+        return self.w2(self.gate(self.w1(x), self.w3(x)))
 
 
 def scaled_dot_product_attention(
@@ -186,11 +202,27 @@ def resolve_attention(impl: str | AttentionFn) -> AttentionFn:
     return impl
 
 
+RotaryFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                   tuple[torch.Tensor, torch.Tensor]]
+
+
 class CausalMultiHeadSelfAttention(nn.Module):
     """Multi-head self-attention with a causal mask and RoPE on queries and keys.
 
-    ``attention`` computes the heads' outputs from (batch, heads, seq, head_dim) queries, keys and values with
-    ``is_causal=True``; it is a plain attribute, replaced by :meth:`BasicsTransformerLM.set_attention`.
+    Queries, keys and values stay in the (batch, seq, heads, head_dim) layout the projections produce (views, no
+    copy); the attention sees (batch, heads, seq, head_dim) transposed views of them, so a kernel that takes strides
+    reads them in place. Three plain attributes choose how the pieces run:
+
+    - ``attention``: ``fn(q, k, v, is_causal) -> out`` over those (batch, heads, seq, head_dim) views, returning
+      (batch, heads, seq, head_dim); replaced by :meth:`BasicsTransformerLM.set_attention`.
+    - ``rotary``: None (the default) rotates with ``positional_encoder`` (the course's ``RotaryEmbedding``, on
+      the heads-first views); or ``fn(q, k, cos, sin, token_positions) -> (q, k)`` over (batch, seq, heads,
+      head_dim) q and k and the encoder's fp32 ``cos`` / ``sin`` tables (the signature of
+      ``cs336_kernels.rope``), for a kernel that rotates both in the projections' layout.
+    - ``fused_qkv``: compute q, k and v by one matmul with the (3 d_model, d_model) concatenation of the three
+      projection weights instead of three matmuls (the weights stay three parameters under their names; every
+      output element is the same dot product, so results agree to rounding; in deterministic mode the three
+      projections run as usual).
     """
 
     def __init__(
@@ -201,10 +233,14 @@ class CausalMultiHeadSelfAttention(nn.Module):
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
         attention: str | AttentionFn = "eager",
+        *,
+        fused_qkv: bool = False,
     ):
         super().__init__()
         if d_model % num_heads != 0:
             raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
+        if not isinstance(fused_qkv, bool):
+            raise TypeError(f"fused_qkv must be a bool, got {type(fused_qkv).__name__}")
         self.d_model, self.num_heads = d_model, num_heads
         self.head_dim = d_model // num_heads
         self.q_proj = Linear(d_model, d_model, device=device, dtype=dtype)
@@ -213,20 +249,40 @@ class CausalMultiHeadSelfAttention(nn.Module):
         self.output_proj = Linear(d_model, d_model, device=device, dtype=dtype)
         self.positional_encoder = positional_encoder
         self.attention = resolve_attention(attention)
+        self.rotary: RotaryFn | None = None
+        self.fused_qkv = fused_qkv
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as (..., T, H, Dh) views of the projections' outputs."""
+        *batch, seq, _ = x.shape
+        # Deterministic mode keeps the three projections: their Linear modules own the batch-invariant path.
+        if self.fused_qkv and not torch.are_deterministic_algorithms_enabled():
+            weight = torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))  # (3D, D)
+            qkv = x @ weight.T  # (..., T, 3D)
+            # unbind's backward stacks the three gradients into one (..., T, 3, H, Dh) tensor: one copy.
+            return qkv.view(*batch, seq, 3, self.num_heads, self.head_dim).unbind(-3)
+        shape = (*batch, seq, self.num_heads, self.head_dim)
+        return self.q_proj(x).view(shape), self.k_proj(x).view(shape), self.v_proj(x).view(shape)
+
+    def _rotate(self, q: torch.Tensor, k: torch.Tensor,
+                token_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k (..., T, H, Dh) rotated by their positions, still (..., T, H, Dh) (any strides)."""
+        encoder = self.positional_encoder
+        if self.rotary is not None:
+            return self.rotary(q, k, encoder.cos, encoder.sin, token_positions)
+        # The course's RotaryEmbedding works on (..., seq, dim): give it the heads-first views.
+        q = encoder(q.transpose(-3, -2), token_positions).transpose(-3, -2)
+        k = encoder(k.transpose(-3, -2), token_positions).transpose(-3, -2)
+        return q, k
 
     def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None) -> torch.Tensor:
         *batch, seq, _ = x.shape
-
-        def heads(t: torch.Tensor) -> torch.Tensor:
-            return t.view(*batch, seq, self.num_heads, self.head_dim).transpose(-3, -2)  # (..., H, T, Dh)
-
-        q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
+        q, k, v = self._project(x)  # (..., T, H, Dh)
         if self.positional_encoder is not None:
             if token_positions is None:
                 token_positions = torch.arange(seq, device=x.device)
-            q = self.positional_encoder(q, token_positions)
-            k = self.positional_encoder(k, token_positions)
-        out = self.attention(q, k, v, True)  # (..., H, T, Dh)
+            q, k = self._rotate(q, k, token_positions)
+        out = self.attention(q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2), True)  # (..., H, T, Dh)
         out = out.transpose(-3, -2).reshape(*batch, seq, self.d_model)  # (..., T, D)
         return self.output_proj(out)
 
@@ -243,11 +299,13 @@ class TransformerBlock(nn.Module):
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
         attention: str | AttentionFn = "eager",
+        *,
+        fused_qkv: bool = False,
     ):
         super().__init__()
         self.ln1 = RMSNorm(d_model, device=device, dtype=dtype)
         self.attn = CausalMultiHeadSelfAttention(d_model, num_heads, positional_encoder, device=device, dtype=dtype,
-                                                 attention=attention)
+                                                 attention=attention, fused_qkv=fused_qkv)
         self.ln2 = RMSNorm(d_model, device=device, dtype=dtype)
         self.ffn = SwiGLU(d_model, d_ff, device=device, dtype=dtype)
 
@@ -294,6 +352,7 @@ class BasicsTransformerLM(nn.Module):
         dtype: torch.dtype | None = None,
         *,
         attention: str | AttentionFn = "eager",
+        fused_qkv: bool = False,
     ):
         super().__init__()
         config = ModelConfig(d_model=d_model, d_ff=d_ff, num_layers=num_layers, num_heads=num_heads,
@@ -304,7 +363,8 @@ class BasicsTransformerLM(nn.Module):
         self.token_embeddings = Embedding(vocab_size, d_model, device=device, dtype=dtype)
         rope = RotaryEmbedding(context_length, config.head_dim, rope_theta, device=device)
         self.layers = TransformerBlocks(
-            TransformerBlock(d_model, num_heads, d_ff, rope, device=device, dtype=dtype, attention=attention)
+            TransformerBlock(d_model, num_heads, d_ff, rope, device=device, dtype=dtype, attention=attention,
+                             fused_qkv=fused_qkv)
             for _ in range(num_layers)
         )
         self.ln_final = RMSNorm(d_model, device=device, dtype=dtype)
@@ -312,13 +372,13 @@ class BasicsTransformerLM(nn.Module):
 
     @classmethod
     def from_config(
-        cls, config: ModelConfig, *, attention: str | AttentionFn = "eager", device: torch.device | None = None,
-        dtype: torch.dtype | None = None,
+        cls, config: ModelConfig, *, attention: str | AttentionFn = "eager", fused_qkv: bool = False,
+        device: torch.device | None = None, dtype: torch.dtype | None = None,
     ) -> BasicsTransformerLM:
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
         return cls(config.vocab_size, config.context_length, config.d_model, config.num_layers, config.num_heads,
-                   config.d_ff, config.rope_theta, device=device, dtype=dtype, attention=attention)
+                   config.d_ff, config.rope_theta, device=device, dtype=dtype, attention=attention, fused_qkv=fused_qkv)
 
     def set_attention(self, impl: str | AttentionFn) -> None:
         """Use ``impl`` (a name of :data:`ATTENTION_IMPLS` or a callable ``fn(q, k, v, is_causal)``) in every block."""

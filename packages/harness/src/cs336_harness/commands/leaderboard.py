@@ -1,15 +1,26 @@
-"""``cs336 leaderboard``: time the handout's leaderboard training step (8B, context 32768, batch 2, two GPUs).
+"""``cs336 leaderboard``: time the handout's leaderboard training step (8B, context 32768, batch 2, two GPUs), or
+its one-GPU proxy of a rank (``--proxy``), ours and the PyTorch-only baselines (``--impl``).
 
 Without CUDA the defaults are a CPU try-out instead (tiny model, vocabulary 1000, context 32, fp32, two gloo
-ranks, Triton kernels in the interpreter), which finishes in seconds. See ``cs336_harness.leaderboard``.
+ranks, Triton kernels in the interpreter), which finishes in seconds. See ``cs336_harness.studies.leaderboard``.
+
+The proxy is the way to work on the step with one GPU: world size 1, one sequence of 32768 tokens, the 8B block
+shape with 14 layers (whose unsharded fp32 state is a rank's), the memory cap a rank's activation memory scaled to
+14 of its 34 layers. ``--impl ours,torch_native,torch_native_compiled`` runs our step and the two PyTorch-only
+baselines (plain: every block checkpointed; strong: compiled blocks, as many not checkpointed as fit the cap) as
+rows of one call; ``--profile`` adds each row's GPU time by kind of kernel.
 
 Examples::
 
     uv run cs336 leaderboard                                        # CPU try-out, or the real run on 2 GPUs
     uv run cs336 leaderboard --out writeup/results/leaderboard.jsonl
     uv run cs336 leaderboard --attention sdpa --optimizer torch-adamw   # ablations, one piece at a time
+    uv run cs336 leaderboard --proxy --impl ours,torch_native,torch_native_compiled --profile \
+        --out writeup/results/leaderboard_proxy.jsonl                 # one GPU
+    uv run cs336 leaderboard --proxy --glue triton --checkpoint budget --profile   # our glue kernels, sized policy
     uv run cs336 leaderboard --size xl --context-length 4096 --vocab-size 32000 --steps 5
-    uv run cs336 leaderboard --markdown writeup/results/leaderboard.jsonl --fill writeup/sections/10-leaderboard.md
+    uv run cs336 leaderboard --markdown writeup/results/leaderboard_proxy.jsonl \
+        --fill writeup/sections/09-leaderboard.md
     torchrun --nproc-per-node 2 -m cs336_harness.cli leaderboard
 """
 
@@ -20,12 +31,15 @@ import sys
 
 import torch
 from cs336_basics.config import PRESETS
+from cs336_sharding.parallelize import GLUES
 
+from cs336_harness.analysis import kernel_kinds
 from cs336_harness.analysis.tables import format_table, print_or_fill
+from cs336_harness.commands._shared import csv_of
 from cs336_harness.results import append_rows, read_rows
 from cs336_harness.studies import leaderboard
 
-_SIZED = ("size", "vocab_size", "context_length", "global_batch", "world_size", "compute_dtype")
+_SIZED = ("size", "vocab_size", "context_length", "global_batch", "world_size", "num_layers", "compute_dtype")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     def default(name: str) -> str:
         return f"default {gpu[name]} with CUDA, {cpu[name]} without"
 
+    parser.add_argument("--proxy", action="store_true",
+                        help="the one-GPU proxy of a rank: world size 1, global batch 1, "
+                             f"{leaderboard.PROXY_DEFAULTS['num_layers']} layers of the 8B preset (flags given win)")
     parser.add_argument("--size", default=None, help=f"{', '.join(PRESETS)} ({default('size')})")
+    parser.add_argument("--num-layers", type=int, default=None, help="blocks (default: the preset's)")
     parser.add_argument("--vocab-size", type=int, default=None, help=default("vocab_size"))
     parser.add_argument("--context-length", type=int, default=None, help=default("context_length"))
     parser.add_argument("--global-batch", type=int, default=None, help="sequences per step over all ranks "
@@ -44,34 +62,56 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=int, default=None, help=f"ranks ({default('world_size')})")
     parser.add_argument("--compute-dtype", default=None, help=f"bf16 | fp32 ({default('compute_dtype')})")
     parser.add_argument("--backend", default=None, help="nccl | gloo (default: nccl with CUDA, gloo without)")
+    parser.add_argument("--impl", type=csv_of(str), default=("ours",),
+                        help=f"comma list of {', '.join(leaderboard.IMPLS)}: ours, and PyTorch's plain and strong "
+                             "steps, one row each (default ours)")
     parser.add_argument("--attention", default="triton", help=f"{' | '.join(leaderboard.ATTENTIONS)} (default triton)")
     parser.add_argument("--checkpoint", default="all",
                         help="activation checkpointing policy: none, all, group:K, first:N, sqrt, nested:B, "
-                             "selective, attention (default all)")
+                             "selective, attention[:N], or budget (the least recomputation that fits the memory cap) "
+                             "for ours (default all); the baselines' are their recipes' (plain all, strong budget)")
+    parser.add_argument("--glue", default="model",
+                        help=f"{' | '.join(GLUES)}: RMSNorm, RoPE and SiLU-mul by the model's code, our Triton "
+                             "kernels or torch.compile of their references (ours only; default model)")
+    parser.add_argument("--compile-blocks", action="store_true", help="each block's forward under torch.compile "
+                        "(ours; the strong baseline always)")
+    parser.add_argument("--fused-qkv", action="store_true", help="one (3d, d) matmul for q, k, v (ours only)")
+    parser.add_argument("--memory-cap-gib", type=float, default=None,
+                        help="memory the step may use, for --checkpoint budget and the rows' within_cap (default: "
+                             "a leaderboard rank's activation memory scaled to this run's layers, on a GPU)")
     parser.add_argument("--optimizer", default="fused-adamw",
-                        help="fused-adamw (our Triton FusedAdamW, default) | torch-adamw (torch.optim.AdamW, fused)")
+                        help="fused-adamw (our Triton FusedAdamW, default) | torch-adamw (torch.optim.AdamW, fused); "
+                             "ours only")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps (default 2)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps (default 3)")
+    parser.add_argument("--profile", action="store_true",
+                        help="one more step under torch.profiler: the row's GPU time by kind of kernel (GPU only)")
     parser.add_argument("--time-limit-s", type=float, default=600.0,
-                        help="stop before any step that would start later than this, model build included "
-                             "(default 600)")
+                        help="per impl: stop before any step that would start later than this, model build "
+                             "included (default 600)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="append the row (with provenance) to this JSONL file")
+    parser.add_argument("--out", default=None, help="append the rows (with provenance) to this JSONL file")
     parser.add_argument("--markdown", metavar="ROWS", default=None,
-                        help="print this JSONL file's leaderboard-configuration rows as a markdown table; run nothing")
+                        help="print this JSONL file's leaderboard and proxy tables as markdown; run nothing")
     parser.add_argument("--fill", metavar="SECTION", default=None,
-                        help="with --markdown: rewrite the <!-- table:leaderboard --> block of this markdown file")
+                        help="with --markdown: rewrite the <!-- table:NAME --> blocks of this markdown file")
 
 
-def config_from_args(args: argparse.Namespace) -> leaderboard.LeaderboardConfig:
-    """The run's config: flags given, else the leaderboard defaults with CUDA and the CPU try-out without."""
+def configs_from_args(args: argparse.Namespace) -> list[leaderboard.LeaderboardConfig]:
+    """One config per ``--impl``: flags given, else the proxy's, the leaderboard's (CUDA) or the CPU try-out's
+    defaults; each baseline with its recipe's settings (attention, glue, checkpointing, compilation, optimizer are
+    the recipe's; the sizes, the memory cap and the run's settings are shared)."""
     defaults = leaderboard.LEADERBOARD_DEFAULTS if torch.cuda.is_available() else leaderboard.CPU_DEFAULTS
-    sized = {name: defaults[name] if getattr(args, name) is None else getattr(args, name) for name in _SIZED}
-    return leaderboard.LeaderboardConfig(
-        **sized, backend=args.backend, attention=args.attention, checkpoint=args.checkpoint,
-        optimizer=args.optimizer, warmup=args.warmup, steps=args.steps, time_limit_s=args.time_limit_s,
-        seed=args.seed,
+    if args.proxy:
+        defaults = leaderboard.PROXY_DEFAULTS
+    sized = {name: defaults.get(name) if getattr(args, name) is None else getattr(args, name) for name in _SIZED}
+    ours = leaderboard.LeaderboardConfig(
+        **sized, backend=args.backend, attention=args.attention, checkpoint=args.checkpoint, glue=args.glue,
+        compile_blocks=args.compile_blocks, fused_qkv=args.fused_qkv, memory_cap_gib=args.memory_cap_gib,
+        optimizer=args.optimizer, warmup=args.warmup, steps=args.steps, profile=args.profile,
+        time_limit_s=args.time_limit_s, seed=args.seed,
     )
+    return [leaderboard.recipe(ours, impl) for impl in args.impl]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,19 +119,27 @@ def run(args: argparse.Namespace) -> int:
         print_or_fill(leaderboard.writeup_tables(read_rows(args.markdown)), args.fill)
         return 0
     try:
-        config = config_from_args(args)
+        configs = configs_from_args(args)
     except ValueError as e:
         raise SystemExit(f"cs336 leaderboard: {e}") from None
-    try:
-        rows = leaderboard.run_leaderboard(config, progress=lambda msg: print(msg, file=sys.stderr))
-    except leaderboard.TimeLimitExceeded as e:
-        print(f"cs336 leaderboard: stopped: {e}", file=sys.stderr)
-        return 1
-    if not rows:  # a torchrun rank other than 0
-        return 0
+    rows = []
+    for config in configs:
+        try:
+            run_rows = leaderboard.run_leaderboard(config, progress=lambda msg: print(msg, file=sys.stderr))
+        except leaderboard.TimeLimitExceeded as e:
+            print(f"cs336 leaderboard: stopped: {e}", file=sys.stderr)
+            return 1
+        if not run_rows:  # a torchrun rank other than 0
+            return 0
+        if args.out:  # each row as soon as it exists: a later impl that fails cannot take it along
+            append_rows(args.out, run_rows)
+        rows += run_rows
     print(format_table(rows, leaderboard.TABLE_COLUMNS, floatfmt=".4g"))
-    if rows[0].get("peak_step_gib_per_rank") is not None:
-        print("peak memory per rank (GiB): " + ", ".join(f"{p:.2f}" for p in rows[0]["peak_step_gib_per_rank"]))
-    if args.out:
-        append_rows(args.out, rows)
+    for row in rows:
+        if row.get("peak_step_gib_per_rank") is not None:
+            print(f"{row['impl']}: peak memory per rank (GiB): "
+                  + ", ".join(f"{p:.2f}" for p in row["peak_step_gib_per_rank"]))
+        if row.get("breakdown"):
+            print(f"\n{row['impl']}: GPU time of one step by kind (ms)\n"
+                  + kernel_kinds.breakdown_markdown([row], [row["impl"]]))
     return 0

@@ -1,0 +1,117 @@
+"""GPU time of a training step by kind of kernel, from a torch.profiler trace: where the leaderboard step goes.
+
+:func:`kernel_kind` sorts a kernel name into one of :data:`KINDS`; :func:`step_breakdown` sums the GPU time of the
+kernels launched inside one ``step`` range (:func:`cs336_harness.analysis.trace.label_activities`) by kind, and
+adds the step's idle time: the range's wall time (the step ends with a device synchronisation, so it covers the
+GPU's work) less the union of its kernels' intervals. :func:`breakdown_markdown` renders rows that carry a
+breakdown as one table, a column per row.
+
+Kinds, tried in this order (the first that matches names the kernel):
+
+- ``attention``: FlashAttention kernels, ours (``_attn_fwd_kernel``, ``_attn_bwd_dkdv_kernel``,
+  ``_attn_bwd_dq_kernel``, ``bwd_preprocess_kernel``, the Gluon ``_attn_bwd_kernel``) and SDPA's (flash, cuDNN,
+  memory-efficient ``fmha``);
+- ``causal_mask``: building a (T, T) mask (``triu_tril_kernel``);
+- ``elementwise``: our glue kernels (RMSNorm, RoPE, ``silu(a) * b``) and Inductor's generated kernels
+  (``triton_poi``, ``triton_red``, ``triton_per``: compiled glue), before the families below;
+- ``loss_optimizer_reductions``: the fused LM head + cross-entropy's softmax-gradient kernel, AdamW (ours and
+  torch's fused or foreach kernels) and other reductions (``kernel_class`` ``reduction``);
+- by :func:`~cs336_harness.analysis.trace.kernel_class`: ``copies_casts`` (``copy``: direct and strided copies,
+  ``cat``, dtype conversions, memcpy / memset), ``gemm`` (``matmul``), ``elementwise`` (ATen's elementwise
+  kernels and fills);
+- ``communication``: NCCL; ``other``: the rest.
+
+The glue is copies and casts, elementwise and the mask: ``glue_share`` is their part of the kernel time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from cs336_harness.analysis import trace
+from cs336_harness.analysis.tables import markdown_table
+
+KINDS: tuple[str, ...] = ("attention", "gemm", "copies_casts", "elementwise", "causal_mask",
+                          "loss_optimizer_reductions", "communication", "other")
+GLUE_KINDS: tuple[str, ...] = ("copies_casts", "elementwise", "causal_mask")
+KIND_LABELS: dict[str, str] = {
+    "attention": "attention", "gemm": "GEMMs", "copies_casts": "copies and casts",
+    "elementwise": "elementwise (incl. RMSNorm, RoPE, SiLU-mul)", "causal_mask": "the (T, T) causal mask",
+    "loss_optimizer_reductions": "fused LM head + CE, AdamW, reductions", "communication": "communication",
+    "other": "other",
+}
+_ATTENTION = ("_attn_fwd", "_attn_bwd", "bwd_preprocess_kernel", "flash_fwd", "flash_bwd", "pytorch_flash",
+              "fmha", "cudnn_generated_fort_native_sdpa", "sdpa", "attention_kernel")
+_LOSS_OPTIMIZER = ("_softmax_grad_kernel", "adam")
+_GLUE_KERNELS = ("_rms_norm_", "_rope_kernel", "_silu_mul_", "triton_poi", "triton_red", "triton_per")
+_FAMILY_KINDS = {"copy": "copies_casts", "matmul": "gemm", "elementwise": "elementwise"}
+
+
+def kernel_kind(name: str) -> str:
+    """The kind (:data:`KINDS`) of a GPU kernel, copy or memset named ``name``."""
+    n = name.lower()
+    if any(k in n for k in _ATTENTION):
+        return "attention"
+    if "triu_tril" in n:
+        return "causal_mask"
+    if any(k in n for k in _GLUE_KERNELS):
+        return "elementwise"
+    family = trace.kernel_class(name)
+    if any(k in n for k in _LOSS_OPTIMIZER) or family == "reduction":
+        return "loss_optimizer_reductions"
+    if family in _FAMILY_KINDS:
+        return _FAMILY_KINDS[family]
+    return "communication" if trace.is_comm_kernel(name) else "other"
+
+
+def step_breakdown(events: Sequence[dict[str, Any]], within: str = "step") -> dict[str, Any]:
+    """GPU time of the first ``within`` range of a trace, by kind.
+
+    Returns ``kernel_ms`` (per kind of :data:`KINDS`, every kind present), ``kernel_total_ms``, ``step_wall_ms``
+    (the range's wall time), ``idle_ms`` (wall time without any kernel running) and ``glue_share`` (of the kernel
+    time). Kernel time counts each kernel's own duration, so kernels overlapping on two streams count twice.
+
+    Raises:
+        ValueError: if the trace has no ``within`` range or no GPU kernel launched inside it.
+    """
+    spans = sorted((e for e in events if e.get("cat") == "user_annotation" and e.get("ph") == "X"
+                    and e["name"] == within), key=lambda e: float(e["ts"]))
+    if not spans:
+        raise ValueError(f"no {within!r} range in the trace")
+    start = float(spans[0]["ts"])
+    end = start + float(spans[0]["dur"])
+    acts = trace.gpu_activities(events)
+    trace.label_activities(acts, events)
+    acts = [a for a in acts if within in a.get("ranges", ()) and start <= a["launch_ts"] <= end]
+    if not acts:
+        raise ValueError(f"no GPU kernel was launched inside the {within!r} range (a CPU trace?)")
+    by_kind = dict.fromkeys(KINDS, 0.0)
+    for a in acts:
+        by_kind[kernel_kind(a["name"])] += a["dur"] / 1e3
+    total = sum(by_kind.values())
+    busy = trace._union([(max(a["ts"], start), min(a["ts"] + a["dur"], end)) for a in acts
+                         if a["ts"] + a["dur"] > start and a["ts"] < end])
+    wall_ms = (end - start) / 1e3
+    return {"kernel_ms": by_kind, "kernel_total_ms": total, "step_wall_ms": wall_ms,
+            "idle_ms": max(0.0, wall_ms - trace._length(busy) / 1e3),
+            "glue_share": sum(by_kind[k] for k in GLUE_KINDS) / total}
+
+
+def breakdown_markdown(rows: Sequence[dict[str, Any]], labels: Sequence[str]) -> str:
+    """One markdown table: a line per kind (ms and share of kernel time), then idle and the glue's share, with a
+    column per row that has a ``breakdown`` (:func:`step_breakdown`); ``labels`` name the columns."""
+    chosen = [(label, r["breakdown"]) for label, r in zip(labels, rows, strict=True) if r.get("breakdown")]
+    table = []
+    for kind in KINDS:
+        if not any(b["kernel_ms"][kind] for _, b in chosen):
+            continue
+        line = {"kind": KIND_LABELS[kind]}
+        for label, b in chosen:
+            line[label] = f"{b['kernel_ms'][kind]:.4g} ({b['kernel_ms'][kind] / b['kernel_total_ms']:.1%})"
+        table.append(line)
+    table.append({"kind": "kernel time", **{label: f"{b['kernel_total_ms']:.4g}" for label, b in chosen}})
+    table.append({"kind": "idle", **{label: f"{b['idle_ms']:.4g}" for label, b in chosen}})
+    table.append({"kind": "glue share", **{label: f"{b['glue_share']:.1%}" for label, b in chosen}})
+    columns = [("kind", "kind (ms, share of kernel time)"), *((label, label) for label, _ in chosen)]
+    return markdown_table(table, columns)

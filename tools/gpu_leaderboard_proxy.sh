@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The one-GPU proxy of a leaderboard rank (issue 19) on one H200, in one call of under 9 minutes: the proxy step
+# (8B blocks, 14 layers, one sequence of 32768 tokens, bf16, world size 1, memory cap 92 GiB) ours and the two
+# PyTorch-only baselines, as rows of one call (one CS336_CALL_ID), most important first:
+#   1. ours after: Triton attention, our glue kernels, the budget checkpointing policy, profiled (breakdown);
+#   2. the strong baseline (compiled blocks, as many not checkpointed as fit the cap), profiled;
+#   3. the plain baseline (every block checkpointed, eager);
+#   4. ours before: the model's own glue, the attention policy (the 2026-12-01 configuration), profiled;
+#   5. ours with torch.compile of the glue's references instead of the kernels;
+#   6. ours with one (3d, d) qkv matmul;
+#   7. ours with each block's forward compiled (the model's glue inside);
+#   8. ours with SDPA in place of our attention (an ablation: the entry must use our attention);
+# then the markdown tables from the rows, then the GPU tests of the proxy (block memory against the allocator, the
+# glue kernels' step against the model's code in bf16, a small profiled run of all three impls). Every run is its
+# own process with its own timeout and --time-limit-s, none starts with under 75 s left, so rows written before a
+# hang or an out-of-memory come back. Results in $OUT (3 files): leaderboard_proxy.jsonl (copy it to
+# writeup/results/leaderboard_proxy.jsonl), tables.md, log.txt.
+#   run (GPU machine, repo root): bash tools/gpu_leaderboard_proxy.sh
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+OUT="${OUT:-$root/gpu_out}"
+mkdir -p "$OUT"
+deadline=$(($(date +%s) + ${PROXY_DEADLINE_S:-520}))
+left() { echo $((deadline - $(date +%s))); }
+export CS336_CALL_ID="${CS336_CALL_ID:-$(date -u +%Y%m%dT%H%M%SZ)-proxy-$$}"  # one id for every row of this call
+export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}"
+cs336=(bash tools/gpu.sh python3 -m cs336_harness.cli)
+rows="$OUT/leaderboard_proxy.jsonl"
+proxy() {  # proxy NAME MAX_S [FLAGS...]: one cs336 leaderboard --proxy run, skipped when under 75 s are left
+  local name="$1" max="$2"; shift 2
+  if [ "$(left)" -lt 75 ]; then echo "[skip: deadline] $name"; return; fi
+  local limit=$(($(left) - 15))
+  [ "$limit" -gt "$max" ] && limit=$max
+  echo "== $name (time limit ${limit} s, $(left) s left)"
+  timeout $((limit + 20)) "${cs336[@]}" leaderboard --proxy --memory-cap-gib 92 --time-limit-s "$limit" \
+    --out "$rows" "$@" || echo "== $name FAILED or timed out (rc $?)"
+}
+{
+  nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv
+  echo "call id $CS336_CALL_ID"
+  proxy "ours after: triton glue, budget checkpointing" 200 --glue triton --checkpoint budget --profile
+  proxy "strong baseline: compiled blocks, budget" 200 --impl torch_native_compiled --profile
+  proxy "plain baseline: every block checkpointed" 100 --impl torch_native
+  proxy "ours before: model glue, attention checkpointing" 100 --glue model --checkpoint attention --profile
+  proxy "ours: compiled glue, budget" 150 --glue compiled --checkpoint budget
+  proxy "ours: triton glue, one qkv matmul, budget" 100 --glue triton --fused-qkv --checkpoint budget
+  proxy "ours: compiled blocks (model glue), budget" 150 --glue model --compile-blocks --checkpoint budget
+  proxy "ablation: sdpa attention, triton glue, budget" 100 --attention sdpa --glue triton --checkpoint budget
+  if [ -s "$rows" ]; then
+    timeout 60 "${cs336[@]}" leaderboard --markdown "$rows" > "$OUT/tables.md" || echo "== tables FAILED (rc $?)"
+  fi
+  if [ "$(left)" -gt 45 ]; then
+    echo "== gpu tests ($(left) s left)"
+    timeout "$(left)" bash tools/gpu.sh python3 -m pytest -m gpu packages/harness/tests/test_leaderboard_proxy.py \
+      -q -p no:cacheprovider || echo "== gpu tests FAILED or timed out (rc $?)"
+  else
+    echo "[skip: deadline] gpu tests"
+  fi
+  ls -la "$OUT"
+} 2>&1 | tee "$OUT/log.txt"
