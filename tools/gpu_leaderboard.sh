@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# The leaderboard step on a two-GPU machine in one call (under 9 minutes in all): the leaderboard GPU tests
-# (sharded step against one process on NCCL; a small bf16 run), then `cs336 leaderboard` with its defaults
-# (8B, vocabulary 151936, context 32768, global batch 2, bf16, Triton attention, checkpointing every block,
-# fused LM head loss, our FusedAdamW), then one ablation per piece while time is left: SDPA instead of the
-# Triton attention, torch's fused AdamW instead of ours. Each run is its own process with its own timeout
-# and --time-limit-s, so a slow one cannot take the others' rows with it.
-# Results in $OUT: leaderboard.jsonl (one row per run), log.txt.
+# The leaderboard step on a two-GPU machine in one call (under 9 minutes in all), in priority order:
+# 1. `cs336 leaderboard` with its defaults (8B, vocabulary 151936, context 32768, global batch 2, bf16; ours
+#    throughout: our attention, FSDP, fused LM head + CE, FusedAdamW), from empty Triton and Inductor caches
+#    (the handout's rule: a run from cold caches finishes within 10 minutes; the row's wall_s_since_process_start
+#    says how long it took), with the handout's own do_bench timing next to our median;
+# 2. the two PyTorch-only steps of the same call as baselines (FSDP2 per block, bf16 params and fp32 reduce, SDPA,
+#    chunked checkpointed LM head + CE, fused torch AdamW; plain: every block checkpointed; strong: compiled blocks
+#    and as many blocks un-checkpointed as fit);
+# 3. ours with the glue kernels and the memory-budget checkpointing (GLUE=triton by default);
+# 4. the leaderboard GPU tests (a sharded step against one process over NCCL) five times in a row.
+# Each run is its own process with its own timeout and --time-limit-s, so a slow one cannot take the others' rows
+# with it. Results in $OUT: leaderboard.jsonl (one row per run), log.txt.
 #   run (GPU machine, repo root): bash tools/gpu_leaderboard.sh
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -14,21 +19,28 @@ OUT="${OUT:-$root/gpu_out}"
 mkdir -p "$OUT"
 deadline=$(($(date +%s) + ${LEADERBOARD_DEADLINE_S:-520}))
 left() { echo $((deadline - $(date +%s))); }
+export CS336_CALL_ID="${CS336_CALL_ID:-$(date -u +%Y%m%dT%H%M%SZ)-leaderboard}"
 cs336=(bash tools/gpu.sh python3 -m cs336_harness.cli)
 run_leaderboard() {  # run_leaderboard NAME [FLAGS...]: skipped when under 90 s are left
   local name="$1"; shift
   if [ "$(left)" -lt 90 ]; then echo "[skip: deadline] $name"; return; fi
   local limit=$(($(left) - 20))
-  [ "$limit" -gt 240 ] && limit=240
+  [ "$limit" -gt 300 ] && limit=300
   echo "== $name (time limit ${limit} s)"
   timeout $((limit + 15)) "${cs336[@]}" leaderboard --time-limit-s "$limit" --out "$OUT/leaderboard.jsonl" "$@"
 }
 {
   nvidia-smi --query-gpu=name,memory.total --format=csv
-  timeout 150 bash tools/gpu.sh python3 -m pytest -m gpu packages/harness/tests/test_leaderboard.py -q \
-    -p no:cacheprovider
-  run_leaderboard "leaderboard (defaults)"
-  run_leaderboard "ablation: sdpa attention" --attention sdpa
-  run_leaderboard "ablation: torch AdamW (fused=True)" --optimizer torch-adamw
+  cold="$(mktemp -d)"
+  TRITON_CACHE_DIR="$cold/triton" TORCHINDUCTOR_CACHE_DIR="$cold/inductor" \
+    run_leaderboard "leaderboard (defaults, cold caches, handout timing)" --handout-timing
+  run_leaderboard "PyTorch-only baselines" --impl torch_native,torch_native_compiled
+  run_leaderboard "ours with glue kernels and budget checkpointing" --glue "${GLUE:-triton}" --checkpoint budget
+  for run in 1 2 3 4 5; do
+    if [ "$(left)" -lt 60 ]; then echo "[skip: deadline] test run $run"; continue; fi
+    echo "== leaderboard GPU tests, run $run"
+    timeout $(($(left) - 10)) bash tools/gpu.sh python3 -m pytest -m gpu packages/harness/tests/test_leaderboard.py \
+      -q -p no:cacheprovider || echo "== test run $run FAILED or timed out (rc $?)"
+  done
   ls -la "$OUT"
 } 2>&1 | tee "$OUT/log.txt"

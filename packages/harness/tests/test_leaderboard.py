@@ -239,3 +239,22 @@ def test_gpu_leaderboard_step_at_small_size() -> None:
     assert abs(row["loss"] - math.log(32_000)) < 1.0
     assert 0 < row["mfu"] < 1 and row["tokens_per_s"] > 0
     assert len(row["peak_step_gib_per_rank"]) == 2 and all(p > 0 for p in row["peak_step_gib_per_rank"])
+
+
+def test_process_age_counts_from_the_start_of_this_process() -> None:
+    import time
+
+    age = leaderboard.process_age_s()
+    time.sleep(0.05)
+    later = leaderboard.process_age_s()
+    assert 0 < age < later and later - age >= 0.04  # /proc's clock ticks are 10 ms
+
+
+def test_handout_timing_is_a_flag_of_the_config() -> None:
+    with pytest.raises(TypeError, match="handout_timing must be a bool"):
+        LeaderboardConfig(**{**leaderboard.CPU_DEFAULTS, "backend": "gloo", "handout_timing": "yes"})
+    from cs336_harness.commands.leaderboard import configs_from_args
+
+    args = cli.parse_args(["leaderboard", "--backend", "gloo", "--compute-dtype", "fp32", "--handout-timing"])
+    (config,) = configs_from_args(args)
+    assert config.handout_timing and not configs_from_args(cli.parse_args(["leaderboard"]))[0].handout_timing

@@ -86,6 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps (default 3)")
     parser.add_argument("--profile", action="store_true",
                         help="one more step under torch.profiler: the row's GPU time by kind of kernel (GPU only)")
+    parser.add_argument("--handout-timing", action="store_true",
+                        help="also time the step as the handout does (triton.testing.do_bench around zero_grad, "
+                             "forward, loss, backward and optimizer step, the maximum over ranks; CUDA only)")
     parser.add_argument("--time-limit-s", type=float, default=600.0,
                         help="per impl: stop before any step that would start later than this, model build "
                              "included (default 600)")
@@ -109,7 +112,7 @@ def configs_from_args(args: argparse.Namespace) -> list[leaderboard.LeaderboardC
         **sized, backend=args.backend, attention=args.attention, checkpoint=args.checkpoint, glue=args.glue,
         compile_blocks=args.compile_blocks, fused_qkv=args.fused_qkv, memory_cap_gib=args.memory_cap_gib,
         optimizer=args.optimizer, warmup=args.warmup, steps=args.steps, profile=args.profile,
-        time_limit_s=args.time_limit_s, seed=args.seed,
+        handout_timing=args.handout_timing, time_limit_s=args.time_limit_s, seed=args.seed,
     )
     return [leaderboard.recipe(ours, impl) for impl in args.impl]
 
