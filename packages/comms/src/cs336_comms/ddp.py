@@ -84,6 +84,8 @@ class _GradientSync(nn.Module):
 
     def __init__(self, module: nn.Module):
         super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(f"{type(self).__name__} needs an initialized default process group")
         self.module = module

@@ -41,6 +41,12 @@ def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], floa
     return "\n".join(lines)
 
 
+def columns_with_values(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``columns`` split in two: those with a value (not None) in some row, and those empty in every row."""
+    filled = [c for c in columns if any(r.get(c) is not None for r in rows)]
+    return filled, [c for c in columns if c not in filled]
+
+
 def markdown_table(
     rows: Sequence[Mapping[str, Any]], columns: Sequence[str | tuple[str, str]], floatfmt: str = ".3g"
 ) -> str:

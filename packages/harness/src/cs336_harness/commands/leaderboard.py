@@ -22,6 +22,7 @@ import torch
 from cs336_basics.config import PRESETS
 
 from cs336_harness.analysis.tables import format_table, print_or_fill
+from cs336_harness.commands._shared import add_quiet_argument
 from cs336_harness.results import append_rows, read_rows
 from cs336_harness.studies import leaderboard
 
@@ -61,6 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print this JSONL file's leaderboard-configuration rows as a markdown table; run nothing")
     parser.add_argument("--fill", metavar="SECTION", default=None,
                         help="with --markdown: rewrite the <!-- table:leaderboard --> block of this markdown file")
+    add_quiet_argument(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> leaderboard.LeaderboardConfig:
@@ -76,14 +78,19 @@ def config_from_args(args: argparse.Namespace) -> leaderboard.LeaderboardConfig:
 
 def run(args: argparse.Namespace) -> int:
     if args.markdown:
-        print_or_fill(leaderboard.writeup_tables(read_rows(args.markdown)), args.fill)
+        tables = leaderboard.writeup_tables(read_rows(args.markdown))
+        if tables == leaderboard.writeup_tables([]):
+            print(f"cs336 leaderboard: {args.markdown} has no ok rows of the leaderboard configuration (8B, context "
+                  "32768, global batch 2, 2 ranks, bf16); the table is empty", file=sys.stderr)
+        print_or_fill(tables, args.fill)
         return 0
     try:
         config = config_from_args(args)
     except ValueError as e:
         raise SystemExit(f"cs336 leaderboard: {e}") from None
     try:
-        rows = leaderboard.run_leaderboard(config, progress=lambda msg: print(msg, file=sys.stderr))
+        progress = None if args.quiet else lambda msg: print(msg, file=sys.stderr)
+        rows = leaderboard.run_leaderboard(config, progress=progress)
     except leaderboard.TimeLimitExceeded as e:
         print(f"cs336 leaderboard: stopped: {e}", file=sys.stderr)
         return 1
