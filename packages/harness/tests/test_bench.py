@@ -60,11 +60,26 @@ def test_defaults_without_cuda_are_tiny_on_cpu() -> None:
         ({"checkpoint": "every"}, "unknown checkpoint policy"),
         ({"num_heads": 3}, "divisible by num_heads"),
         ({"checkpoint": "all", "mode": "forward"}, "backward pass"),
+        ({"device": "tpu"}, "device must be 'cpu', 'cuda' or 'cuda:N'"),
+        ({"dtype": "bf16", "attention": "triton"}, "--attention triton with dtype bf16 needs a GPU"),
+        ({"dtype": "bf16", "loss": "fused"}, "--loss fused with dtype bf16 needs a GPU"),
     ],
 )
 def test_bad_values_are_rejected_with_a_message(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        step_timing.BenchConfig(size=kwargs.pop("size", "tiny"), device="cpu", **kwargs)
+        step_timing.BenchConfig(size=kwargs.pop("size", "tiny"), device=kwargs.pop("device", "cpu"), **kwargs)
+
+
+def test_table_shows_every_setting_that_tells_rows_apart() -> None:
+    base = {**step_timing.config_fields(step_timing.BenchConfig(size="tiny", device="cpu")), "status": "ok",
+            "step_ms_median": 1.0}
+    assert step_timing.table_columns([base]) == ["size", "context_length", "mode", "dtype", "status", "step_ms_median"]
+    rows = [base, {**base, "attention": "sdpa"}, {**base, "compile": True, "optimizer": "fused-adamw"}]
+    columns = step_timing.table_columns(rows)
+    assert {"attention", "compile", "optimizer"} <= set(columns) and "loss" not in columns
+    assert len({tuple(r[c] for c in columns) for r in rows}) == len(rows)
+    # A setting the rows share but that is not the default is shown too, and so is an overridden dimension.
+    assert {"loss", "num_layers"} <= set(step_timing.table_columns([{**base, "loss": "fused", "num_layers": 1}]))
 
 
 def test_cli_reports_bad_flags_and_gpu_only_options(capsys: pytest.CaptureFixture[str]) -> None:
