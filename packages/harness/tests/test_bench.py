@@ -108,6 +108,7 @@ def test_tiny_run_appends_well_formed_rows(tmp_path, mode: str, capsys: pytest.C
     assert "forward_ms_mean" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_sweep_mixes_attention_dtype_and_checkpointing(tmp_path) -> None:
     base = step_timing.BenchConfig(size="tiny", batch_size=2, context_length=9, warmup=0, steps=1, device="cpu",
                              num_layers=3)
@@ -119,6 +120,7 @@ def test_sweep_mixes_attention_dtype_and_checkpointing(tmp_path) -> None:
         (d, c) for d in ("fp32", "bf16") for c in ("selective", "nested:2")}
 
 
+@pytest.mark.slow
 def test_fused_loss_triton_attention_and_fused_adamw_match_the_plain_path() -> None:
     config = step_timing.BenchConfig(size="tiny", context_length=17, batch_size=2, device="cpu")
     gen = torch.Generator().manual_seed(5)
