@@ -9,13 +9,16 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
 from cs336_comms.process_group import RankDiedError
-from cs336_harness import cli
+from cs336_harness import cli, instrument
+from cs336_harness.analysis import trace
 from cs336_harness.commands import COMMANDS
 from cs336_harness.commands._shared import print_measured_table
+from cs336_harness.device import check_device
 from cs336_harness.studies import collectives as collectives_study
 from cs336_harness.studies import ddp as ddp_study
 from cs336_harness.studies import shard as shard_study
@@ -193,3 +196,23 @@ def test_successful_cpu_runs_print_nothing_on_stderr_with_quiet(argv: list[str])
     done = _cs336(*argv, "--quiet", env=_env_without_cpu_settings())
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""
+
+
+@pytest.mark.gpu
+def test_gpu_profile_records_kernels_without_a_warning(tmp_path) -> None:
+    x = torch.randn(256, 256, device="cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with instrument.profile("cuda") as prof:
+            (x @ x).sum().item()
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    assert any(e.get("cat") == "kernel" for e in trace.load_trace(tmp_path / "trace.json"))
+
+
+@pytest.mark.gpu
+def test_gpu_devices_and_ranks_beyond_the_visible_gpus_are_one_clear_message() -> None:
+    n = torch.cuda.device_count()
+    with pytest.raises(ValueError, match=f"device 'cuda:{n}' asked for, but only {n} GPUs are visible"):
+        check_device(f"cuda:{n}")
+    with pytest.raises(SystemExit, match=f"needs one GPU per rank: {n + 1} ranks asked for, {n} GPUs visible"):
+        cli.main(["ddp", "--world-size", str(n + 1), "--global-batch", str(n + 1)])

@@ -239,7 +239,7 @@ class ResidualsConfig:
     """Which experiments to run, on what device and at what sizes.
 
     Sizes left None follow the device: on CUDA the handout's xl block at context 2048, on CPU the tiny block at
-    context :data:`cs336_harness.device.CPU_CONTEXT_LENGTH` (the xl one needs about 24 GB of host memory there).
+    context :data:`cs336_harness.device.CPU_CONTEXT_LENGTH` (the xl one outgrows most machines' host memory there).
     ``d_model``, ``d_ff`` and ``num_heads`` override the ``size`` preset's.
     """
 
