@@ -48,7 +48,7 @@ def test_defaults_without_cuda_are_tiny_on_cpu() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"size": "huge"}, "unknown size"),
+        ({"size": "huge"}, "size must be one of"),
         ({"context_length": 0}, "context_length must be positive"),
         ({"warmup": -1}, "warmup must be >= 0"),
         ({"mode": "inference"}, "mode must be one of"),

@@ -216,3 +216,21 @@ def test_gpu_devices_and_ranks_beyond_the_visible_gpus_are_one_clear_message() -
         check_device(f"cuda:{n}")
     with pytest.raises(SystemExit, match=f"needs one GPU per rank: {n + 1} ranks asked for, {n} GPUs visible"):
         cli.main(["ddp", "--world-size", str(n + 1), "--global-batch", str(n + 1)])
+
+
+@pytest.mark.parametrize("name", ["attention", "collectives", "ddp", "fused", "leaderboard", "shard"])
+def test_markdown_from_a_missing_or_broken_rows_file_is_one_clear_message(name: str, tmp_path) -> None:
+    with pytest.raises(SystemExit, match=f"cs336 {name}: cannot read rows from '/nonexistent.jsonl': No such file"):
+        cli.main([name, "--markdown", "/nonexistent.jsonl"])
+    broken = tmp_path / "rows.jsonl"
+    broken.write_text('{"a": 1}\n{"a": \n')
+    with pytest.raises(SystemExit, match=f"cs336 {name}: '{broken}' line 2 is not JSON"):
+        cli.main([name, "--markdown", str(broken)])
+
+
+@pytest.mark.parametrize("name", ["attention", "leaderboard", "shard"])
+def test_fill_of_a_missing_section_is_one_clear_message(name: str, tmp_path) -> None:
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("")
+    with pytest.raises(SystemExit, match=f"cs336 {name}: cannot read the section '/nonexistent.md'"):
+        cli.main([name, "--markdown", str(rows), "--fill", "/nonexistent.md"])

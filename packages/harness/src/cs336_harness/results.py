@@ -109,5 +109,20 @@ def append_rows(path: str | Path, rows: Iterable[dict[str, Any]], meta: dict[str
 
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    with Path(path).open() as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The rows of a JSON-lines file.
+
+    Raises:
+        ValueError: if the file cannot be read or a line is not JSON (naming the file and the line).
+    """
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"cannot read rows from {str(path)!r}: {e.strerror or e}") from None
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{str(path)!r} line {number} is not JSON: {e.msg}") from None
+    return rows

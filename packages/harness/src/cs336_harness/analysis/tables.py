@@ -76,9 +76,17 @@ def fill_tables(text: str, tables: Mapping[str, str]) -> str:
 
 
 def print_or_fill(tables: Mapping[str, str], section: str | Path | None) -> None:
-    """Print ``tables`` (marker name -> markdown), or, given a ``section`` file, rewrite its marked blocks."""
+    """Print ``tables`` (marker name -> markdown), or, given a ``section`` file, rewrite its marked blocks.
+
+    Raises:
+        ValueError: if the section cannot be read or lacks a table's markers.
+    """
     if section is None:
         print(*tables.values(), sep="\n\n")
         return
     path = Path(section)
-    path.write_text(fill_tables(path.read_text(), tables))
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ValueError(f"cannot read the section {str(path)!r}: {e.strerror or e}") from None
+    path.write_text(fill_tables(text, tables))

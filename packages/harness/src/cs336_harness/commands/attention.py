@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-from cs336_harness.analysis.tables import fill_tables
+from cs336_harness.analysis.tables import print_or_fill
 from cs336_harness.commands._shared import add_quiet_argument, csv_of
 from cs336_harness.progress import progress_bar
 from cs336_harness.results import append_rows, check_writable, provenance, read_rows
@@ -70,12 +69,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.markdown:
-        rows = [row for path in args.markdown for row in read_rows(path)]
-        if args.fill:
-            section = Path(args.fill)
-            section.write_text(fill_tables(section.read_text(), attention_tables(rows)))
-        else:
-            print(attention_markdown(rows))
+        try:
+            rows = [row for path in args.markdown for row in read_rows(path)]
+            if args.fill:
+                print_or_fill(attention_tables(rows), args.fill)
+            else:
+                print(attention_markdown(rows))
+        except ValueError as e:
+            raise SystemExit(f"cs336 attention: {e}") from None
         return 0
     sizes = {
         "head_dims": args.head_dims, "seq_lens": args.seq_lens, "passes": args.passes,

@@ -50,7 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.markdown:
-        print(collectives_markdown(read_rows(args.markdown)))
+        try:
+            print(collectives_markdown(read_rows(args.markdown)))
+        except ValueError as e:
+            raise SystemExit(f"cs336 collectives: {e}") from None
         return 0
     backends = args.backends or (("nccl",) if torch.cuda.is_available() else ("gloo",))
     if launched_by_torchrun():

@@ -35,7 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.markdown:
-        print(ddp_study.ddp_markdown(read_rows(args.markdown)))
+        try:
+            print(ddp_study.ddp_markdown(read_rows(args.markdown)))
+        except ValueError as e:
+            raise SystemExit(f"cs336 ddp: {e}") from None
         return 0
     try:
         config = ddp_study.DDPBenchConfig(

@@ -41,7 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.markdown:
-        print(fused_markdown(read_rows(args.markdown)))
+        try:
+            print(fused_markdown(read_rows(args.markdown)))
+        except ValueError as e:
+            raise SystemExit(f"cs336 fused: {e}") from None
         return 0
     try:
         config = FusedBenchConfig(

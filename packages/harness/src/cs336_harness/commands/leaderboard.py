@@ -78,11 +78,14 @@ def config_from_args(args: argparse.Namespace) -> leaderboard.LeaderboardConfig:
 
 def run(args: argparse.Namespace) -> int:
     if args.markdown:
-        tables = leaderboard.writeup_tables(read_rows(args.markdown))
-        if tables == leaderboard.writeup_tables([]):
-            print(f"cs336 leaderboard: {args.markdown} has no ok rows of the leaderboard configuration (8B, context "
-                  "32768, global batch 2, 2 ranks, bf16); the table is empty", file=sys.stderr)
-        print_or_fill(tables, args.fill)
+        try:
+            tables = leaderboard.writeup_tables(read_rows(args.markdown))
+            if tables == leaderboard.writeup_tables([]):
+                print(f"cs336 leaderboard: {args.markdown} has no ok rows of the leaderboard configuration (8B, "
+                      "context 32768, global batch 2, 2 ranks, bf16); the table is empty", file=sys.stderr)
+            print_or_fill(tables, args.fill)
+        except ValueError as e:
+            raise SystemExit(f"cs336 leaderboard: {e}") from None
         return 0
     try:
         config = config_from_args(args)

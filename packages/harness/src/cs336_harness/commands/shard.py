@@ -37,7 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.markdown:
-        print_or_fill(shard_study.writeup_tables(read_rows(args.markdown)), args.fill)
+        try:
+            print_or_fill(shard_study.writeup_tables(read_rows(args.markdown)), args.fill)
+        except ValueError as e:
+            raise SystemExit(f"cs336 shard: {e}") from None
         return 0
     try:
         config = shard_study.ShardBenchConfig(**distributed_run_fields(args))

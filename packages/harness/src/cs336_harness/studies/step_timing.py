@@ -79,7 +79,7 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         if self.size not in PRESETS:
-            raise ValueError(f"unknown size {self.size!r}; expected one of {', '.join(PRESETS)}")
+            raise ValueError(f"size must be one of {', '.join(PRESETS)}, got {self.size!r}")
         for name in ("d_model", "d_ff", "num_layers", "num_heads"):
             value = getattr(self, name)
             if value is not None and value <= 0:
