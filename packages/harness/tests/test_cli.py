@@ -83,8 +83,8 @@ def test_progress_goes_to_stderr_unless_quiet(capsys: pytest.CaptureFixture[str]
 
 
 @pytest.mark.parametrize("argv", [
-    ["bench", "--device", "cpu"], ["residuals", "--device", "cpu"], ["precision"], ["ddp"], ["shard"],
-    ["collectives", "--backends", "gloo"],
+    ["bench", "--device", "cpu"], ["residuals", "--device", "cpu"], ["precision"], ["ddp", "--backend", "gloo"],
+    ["shard", "--backend", "gloo"], ["collectives", "--backends", "gloo"],
 ])
 def test_an_unwritable_out_fails_before_the_run(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     def never(*args: object, **kwargs: object) -> None:
@@ -99,7 +99,8 @@ def test_an_unwritable_out_fails_before_the_run(argv: list[str], monkeypatch: py
 
 
 @pytest.mark.parametrize(("argv", "flag"), [
-    (["ddp"], "--figure-dir"), (["shard"], "--figure"), (["collectives", "--backends", "gloo"], "--plot"),
+    (["ddp", "--backend", "gloo"], "--figure-dir"), (["shard", "--backend", "gloo"], "--figure"),
+    (["collectives", "--backends", "gloo"], "--plot"),
 ])
 def test_an_unwritable_figure_fails_before_the_run(argv: list[str], flag: str) -> None:
     target = "/proc/nope" if flag == "--figure-dir" else "/proc/nope/figure.png"
@@ -134,9 +135,7 @@ def test_a_rank_killed_by_the_os_names_memory_and_the_asked_size(name: str, aske
     monkeypatch.setattr(ddp_study, "run_ddp_bench", killed)
     monkeypatch.setattr(shard_study, "run_shard_bench", killed)
     monkeypatch.setattr("cs336_harness.commands.collectives.run_collectives_study", killed)
-    argv = [name] if name != "collectives" else [name, "--backends", "gloo"]
-    if torch.cuda.is_available() and name != "collectives":
-        argv += ["--size", "tiny", "--backend", "gloo"]
+    argv = [name, "--backends", "gloo"] if name == "collectives" else [name, "--size", "tiny", "--backend", "gloo"]
     message = f"cs336 {name}: rank 1 died (signal SIGKILL), most likely out of host memory; {asked}"
     with pytest.raises(SystemExit, match=re.escape(message)):
         cli.main(argv)

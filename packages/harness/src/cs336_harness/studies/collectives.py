@@ -31,14 +31,14 @@ class CollectivesConfig:
             raise ValueError(f"world sizes must be positive, got {self.world_sizes}")
         if not self.backends:
             raise ValueError("backends must be gloo and/or nccl, got none")
-        for backend in self.backends:
-            check_backend(backend, max(self.world_sizes))
         if not self.sizes_mb or any(s <= 0 for s in self.sizes_mb):
             raise ValueError(f"sizes must be positive MiB values, got {self.sizes_mb}")
         if not self.ops or any(op not in OPS for op in self.ops):
             raise ValueError(f"ops must be a subset of {OPS}, got {self.ops}")
         if self.warmup < 0 or self.iters < 1:
             raise ValueError(f"need warmup >= 0 and iters >= 1, got {self.warmup}, {self.iters}")
+        for backend in self.backends:  # last: the values above are wrong anywhere, a backend only on this machine
+            check_backend(backend, max(self.world_sizes))
 
 
 def run_collectives_study(config: CollectivesConfig, progress: bool = False) -> list[dict[str, Any]]:

@@ -62,13 +62,14 @@ class DistributedRunConfig:
         if self.global_batch < 1 or self.context_length < 1 or self.vocab_size < 2:
             raise ValueError("global_batch and context_length must be positive and vocab_size at least 2, got "
                              f"{self.global_batch}, {self.context_length}, {self.vocab_size}")
-        check_backend(self.resolved_backend, self.world_size)
         if not self.dtypes or any(d not in TRAINING_DTYPES for d in self.dtypes):
             raise ValueError(f"dtypes must be a non-empty subset of {list(TRAINING_DTYPES)}, got {self.dtypes}")
         if any(v not in self.VARIANTS for v in self.variants):
             raise ValueError(f"variants must be a non-empty subset of {list(self.VARIANTS)}, got {self.variants}")
         if self.warmup < self.MIN_WARMUP or self.steps < 1:
             raise ValueError(f"need warmup >= {self.MIN_WARMUP} and steps >= 1; got {self.warmup}, {self.steps}")
+        # Last: the values above are wrong anywhere, the backend only on this machine.
+        check_backend(self.resolved_backend, self.world_size)
 
     @property
     def resolved_backend(self) -> str:
