@@ -18,9 +18,11 @@ def single_rank_group():
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(
-    "get", [adapters.get_flashattention_autograd_function_pytorch, adapters.get_flashattention_autograd_function_triton]
-)
+@pytest.mark.parametrize("get", [
+    # The PyTorch function's backward is torch.compile'd: tens of seconds on a CPU.
+    pytest.param(adapters.get_flashattention_autograd_function_pytorch, marks=pytest.mark.slow),
+    adapters.get_flashattention_autograd_function_triton,
+])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_flash_attention_adapters(get, is_causal):
     q, k, v = (torch.randn(2, 17, 16, requires_grad=True) for _ in range(3))

@@ -13,7 +13,9 @@ plain full-batch training with a tolerance, so it cannot drift from what "the la
 from __future__ import annotations
 
 import gc
+import os
 import pickle
+import signal
 import weakref
 from collections.abc import Callable
 
@@ -266,4 +268,11 @@ def all_checks(rank: int, world_size: int, out_dir: str) -> None:
     record["default_unused"] = _default_unused(rank)
     with open(f"{out_dir}/rank{rank}.pkl", "wb") as f:
         pickle.dump(record, f)
+    dist.barrier()
+
+
+def rank_one_killed(rank: int, world_size: int) -> None:
+    """Rank 1 is killed as the kernel's out-of-memory killer would kill it; rank 0 waits for it at a barrier."""
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
     dist.barrier()

@@ -15,6 +15,8 @@ from cs336_comms.collectives import OPS
 from cs336_comms.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlappedDDP
 from cs336_comms.process_group import spawn
 
+pytestmark = pytest.mark.slow  # every test reads the one spawn's records
+
 FULL_BATCH_RTOL, FULL_BATCH_ATOL = 1e-5, 1e-6  # reference vs one full-batch backward (sum order differs)
 
 

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import triton
 from cs336_harness.studies import attention_tuning
 
@@ -19,6 +20,7 @@ print(json.dumps([build_row(name, 64, entry, tma) for name, entry in (("fwd", (6
 """
 
 
+@pytest.mark.slow
 def test_builds_with_and_without_tma_loads() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _BUILDS], env=env, capture_output=True, text=True, check=True)

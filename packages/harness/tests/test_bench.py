@@ -48,7 +48,7 @@ def test_defaults_without_cuda_are_tiny_on_cpu() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"size": "huge"}, "unknown size"),
+        ({"size": "huge"}, "size must be one of"),
         ({"context_length": 0}, "context_length must be positive"),
         ({"warmup": -1}, "warmup must be >= 0"),
         ({"mode": "inference"}, "mode must be one of"),
@@ -60,11 +60,26 @@ def test_defaults_without_cuda_are_tiny_on_cpu() -> None:
         ({"checkpoint": "every"}, "unknown checkpoint policy"),
         ({"num_heads": 3}, "divisible by num_heads"),
         ({"checkpoint": "all", "mode": "forward"}, "backward pass"),
+        ({"device": "tpu"}, "device must be 'cpu', 'cuda' or 'cuda:N'"),
+        ({"dtype": "bf16", "attention": "triton"}, "--attention triton with dtype bf16 needs a GPU"),
+        ({"dtype": "bf16", "loss": "fused"}, "--loss fused with dtype bf16 needs a GPU"),
     ],
 )
 def test_bad_values_are_rejected_with_a_message(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        step_timing.BenchConfig(size=kwargs.pop("size", "tiny"), device="cpu", **kwargs)
+        step_timing.BenchConfig(size=kwargs.pop("size", "tiny"), device=kwargs.pop("device", "cpu"), **kwargs)
+
+
+def test_table_shows_every_setting_that_tells_rows_apart() -> None:
+    base = {**step_timing.config_fields(step_timing.BenchConfig(size="tiny", device="cpu")), "status": "ok",
+            "step_ms_median": 1.0}
+    assert step_timing.table_columns([base]) == ["size", "context_length", "mode", "dtype", "status", "step_ms_median"]
+    rows = [base, {**base, "attention": "sdpa"}, {**base, "compile": True, "optimizer": "fused-adamw"}]
+    columns = step_timing.table_columns(rows)
+    assert {"attention", "compile", "optimizer"} <= set(columns) and "loss" not in columns
+    assert len({tuple(r[c] for c in columns) for r in rows}) == len(rows)
+    # A setting the rows share but that is not the default is shown too, and so is an overridden dimension.
+    assert {"loss", "num_layers"} <= set(step_timing.table_columns([{**base, "loss": "fused", "num_layers": 1}]))
 
 
 def test_cli_reports_bad_flags_and_gpu_only_options(capsys: pytest.CaptureFixture[str]) -> None:
@@ -93,6 +108,7 @@ def test_tiny_run_appends_well_formed_rows(tmp_path, mode: str, capsys: pytest.C
     assert "forward_ms_mean" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_sweep_mixes_attention_dtype_and_checkpointing(tmp_path) -> None:
     base = step_timing.BenchConfig(size="tiny", batch_size=2, context_length=9, warmup=0, steps=1, device="cpu",
                              num_layers=3)
@@ -104,6 +120,7 @@ def test_sweep_mixes_attention_dtype_and_checkpointing(tmp_path) -> None:
         (d, c) for d in ("fp32", "bf16") for c in ("selective", "nested:2")}
 
 
+@pytest.mark.slow
 def test_fused_loss_triton_attention_and_fused_adamw_match_the_plain_path() -> None:
     config = step_timing.BenchConfig(size="tiny", context_length=17, batch_size=2, device="cpu")
     gen = torch.Generator().manual_seed(5)

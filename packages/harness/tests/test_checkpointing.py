@@ -66,8 +66,10 @@ class _CountOp(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize(("attention", "op_name"), [("sdpa", "aten::_scaled_dot_product_flash_attention_for_cpu"),
-                                                    ("triton", "cs336::flash_attention_forward")])
+@pytest.mark.parametrize(("attention", "op_name"), [
+    ("sdpa", "aten::_scaled_dot_product_flash_attention_for_cpu"),
+    pytest.param("triton", "cs336::flash_attention_forward", marks=pytest.mark.slow),  # the interpreter: seconds
+])
 @pytest.mark.parametrize(("policy", "recomputed"), [("all", 2), ("attention", 0), ("selective", 0)])
 def test_attention_policy_does_not_recompute_attention(attention: str, op_name: str, policy: str,
                                                        recomputed: int) -> None:

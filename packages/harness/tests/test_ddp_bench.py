@@ -40,6 +40,7 @@ def test_config_rejects_bad_values() -> None:
         ddp_study.DDPBenchConfig(size="huge")
 
 
+@pytest.mark.slow
 def test_ddp_command_on_cpu(tmp_path, capsys) -> None:
     out, figs = tmp_path / "ddp.jsonl", tmp_path / "figs"
     assert cli.main(["ddp", "--size", "tiny", "--context-length", "16", "--warmup", "1", "--steps", "2",
@@ -63,6 +64,7 @@ def test_ddp_command_on_cpu(tmp_path, capsys) -> None:
     assert [r["replicas equal"] for r in table] == ["no" if r["variant"] == "nocomm" else "yes" for r in rows]
 
 
+@pytest.mark.slow
 def test_collectives_command_on_cpu(tmp_path) -> None:
     out, plot = tmp_path / "coll.jsonl", tmp_path / "coll.png"
     assert cli.main(["collectives", "--backends", "gloo", "--world-sizes", "2", "--sizes-mb", "0.01,0.1",

@@ -16,6 +16,8 @@ sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import the check
 
 from fsdp_checkpointing_checks import POLICIES, WORLD_SIZE, all_checks  # noqa: E402
 
+pytestmark = pytest.mark.slow  # every test reads the one spawn's records
+
 
 @pytest.fixture(scope="module")
 def records(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:

@@ -113,6 +113,7 @@ def _assert_same_step(configs: list[LeaderboardConfig], records: list[dict], dev
         assert len(moved) == len(params)
 
 
+@pytest.mark.slow
 def test_sharded_step_matches_single_process_step(tmp_path: Path) -> None:
     records = _sharded_steps(CPU_CONFIGS, tmp_path)
     assert [r["checkpoint"] for r in records] == ["all", "group:2", "attention:1", "all"]  # the budget's pick
@@ -169,6 +170,7 @@ def test_flops_formula_counts_matmuls_and_causal_attention() -> None:
     assert leaderboard.step_flops(config, global_batch=3) == pytest.approx(matmuls + attention)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU defaults")
 def test_command_runs_on_cpu_and_writes_a_row(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "rows.jsonl"
@@ -187,6 +189,7 @@ def test_command_runs_on_cpu_and_writes_a_row(tmp_path: Path, capsys: pytest.Cap
         assert row[key], key
 
 
+@pytest.mark.slow
 def test_command_stops_at_the_time_limit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "rows.jsonl"
     args = ["leaderboard", "--backend", "gloo", "--size", "tiny", "--vocab-size", "50", "--context-length", "8",

@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
-from cs336_harness.studies.residuals import block_gradient_bytes, count_residuals, rmsnorm_experiment
+from cs336_harness import cli
+from cs336_harness.results import read_rows
+from cs336_harness.studies.residuals import (
+    ResidualsConfig,
+    block_experiment,
+    block_gradient_bytes,
+    count_residuals,
+    rmsnorm_experiment,
+)
 
 
 def test_hand_counted_case_skips_parameters_and_counts_a_storage_once() -> None:
@@ -46,3 +55,37 @@ def test_rmsnorm_eager_keeps_two_full_tensors_and_the_rms() -> None:
 
 def test_block_gradient_bytes() -> None:
     assert block_gradient_bytes(8, 12) == (4 * 64 + 3 * 96 + 16) * 4
+
+
+def test_cpu_defaults_are_the_tiny_block_and_flags_override_them() -> None:
+    config = ResidualsConfig(device="cpu")
+    assert (config.size, config.d_model, config.d_ff, config.num_heads, config.context_length) == (
+        "tiny", 64, 256, 4, 128)
+    config = ResidualsConfig(device="cpu", size="xl", num_heads=16, context_length=64)
+    assert (config.d_model, config.d_ff, config.num_heads, config.context_length) == (2560, 10240, 16, 64)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"device": "tpu"}, "device must be"), ({"size": "huge"}, "size must be one of"),
+    ({"num_heads": 3}, "even integer"), ({"experiments": ("nope",)}, "experiments must be drawn from"),
+])
+def test_bad_values_are_rejected_with_a_message(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ResidualsConfig(**{"device": "cpu", **kwargs})
+
+
+def test_the_cpu_default_block_is_small() -> None:
+    config = ResidualsConfig(device="cpu")
+    report = block_experiment(**config.dims)
+    # Under 100 MiB, where the xl block at context 2048 saves gigabytes.
+    assert 0 < report.total_mib < 100
+
+
+@pytest.mark.slow
+def test_command_prints_the_block_and_shows_progress(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "rows.jsonl"
+    assert cli.main(["residuals", "--experiment", "rmsnorm", "--device", "cpu", "--out", str(out)]) == 0
+    printed, err = capsys.readouterr()
+    assert printed.startswith("tiny block (d_model 64, d_ff 256, 4 heads), batch 4, context 128, on cpu")
+    assert "residuals:" in err and "2/2" in err and "RMSNorm compiled" in err
+    assert [(r["experiment"], r["variant"]) for r in read_rows(out)] == [("rmsnorm", "eager"), ("rmsnorm", "compiled")]

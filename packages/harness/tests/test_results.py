@@ -34,3 +34,16 @@ def fake_git(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
 def test_git_commit(fake_git, head: str | None, status: str, recorded: str | None, expected: str) -> None:
     fake_git(head, status, recorded)
     assert results.git_commit() == expected
+
+
+def test_check_writable_leaves_no_file_behind_and_keeps_an_existing_one(tmp_path: Path) -> None:
+    new = tmp_path / "made" / "rows.jsonl"
+    assert results.check_writable(new) == new and not new.exists() and new.parent.is_dir()
+    old = tmp_path / "old.jsonl"
+    old.write_text('{"a": 1}\n')
+    results.check_writable(old)
+    assert old.read_text() == '{"a": 1}\n'
+    with pytest.raises(ValueError, match="cannot write to '/proc/nope/x.jsonl': No such file or directory"):
+        results.check_writable("/proc/nope/x.jsonl")
+    with pytest.raises(ValueError, match="cannot write to"):
+        results.check_writable(tmp_path)  # a folder, not a file

@@ -47,6 +47,7 @@ def cpu_rows(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], str]
     return shard_study.run_shard_bench(config, traces), str(traces)
 
 
+@pytest.mark.slow
 def test_cpu_run_accounts_for_each_variant(cpu_rows: tuple[list[dict], str]) -> None:
     rows = {r["variant"]: r for r in cpu_rows[0]}
     assert list(rows) == list(shard_study.VARIANTS)
@@ -61,6 +62,7 @@ def test_cpu_run_accounts_for_each_variant(cpu_rows: tuple[list[dict], str]) -> 
     assert "trace" in fsdp and "trace" in fsdp2 and "trace" not in ddp
 
 
+@pytest.mark.slow
 def test_tables_and_cpu_figure(cpu_rows: tuple[list[dict], str], tmp_path) -> None:
     rows, traces = cpu_rows
     memory_rows = read_markdown_table(shard_study.memory_markdown(rows))

@@ -82,18 +82,28 @@ CPU_SHAPES = [
     ((1, 1, 20, 40), (1, 1, 45, 40)),
 ]
 
+_COMBOS = [(is_causal, dtype) for is_causal in (False, True) for dtype in (torch.float32, torch.float16)]
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize(("shape_q", "shape_kv"), CPU_SHAPES)
+
+def _cases(shapes):
+    """Every (shape_q, shape_kv, is_causal, dtype); each shape runs one (is_causal, dtype) by default, the next
+    shape the next one, so the default run sees every shape and every combination; the rest are ``slow``."""
+    def name(shape_q, shape_kv, is_causal, dtype):
+        shapes = "-".join("x".join(map(str, shape)) for shape in (shape_q, shape_kv))
+        return f"{shapes}-{'causal' if is_causal else 'full'}-{str(dtype).removeprefix('torch.')}"
+
+    return [pytest.param(shape_q, shape_kv, is_causal, dtype, id=name(shape_q, shape_kv, is_causal, dtype),
+                         marks=() if j == i % len(_COMBOS) else pytest.mark.slow)
+            for i, (shape_q, shape_kv) in enumerate(shapes) for j, (is_causal, dtype) in enumerate(_COMBOS)]
+
+
+@pytest.mark.parametrize(("shape_q", "shape_kv", "is_causal", "dtype"), _cases(CPU_SHAPES))
 def test_triton_matches_reference(shape_q, shape_kv, is_causal, dtype):
     q, k, v, do = _inputs(shape_q, shape_kv, dtype, seed=len(shape_q) + shape_q[-2])
     _check_against_reference(flash_attention, q, k, v, do, is_causal)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize(("shape_q", "shape_kv"), CPU_SHAPES)
+@pytest.mark.parametrize(("shape_q", "shape_kv", "is_causal", "dtype"), _cases(CPU_SHAPES))
 def test_pytorch_tiled_pieces_match_reference(shape_q, shape_kv, is_causal, dtype):
     # The tiled forward and the (uncompiled) recomputation backward, on every shape; the compiled path
     # through the autograd Function is checked below on fewer shapes because compiling is slow on CPU.
@@ -111,6 +121,7 @@ def test_pytorch_tiled_pieces_match_reference(shape_q, shape_kv, is_causal, dtyp
         assert _rel_err(got, ref) < tol, f"{name}: {_rel_err(got, ref):.2e}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["pytorch_function", "triton_with_pytorch_backward"])
 def test_compiled_pytorch_backward(impl):
     fn = {
@@ -128,9 +139,7 @@ def _check_forward(q, k, v, is_causal):
     assert (lse.double() - lse_ref).abs().max().item() < LSE_TOL[q.dtype]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize(("shape_q", "shape_kv"), [CPU_SHAPES[2], CPU_SHAPES[4], CPU_SHAPES[6]])
+@pytest.mark.parametrize(("shape_q", "shape_kv", "is_causal", "dtype"), _cases([CPU_SHAPES[i] for i in (2, 4, 6)]))
 def test_forward_with_tma_loads_matches_reference(monkeypatch, shape_q, shape_kv, is_causal, dtype):
     # The KV_TMA configs are only autotuned on a GPU; force the interpreter onto that path. Covers a partial
     # last key tile, Tq < Tk with grouped heads, and d = 40 inside a 64-wide tile (TMA's zero fill).
@@ -150,9 +159,7 @@ def _force_backward_tma(monkeypatch, configs):
         monkeypatch.setattr(tuning.autotuned_kernel(name), "configs", [config])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize(("shape_q", "shape_kv"), [CPU_SHAPES[2], CPU_SHAPES[4], CPU_SHAPES[6]])
+@pytest.mark.parametrize(("shape_q", "shape_kv", "is_causal", "dtype"), _cases([CPU_SHAPES[i] for i in (2, 4, 6)]))
 def test_backward_with_tma_loads_matches_reference(monkeypatch, shape_q, shape_kv, is_causal, dtype):
     # Q, dO by TMA in the dK/dV kernel and K, V by TMA in the dQ kernel, forced (only a GPU autotunes them).
     # Covers partial last tiles, Tq < Tk with two query heads per K/V head (a descriptor per query head) and

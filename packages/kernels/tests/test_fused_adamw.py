@@ -83,7 +83,7 @@ def _check_against_torch(device: str, shapes: list[tuple[int, ...]], elements_pe
     assert ours.state[params[SOMETIMES_NO_GRAD]]["step"].item() == NUM_STEPS // 2
 
 
-@pytest.mark.parametrize("elements_per_program", [2048, 32768])
+@pytest.mark.parametrize("elements_per_program", [pytest.param(2048, marks=pytest.mark.slow), 32768])
 def test_matches_torch_adamw_over_ten_steps(elements_per_program):
     # 2048: one block per program, so the larger tensors span several programs.
     _check_against_torch("cpu", SHAPES, elements_per_program)
@@ -200,7 +200,7 @@ def test_rejects_bad_parameters_and_gradients():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("elements_per_program", [2048, 32768])
+@pytest.mark.parametrize("elements_per_program", [pytest.param(2048, marks=pytest.mark.slow), 32768])
 def test_matches_torch_adamw_on_gpu(elements_per_program):
     _check_against_torch("cuda", GPU_SHAPES, elements_per_program)
 

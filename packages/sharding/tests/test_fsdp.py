@@ -17,6 +17,7 @@ from sharding_spawn_checks import FP16_RUNS, OPTIMIZERS, WORLD_SIZE, batches, lo
 FULL_BATCH_ATOL = {"fp32": 1e-5, "fp16": 1e-4}  # mirrored reference vs one full-batch backward
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 @pytest.mark.parametrize("kind", ["toy", "transformer"])
 def test_fp32_matches_single_process_exactly(records: list[dict], kind: str, optimizer: str) -> None:
@@ -29,6 +30,7 @@ def test_fp32_matches_single_process_exactly(records: list[dict], kind: str, opt
                 assert torch.equal(got[name], want[name]), f"rank {rank} step {step}: {name} differs"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("kind", "optimizer"), FP16_RUNS)
 def test_fp16_compute_matches_single_process_that_casts_the_same_way(
     records: list[dict], kind: str, optimizer: str
@@ -41,6 +43,7 @@ def test_fp16_compute_matches_single_process_that_casts_the_same_way(
                 assert torch.equal(got[name], want[name]), f"rank {rank} step {step}: {name} differs"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", [(k, o, "fp32") for k in ("toy", "transformer") for o in OPTIMIZERS]
                          + [(k, o, "fp16") for k, o in FP16_RUNS if o == "sgd"])
 def test_reference_is_full_batch_training(records: list[dict], run: tuple[str, str, str]) -> None:
@@ -50,6 +53,7 @@ def test_reference_is_full_batch_training(records: list[dict], run: tuple[str, s
             torch.testing.assert_close(ref[name], full[name], rtol=0, atol=FULL_BATCH_ATOL[run[2]])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["None", "torch.float16"])
 def test_grads_after_sync_are_fp32_and_shaped_like_params(records: list[dict], dtype: str) -> None:
     for record in records:
@@ -66,6 +70,7 @@ def test_grads_after_sync_are_fp32_and_shaped_like_params(records: list[dict], d
             assert g["grad"].shape == records[1]["grads"][dtype][name]["grad"].shape
 
 
+@pytest.mark.slow
 def test_uneven_shards_are_padded(records: list[dict]) -> None:
     # The toy model's embedding and head have 37 x 15 = 555 elements: shards of 278, the last one padded.
     shapes = {n: g["shape"] for n, g in records[0]["grads"]["None"].items()}
@@ -73,6 +78,7 @@ def test_uneven_shards_are_padded(records: list[dict]) -> None:
     assert records[0]["fsdp"]["toy", "sgd", "fp32"]["fsdp"][0]["embedding.weight"].shape == (37, 15)
 
 
+@pytest.mark.slow
 def test_gathers_are_bounded_and_freed(records: list[dict]) -> None:
     for record in records:
         g = record["gathered"]
@@ -83,6 +89,7 @@ def test_gathers_are_bounded_and_freed(records: list[dict]) -> None:
         assert g["left"] == [0, 0, 0, 0], "gathered weights must be freed after forward and after sync"
 
 
+@pytest.mark.slow
 def test_transformer_communicates_once_per_block(records: list[dict]) -> None:
     block = ["attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.output_proj", "ffn.w1", "ffn.w2", "ffn.w3"]
     want_units = [("token_embeddings.weight", ["token_embeddings.weight"])]
@@ -124,6 +131,7 @@ def test_a_unit_needs_one_dtype() -> None:
         FSDP(model)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["torch_adamw", "basics_adamw"])
 def test_checkpoint_resume_equals_uninterrupted_run(records: list[dict], optimizer: str) -> None:
     for rank, record in enumerate(records):

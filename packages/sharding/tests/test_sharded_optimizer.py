@@ -16,6 +16,7 @@ from sharding_spawn_checks import SHARDED_OPTIMIZERS, TiedToy, _groups, _train_t
 NAMES = list(SHARDED_OPTIMIZERS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_matches_unsharded_optimizer_exactly(records: list[dict], name: str) -> None:
     for rank, record in enumerate(records):
@@ -24,6 +25,7 @@ def test_matches_unsharded_optimizer_exactly(records: list[dict], name: str) -> 
                 assert torch.equal(got[n], want[n]), f"rank {rank} step {step}: {n} differs"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_each_rank_keeps_state_only_for_its_shard(records: list[dict], name: str) -> None:
     owners = records[0]["sharded"][name]["owners"]
@@ -36,6 +38,7 @@ def test_each_rank_keeps_state_only_for_its_shard(records: list[dict], name: str
     assert max(load) - min(load) <= max(numel.values()), f"unbalanced assignment: {load}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_consolidated_state_dict_equals_unsharded(records: list[dict], name: str) -> None:
     got, want = records[0]["sharded"][name]["consolidated"], records[0]["sharded"][name]["reference_state"]
@@ -50,6 +53,7 @@ def test_consolidated_state_dict_equals_unsharded(records: list[dict], name: str
                 assert got["state"][i][key] == value, (i, key)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("consolidated", [False, True], ids=["shard", "consolidated"])
 @pytest.mark.parametrize("name", NAMES)
 def test_state_dict_round_trip_continues_identically(records: list[dict], name: str, consolidated: bool) -> None:

@@ -98,6 +98,8 @@ class _GradientSync(nn.Module):
     def __init__(self, module: nn.Module, *, process_group: dist.ProcessGroup | None = None,
                  find_unused_parameters: bool = False):
         super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         self.module = module
         self._group = process_group
         _, self.world_size = rank_and_world(process_group)

@@ -29,6 +29,24 @@ import torch.multiprocessing as mp
 DEFAULT_TIMEOUT_S = 120.0
 
 
+class RankDiedError(RuntimeError):
+    """A spawned rank ended without raising a Python exception: killed by a signal or exited with a code.
+
+    SIGKILL is what the kernel's out-of-memory killer sends, so the message says so; callers that know what the
+    run asked for (a model size, a tensor size) add it.
+    """
+
+    def __init__(self, rank: int, signal_name: str | None, exit_code: int):
+        self.rank, self.signal_name, self.exit_code = rank, signal_name, exit_code
+        if signal_name == "SIGKILL":
+            message = f"rank {rank} died (signal SIGKILL), most likely out of host memory"
+        elif signal_name is not None:
+            message = f"rank {rank} died (signal {signal_name})"
+        else:
+            message = f"rank {rank} exited with code {exit_code} without raising an exception"
+        super().__init__(message)
+
+
 def default_backend() -> str:
     """NCCL when CUDA GPUs are present, gloo otherwise."""
     return "nccl" if torch.cuda.is_available() else "gloo"
@@ -132,6 +150,9 @@ def spawn(
 
     Returns:
         What ``fn`` returned on rank 0.
+
+    Raises:
+        RankDiedError: if a rank was killed (SIGKILL: most likely out of host memory) or exited without raising.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -141,8 +162,11 @@ def spawn(
         raise ValueError(f"world_size {world_size} exceeds the {torch.cuda.device_count()} visible GPUs")
     with tempfile.TemporaryDirectory() as tmp:
         result_path = Path(tmp) / "rank0.pickle"
-        mp.spawn(_spawned, args=(fn, world_size, free_port(), backend, timeout_s, str(result_path), args),
-                 nprocs=world_size, join=True)
+        try:
+            mp.spawn(_spawned, args=(fn, world_size, free_port(), backend, timeout_s, str(result_path), args),
+                     nprocs=world_size, join=True)
+        except mp.ProcessExitedException as e:
+            raise RankDiedError(e.error_index, e.signal_name, e.exit_code) from None
         return pickle.loads(result_path.read_bytes())
 
 

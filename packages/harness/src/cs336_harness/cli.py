@@ -6,13 +6,15 @@ and calls a study (:mod:`cs336_harness.studies`). The one-line help of every com
 is imported only when it runs or its own ``--help`` is asked for.
 
 Without CUDA the Triton kernels run in the Triton interpreter, which must be chosen before any kernel module is
-imported: the CLI sets ``TRITON_INTERPRET=1`` then, before it imports the command.
+imported: the CLI sets ``TRITON_INTERPRET=1`` then, before it imports the command, and silences what torch prints
+about the missing GPU (see :func:`_prepare_cpu`).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -38,8 +40,19 @@ def _load(name: str):  # noqa: ANN202 (a command module)
     import torch
 
     if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+        _prepare_cpu()
     return importlib.import_module(f"cs336_harness.commands.{name}")
+
+
+def _prepare_cpu() -> None:
+    """Without CUDA: the Triton interpreter, and none of the messages torch prints about the missing GPU on runs
+    that work. Environment variables reach the ranks a command spawns as well."""
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    # torch.profiler's kineto logs "gpuGetDeviceCount failed" as an ERROR in every process it runs in; 5 is above
+    # its ERROR level (4).
+    os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+    # torch.compile's C++ builder warns "No CUDA runtime is found" where a CUDA toolkit is installed without a GPU.
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:

@@ -10,6 +10,8 @@ import torch
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 GIB = 2**30
+# Without CUDA a command's defaults are a try-out that finishes in seconds: this context length (and the tiny preset).
+CPU_CONTEXT_LENGTH = 128
 
 # Ceilings measured on one NVIDIA H200 (torch 2.11, triton 3.6): a bf16 8192^3 matmul on random data, and a
 # device-to-device copy (bytes read plus written). Utilisation figures divide by these; the data sheet's peaks are
@@ -23,6 +25,28 @@ def dtype_of(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+def default_device() -> str:
+    """``cuda`` when a GPU is present, else ``cpu``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_device(name: str) -> str:
+    """``name`` if it is a device a study can run on here: ``cpu``, or ``cuda`` / ``cuda:N`` with that GPU present.
+
+    Raises:
+        ValueError: naming what was expected and what was given.
+    """
+    index = name.removeprefix("cuda:")
+    if name not in ("cpu", "cuda") and not (name.startswith("cuda:") and index.isdigit()):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {name!r}")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} asked for, but CUDA is not available here")
+        if name != "cuda" and int(index) >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r} asked for, but only {torch.cuda.device_count()} GPUs are visible")
+    return name
 
 
 def sync(device: torch.device | str) -> None:

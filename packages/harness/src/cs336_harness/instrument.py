@@ -40,5 +40,7 @@ def profile(device: torch.device | str) -> Iterator[torch.profiler.profile]:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.device(device).type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
+    # One profiling cycle, so accumulating events across cycles changes nothing; without it torch warns on every run
+    # that a later cycle would drop this one's events.
+    with torch.profiler.profile(activities=activities, acc_events=True) as prof:
         yield prof

@@ -77,6 +77,26 @@ def provenance(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
 
 
+def check_writable(path: str | Path) -> Path:
+    """``path`` as a Path, once a file can be appended there (its folder made if missing), so a run whose output
+    cannot be written fails before it starts rather than after.
+
+    Raises:
+        ValueError: if the folder cannot be made or the file cannot be opened for appending.
+    """
+    path = Path(path)
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a"):
+            pass
+    except OSError as e:
+        raise ValueError(f"cannot write to {str(path)!r}: {e.strerror or e}") from None
+    if not existed:
+        path.unlink()
+    return path
+
+
 def append_rows(path: str | Path, rows: Iterable[dict[str, Any]], meta: dict[str, Any] | None = None) -> Path:
     """Append each row, merged with ``meta`` (default: :func:`provenance`), as one JSON line."""
     path = Path(path)
@@ -89,5 +109,20 @@ def append_rows(path: str | Path, rows: Iterable[dict[str, Any]], meta: dict[str
 
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    with Path(path).open() as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The rows of a JSON-lines file.
+
+    Raises:
+        ValueError: if the file cannot be read or a line is not JSON (naming the file and the line).
+    """
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"cannot read rows from {str(path)!r}: {e.strerror or e}") from None
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{str(path)!r} line {number} is not JSON: {e.msg}") from None
+    return rows

@@ -41,6 +41,12 @@ def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], floa
     return "\n".join(lines)
 
 
+def columns_with_values(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``columns`` split in two: those with a value (not None) in some row, and those empty in every row."""
+    filled = [c for c in columns if any(r.get(c) is not None for r in rows)]
+    return filled, [c for c in columns if c not in filled]
+
+
 def markdown_table(
     rows: Sequence[Mapping[str, Any]], columns: Sequence[str | tuple[str, str]], floatfmt: str = ".3g"
 ) -> str:
@@ -70,9 +76,17 @@ def fill_tables(text: str, tables: Mapping[str, str]) -> str:
 
 
 def print_or_fill(tables: Mapping[str, str], section: str | Path | None) -> None:
-    """Print ``tables`` (marker name -> markdown), or, given a ``section`` file, rewrite its marked blocks."""
+    """Print ``tables`` (marker name -> markdown), or, given a ``section`` file, rewrite its marked blocks.
+
+    Raises:
+        ValueError: if the section cannot be read or lacks a table's markers.
+    """
     if section is None:
         print(*tables.values(), sep="\n\n")
         return
     path = Path(section)
-    path.write_text(fill_tables(path.read_text(), tables))
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ValueError(f"cannot read the section {str(path)!r}: {e.strerror or e}") from None
+    path.write_text(fill_tables(text, tables))

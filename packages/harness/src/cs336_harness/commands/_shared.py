@@ -8,7 +8,8 @@ from typing import Any
 
 from cs336_basics.config import DEFAULT_CONTEXT_LENGTH, PRESETS
 
-CPU_CONTEXT_LENGTH = 128  # keeps the CPU try-out of the multi-rank benchmarks to seconds per variant
+from cs336_harness.analysis.tables import columns_with_values, format_table
+from cs336_harness.device import CPU_CONTEXT_LENGTH
 
 
 def csv_of(convert: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
@@ -21,6 +22,11 @@ def csv_of(convert: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
         return items
 
     return parse
+
+
+def add_quiet_argument(parser: argparse.ArgumentParser) -> None:
+    """``--quiet``: no progress bar on stderr (the command's tables and messages still print)."""
+    parser.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
 
 
 def add_distributed_run_arguments(
@@ -41,6 +47,7 @@ def add_distributed_run_arguments(
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant (default 5)")
     parser.add_argument("--trace-dir", default=None, help="keep rank 0's profiler traces here")
     parser.add_argument("--out", default=None, help="append rows (with provenance) to this JSONL file")
+    add_quiet_argument(parser)
 
 
 def distributed_run_fields(args: argparse.Namespace) -> dict[str, Any]:
@@ -54,3 +61,15 @@ def distributed_run_fields(args: argparse.Namespace) -> dict[str, Any]:
         global_batch=args.global_batch, world_size=args.world_size, backend=args.backend, dtypes=args.compute_dtype,
         variants=args.variants, warmup=args.warmup, steps=args.steps,
     )
+
+
+def print_measured_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], floatfmt: str,
+                         cuda_only: str | None = None) -> None:
+    """Print the ``columns`` of ``rows`` that hold a value, then name the ones left out; ``cuda_only`` (printed
+    when the rows ran on gloo) says which of them only a GPU measures."""
+    shown, empty = columns_with_values(rows, columns)
+    print(format_table(rows, shown, floatfmt=floatfmt))
+    if empty:
+        print(f"left out, no value in any row: {', '.join(empty)}")
+    if empty and cuda_only and rows[0].get("backend") == "gloo":
+        print(f"on CPU (gloo) {cuda_only}")

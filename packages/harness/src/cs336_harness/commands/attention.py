@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-from cs336_harness.analysis.tables import fill_tables
-from cs336_harness.commands._shared import csv_of
-from cs336_harness.results import append_rows, provenance, read_rows
+from cs336_harness.analysis.tables import print_or_fill
+from cs336_harness.commands._shared import add_quiet_argument, csv_of
+from cs336_harness.progress import progress_bar
+from cs336_harness.results import append_rows, check_writable, provenance, read_rows
 from cs336_harness.studies.attention import (
     PARTS,
     AttentionBenchConfig,
@@ -42,15 +42,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--part", choices=PARTS, action="append", default=None,
                         help="run only this part (repeatable; default all)")
     parser.add_argument("--quick", action="store_true", help="a few sizes of each sweep, 10 passes")
-    parser.add_argument("--head-dims", type=csv_of(int), default=d.head_dims, help="pytorch/compiled parts: d list")
-    parser.add_argument("--seq-lens", type=csv_of(int), default=d.seq_lens, help="pytorch/compiled parts: seq list")
+    parser.add_argument("--head-dims", type=csv_of(int), default=d.head_dims,
+                        help="pytorch/compiled parts: comma list of head dims")
+    parser.add_argument("--seq-lens", type=csv_of(int), default=d.seq_lens,
+                        help="pytorch/compiled parts: comma list of sequence lengths")
     parser.add_argument("--batch", type=int, default=d.batch, help="pytorch/compiled parts (default 8)")
     parser.add_argument("--passes", type=int, default=d.passes, help="timed passes each way (default 100)")
-    parser.add_argument("--flash-dtypes", type=lambda s: tuple(s.split(",")), default=d.flash_dtypes,
-                        help="flash part: dtypes (default bf16,fp32)")
-    parser.add_argument("--flash-head-dims", type=csv_of(int), default=d.flash_head_dims, help="flash part: d list")
+    parser.add_argument("--flash-dtypes", type=csv_of(str), default=d.flash_dtypes,
+                        help="flash part: comma list of dtypes (default bf16,fp32)")
+    parser.add_argument("--flash-head-dims", type=csv_of(int), default=d.flash_head_dims,
+                        help="flash part: comma list of head dims")
     parser.add_argument("--flash-seq-lens", type=csv_of(int), default=d.flash_seq_lens,
-                        help="flash part: seq list (default 128..65536, powers of 2)")
+                        help="flash part: comma list of sequence lengths (default 128..65536, powers of 2)")
     parser.add_argument("--warmup-ms", type=int, default=d.warmup_ms, help="do_bench warm-up (default 10)")
     parser.add_argument("--rep-ms", type=int, default=d.rep_ms, help="do_bench repetition (default 50)")
     parser.add_argument("--anchor-rep-ms", type=int, default=d.anchor_rep_ms, help="anchors part (default 1000)")
@@ -61,16 +64,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print the tables of these JSONL files as markdown and exit")
     parser.add_argument("--fill", metavar="SECTION", default=None,
                         help="with --markdown: rewrite the <!-- table:NAME --> blocks of this file instead")
+    add_quiet_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.markdown:
-        rows = [row for path in args.markdown for row in read_rows(path)]
-        if args.fill:
-            section = Path(args.fill)
-            section.write_text(fill_tables(section.read_text(), attention_tables(rows)))
-        else:
-            print(attention_markdown(rows))
+        try:
+            rows = [row for path in args.markdown for row in read_rows(path)]
+            if args.fill:
+                print_or_fill(attention_tables(rows), args.fill)
+            else:
+                print(attention_markdown(rows))
+        except ValueError as e:
+            raise SystemExit(f"cs336 attention: {e}") from None
         return 0
     sizes = {
         "head_dims": args.head_dims, "seq_lens": args.seq_lens, "passes": args.passes,
@@ -84,19 +90,26 @@ def run(args: argparse.Namespace) -> int:
             warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, anchor_rep_ms=args.anchor_rep_ms,
             precompile_jobs=args.precompile_jobs, **sizes,
         )
+        if args.out:
+            check_writable(args.out)
     except ValueError as e:
         raise SystemExit(f"cs336 attention: {e}") from None
     if not torch.cuda.is_available():
         raise SystemExit("cs336 attention: the attention benchmarks time GPU kernels and need a CUDA GPU "
                          "(use --markdown ROWS to render existing results)")
     meta = provenance()
+    bar = progress_bar(total=None, desc="attention", enabled=not args.quiet, unit="row")
 
     def on_row(row: dict) -> None:
         # Rows are written as they come, so a run stopped part-way keeps what it measured.
         shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()}
-        print(" ".join(f"{k}={v}" for k, v in shown.items()), file=sys.stdout, flush=True)
+        bar.write(" ".join(f"{k}={v}" for k, v in shown.items()), file=sys.stdout)
+        what = " ".join(str(row[k]) for k in ("bench", "impl", "dtype") if k in row)
+        bar.set_postfix_str(f"last: {what} seq {row['seq']} d {row['d']}")
+        bar.update()
         if args.out:
             append_rows(args.out, [row], meta)
 
     run_attention_bench(config, on_row)
+    bar.close()
     return 0

@@ -17,8 +17,8 @@ import json
 from cs336_basics.config import DEFAULT_CONTEXT_LENGTH, DEFAULT_VOCAB_SIZE, PRESETS
 
 from cs336_harness.analysis.tables import format_table
-from cs336_harness.commands._shared import csv_of
-from cs336_harness.results import append_rows
+from cs336_harness.commands._shared import add_quiet_argument, csv_of
+from cs336_harness.results import append_rows, check_writable
 from cs336_harness.studies import step_timing
 from cs336_harness.studies.attention_impls import ATTENTION_IMPLS
 
@@ -26,32 +26,36 @@ from cs336_harness.studies.attention_impls import ATTENTION_IMPLS
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("Examples::", 1)[1]
-    g = parser.add_argument_group("model (a comma-separated list runs each value)")
+    g = parser.add_argument_group("model (flags marked 'comma list' run every value, every combination)")
     g.add_argument("--size", type=csv_of(str), default=(),
-                   help=f"preset(s): {', '.join(PRESETS)} (default: small with CUDA, tiny without)")
+                   help=f"comma list of presets: {', '.join(PRESETS)} (default: small with CUDA, tiny without)")
     for name in ("d-model", "d-ff", "num-layers", "num-heads"):
         g.add_argument(f"--{name}", type=int, default=None, help=f"override the preset's {name}")
     g.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help=f"default {DEFAULT_VOCAB_SIZE}")
     g.add_argument("--batch-size", type=int, default=step_timing.DEFAULT_BATCH_SIZE, help="default 4")
-    g.add_argument("--context-length", type=csv_of(int), default=(), help=f"default {DEFAULT_CONTEXT_LENGTH}")
+    g.add_argument("--context-length", type=csv_of(int), default=(),
+                   help=f"comma list (default {DEFAULT_CONTEXT_LENGTH})")
     r = parser.add_argument_group("run")
     r.add_argument("--mode", default="train", help="forward (no grad) | forward-backward | train (default)")
     r.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     r.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
-    r.add_argument("--compute-dtype", type=csv_of(str), default=(), help="fp32 (default) | bf16 (autocast)")
+    r.add_argument("--compute-dtype", type=csv_of(str), default=(),
+                   help="comma list of fp32 (default), bf16 (autocast)")
     r.add_argument("--compile", action="store_true", help="torch.compile the model")
-    r.add_argument("--attention", type=csv_of(str), default=(), help=f"{' | '.join(ATTENTION_IMPLS)} (default eager)")
+    r.add_argument("--attention", type=csv_of(str), default=(),
+                   help=f"comma list of {', '.join(ATTENTION_IMPLS)} (default eager)")
     r.add_argument("--optimizer", default="adamw",
                    help="adamw (ours, default) | torch-adamw (fused on CUDA) | fused-adamw (our Triton kernel)")
     r.add_argument("--loss", default="standard", help="standard | fused (fused linear + cross-entropy kernel)")
     r.add_argument("--checkpoint", type=csv_of(str), default=(),
-                   help="none (default) | all | group:K | first:N | sqrt | nested[:B] | selective | attention | groups "
-                        "(= group:K for K in 1,2,3,4,6,8,16,32 up to num_layers)")
+                   help="comma list of none (default), all, group:K, first:N, sqrt, nested[:B], selective, attention, "
+                        "groups (= group:K for K in 1,2,3,4,6,8,16,32 up to num_layers)")
     r.add_argument("--sweep", action="store_true",
                    help=f"sizes {','.join(step_timing.SWEEP_SIZES)} x contexts "
                         f"{','.join(map(str, step_timing.SWEEP_CONTEXT_LENGTHS))} unless --size/--context-length given")
     r.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
-    o = parser.add_argument_group("outputs")
+    add_quiet_argument(r)
+    o = parser.add_argument_group("outputs (without these, the command only prints its table)")
     o.add_argument("--profile", metavar="DIR", default=None,
                    help="CUDA only: torch.profiler trace, kernel table (kernels.jsonl) and timeline PNG in DIR")
     o.add_argument("--memory", metavar="DIR", default=None,
@@ -76,10 +80,12 @@ def configs_from_args(args: argparse.Namespace) -> list[step_timing.BenchConfig]
 def run(args: argparse.Namespace) -> int:
     try:
         configs = configs_from_args(args)
+        if args.out:
+            check_writable(args.out)
     except ValueError as e:
         raise SystemExit(f"cs336 bench: {e}") from None
-    rows = step_timing.run_configs(configs)
-    print(format_table(rows, [c for c in step_timing.TABLE_COLUMNS if any(c in r for r in rows)], floatfmt=".2f"))
+    rows = step_timing.run_configs(configs, progress=not args.quiet)
+    print(format_table(rows, step_timing.table_columns(rows), floatfmt=".2f"))
     for row in rows:
         for key in ("profile", "memory"):
             if row.get(key):

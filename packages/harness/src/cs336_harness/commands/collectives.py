@@ -17,12 +17,12 @@ import os
 
 import torch
 from cs336_comms.collectives import OPS
-from cs336_comms.process_group import launched_by_torchrun
+from cs336_comms.process_group import RankDiedError, launched_by_torchrun
 
 from cs336_harness.analysis.figures import plot_collectives
 from cs336_harness.analysis.tables import format_table
-from cs336_harness.commands._shared import csv_of
-from cs336_harness.results import append_rows, read_rows
+from cs336_harness.commands._shared import add_quiet_argument, csv_of
+from cs336_harness.results import append_rows, check_writable, read_rows
 from cs336_harness.studies.collectives import CollectivesConfig, collectives_markdown, run_collectives_study
 
 _HANDOUT_WORLD_SIZES = (2, 4, 6)
@@ -32,23 +32,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("Examples::", 1)[1]
     parser.add_argument("--backends", type=csv_of(str), default=None,
-                        help="gloo,nccl (default: nccl with CUDA, else gloo)")
+                        help="comma list of gloo, nccl (default: nccl with CUDA, else gloo)")
     parser.add_argument("--world-sizes", type=csv_of(int), default=None,
-                        help="default 2,4,6 (nccl: those the GPUs allow); under torchrun: its world size")
+                        help="comma list (default 2,4,6; nccl: those the GPUs allow; under torchrun: its world size)")
     parser.add_argument("--sizes-mb", type=csv_of(float), default=(1, 10, 100),
-                        help="float32 tensor sizes in MiB (default 1,10,100; the handout adds 1024)")
-    parser.add_argument("--ops", type=csv_of(str), default=OPS, help=f"subset of {','.join(OPS)} (default all)")
+                        help="comma list of float32 tensor sizes in MiB (default 1,10,100; the handout adds 1024)")
+    parser.add_argument("--ops", type=csv_of(str), default=OPS,
+                        help=f"comma list, a subset of {','.join(OPS)} (default all)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed calls per size (default 5)")
     parser.add_argument("--iters", type=int, default=20, help="timed calls per size (default 20)")
     parser.add_argument("--out", default=None, help="append rows (with provenance) to this JSONL file")
     parser.add_argument("--plot", default=None, help="write bandwidth and time against size to this PNG")
     parser.add_argument("--markdown", metavar="ROWS", default=None,
                         help="print the all-reduce rows of this JSONL file as a markdown table and exit")
+    add_quiet_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.markdown:
-        print(collectives_markdown(read_rows(args.markdown)))
+        try:
+            print(collectives_markdown(read_rows(args.markdown)))
+        except ValueError as e:
+            raise SystemExit(f"cs336 collectives: {e}") from None
         return 0
     backends = args.backends or (("nccl",) if torch.cuda.is_available() else ("gloo",))
     if launched_by_torchrun():
@@ -61,9 +66,16 @@ def run(args: argparse.Namespace) -> int:
         world_sizes = _HANDOUT_WORLD_SIZES
     try:
         config = CollectivesConfig(backends, world_sizes, args.sizes_mb, args.ops, args.warmup, args.iters)
+        for path in (args.out, args.plot):
+            if path:
+                check_writable(path)
     except ValueError as e:
         raise SystemExit(f"cs336 collectives: {e}") from None
-    rows = run_collectives_study(config)
+    try:
+        rows = run_collectives_study(config, progress=not args.quiet)
+    except RankDiedError as e:
+        raise SystemExit(f"cs336 collectives: {e}; the run asked for float32 tensors of up to "
+                         f"{max(config.sizes_mb):g} MiB on up to {max(config.world_sizes)} ranks") from None
     if not rows:  # a torchrun rank other than 0
         return 0
     print(format_table(rows, ["op", "backend", "world_size", "size_mb", "time_ms", "algbw_gbps", "busbw_gbps"]))

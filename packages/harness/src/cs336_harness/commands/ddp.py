@@ -16,9 +16,10 @@ import dataclasses
 import tempfile
 from pathlib import Path
 
-from cs336_harness.analysis.tables import format_table
-from cs336_harness.commands._shared import add_distributed_run_arguments, distributed_run_fields
-from cs336_harness.results import append_rows, read_rows
+from cs336_comms.process_group import RankDiedError
+
+from cs336_harness.commands._shared import add_distributed_run_arguments, distributed_run_fields, print_measured_table
+from cs336_harness.results import append_rows, check_writable, read_rows
 from cs336_harness.studies import ddp as ddp_study
 
 
@@ -34,26 +35,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.markdown:
-        print(ddp_study.ddp_markdown(read_rows(args.markdown)))
+        try:
+            print(ddp_study.ddp_markdown(read_rows(args.markdown)))
+        except ValueError as e:
+            raise SystemExit(f"cs336 ddp: {e}") from None
         return 0
     try:
         config = ddp_study.DDPBenchConfig(
             **distributed_run_fields(args), bucket_size_mb=args.bucket_size_mb, trace_dir=args.trace_dir
         )
+        figures = {dtype: Path(args.figure_dir) / f"ddp_timeline_{dtype}.png"
+                   for dtype in (config.dtypes if args.figure_dir else ())}
+        for path in [*figures.values(), *([args.out] if args.out else [])]:
+            check_writable(path)
     except ValueError as e:
         raise SystemExit(f"cs336 ddp: {e}") from None
     with tempfile.TemporaryDirectory() as tmp:
         trace_dir = config.trace_dir or tmp
         config = dataclasses.replace(config, trace_dir=trace_dir)
-        rows = ddp_study.run_ddp_bench(config)
+        try:
+            rows = ddp_study.run_ddp_bench(config, progress=not args.quiet)
+        except RankDiedError as e:
+            raise SystemExit(f"cs336 ddp: {e}; the run asked for {config.describe()}") from None
         if not rows:  # a torchrun rank other than 0
             return 0
-        print(format_table(rows, ddp_study.DDP_COLUMNS, floatfmt=".2f"))
-        if args.figure_dir:
-            for dtype in config.dtypes:
-                path = Path(args.figure_dir) / f"ddp_timeline_{dtype}.png"
-                ddp_study.timeline_figure_from_rows(rows, trace_dir, dtype, path)
-                print(f"timeline: {path}")
+        print_measured_table(rows, ddp_study.PRINTED_COLUMNS, floatfmt=".2f",
+                             cuda_only="there are no NCCL kernels to time and no CUDA allocator to ask for peaks")
+        for dtype, path in figures.items():
+            ddp_study.timeline_figure_from_rows(rows, trace_dir, dtype, path)
+            print(f"timeline: {path}")
     if args.out:
         append_rows(args.out, [{k: v for k, v in r.items() if k != "trace_dir"} for r in rows])
     return 0

@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 
 from cs336_harness.analysis.tables import format_table
-from cs336_harness.results import append_rows, read_rows
+from cs336_harness.commands._shared import add_quiet_argument
+from cs336_harness.results import append_rows, check_writable, read_rows
 from cs336_harness.studies.fused import BENCHES, FusedBenchConfig, fused_markdown, run_fused_bench
 
 
@@ -35,11 +36,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="append rows (with provenance) to this JSONL file")
     parser.add_argument("--markdown", metavar="ROWS", default=None,
                         help="print the tables of this JSONL file as markdown and exit")
+    add_quiet_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.markdown:
-        print(fused_markdown(read_rows(args.markdown)))
+        try:
+            print(fused_markdown(read_rows(args.markdown)))
+        except ValueError as e:
+            raise SystemExit(f"cs336 fused: {e}") from None
         return 0
     try:
         config = FusedBenchConfig(
@@ -48,9 +53,11 @@ def run(args: argparse.Namespace) -> int:
             vocab_size=args.vocab_size, d_ff=args.d_ff, num_heads=args.num_heads, warmup_ms=args.warmup_ms,
             rep_ms=args.rep_ms,
         )
+        if args.out:
+            check_writable(args.out)
     except ValueError as e:
         raise SystemExit(f"cs336 fused: {e}") from None
-    rows = run_fused_bench(config)
+    rows = run_fused_bench(config, progress=not args.quiet)
     for bench in dict.fromkeys(r["bench"] for r in rows):
         picked = [r for r in rows if r["bench"] == bench]
         columns = list(dict.fromkeys(c for r in picked for c in r if c != "bench"))

@@ -31,12 +31,13 @@ import sys
 
 import torch
 from cs336_basics.config import PRESETS
+from cs336_comms.process_group import RankDiedError
 from cs336_sharding.parallelize import GLUES
 
 from cs336_harness.analysis import kernel_kinds
 from cs336_harness.analysis.tables import format_table, print_or_fill
-from cs336_harness.commands._shared import csv_of
-from cs336_harness.results import append_rows, read_rows
+from cs336_harness.commands._shared import add_quiet_argument, csv_of
+from cs336_harness.results import append_rows, check_writable, read_rows
 from cs336_harness.studies import leaderboard
 
 _SIZED = ("size", "vocab_size", "context_length", "global_batch", "world_size", "num_layers", "compute_dtype")
@@ -98,6 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print this JSONL file's leaderboard and proxy tables as markdown; run nothing")
     parser.add_argument("--fill", metavar="SECTION", default=None,
                         help="with --markdown: rewrite the <!-- table:NAME --> blocks of this markdown file")
+    add_quiet_argument(parser)
 
 
 def configs_from_args(args: argparse.Namespace) -> list[leaderboard.LeaderboardConfig]:
@@ -119,19 +121,40 @@ def configs_from_args(args: argparse.Namespace) -> list[leaderboard.LeaderboardC
 
 def run(args: argparse.Namespace) -> int:
     if args.markdown:
-        print_or_fill(leaderboard.writeup_tables(read_rows(args.markdown)), args.fill)
+        try:
+            tables = leaderboard.writeup_tables(read_rows(args.markdown))
+            if not tables:
+                print(f"cs336 leaderboard: {args.markdown} has no ok rows of the leaderboard configuration (8B, "
+                      "context 32768, global batch 2, 2 ranks, bf16) and no proxy rows; no table to make",
+                      file=sys.stderr)
+                if args.fill:
+                    print_or_fill(tables, args.fill)  # reads the section: a missing one is still an error
+                return 0
+            print_or_fill(tables, args.fill)
+        except ValueError as e:
+            raise SystemExit(f"cs336 leaderboard: {e}") from None
         return 0
     try:
         configs = configs_from_args(args)
     except ValueError as e:
         raise SystemExit(f"cs336 leaderboard: {e}") from None
+    try:
+        if args.out:
+            check_writable(args.out)
+    except ValueError as e:
+        raise SystemExit(f"cs336 leaderboard: {e}") from None
+    progress = None if args.quiet else lambda msg: print(msg, file=sys.stderr)
     rows = []
     for config in configs:
         try:
-            run_rows = leaderboard.run_leaderboard(config, progress=lambda msg: print(msg, file=sys.stderr))
+            run_rows = leaderboard.run_leaderboard(config, progress=progress)
         except leaderboard.TimeLimitExceeded as e:
             print(f"cs336 leaderboard: stopped: {e}", file=sys.stderr)
             return 1
+        except RankDiedError as e:
+            raise SystemExit(f"cs336 leaderboard: {e}; the run asked for {config.impl}, {config.size} "
+                             f"({config.model_config.num_layers} layers), context {config.context_length}, global "
+                             f"batch {config.global_batch}, {config.world_size} ranks") from None
         if not run_rows:  # a torchrun rank other than 0
             return 0
         if args.out:  # each row as soon as it exists: a later impl that fails cannot take it along

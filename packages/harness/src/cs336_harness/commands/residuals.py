@@ -2,16 +2,27 @@
 
 Examples::
 
-    uv run cs336 residuals --experiment rmsnorm                 # quick on a CPU
-    uv run cs336 residuals --device cuda --out residuals.jsonl  # the handout's xl block, batch 4, ctx 2048
+    uv run cs336 residuals                                      # CPU: the tiny block, context 128, a minute
+    uv run cs336 residuals --experiment rmsnorm                 # seconds on a CPU
+    uv run cs336 residuals --out residuals.jsonl                # CUDA: the handout's xl block, batch 4, ctx 2048
 """
 
 from __future__ import annotations
 
 import argparse
 
-from cs336_harness.results import append_rows
-from cs336_harness.studies.residuals import EXPERIMENTS, ResidualsConfig, run_experiments
+from cs336_basics.config import PRESETS
+
+from cs336_harness.commands._shared import add_quiet_argument
+from cs336_harness.device import CPU_CONTEXT_LENGTH
+from cs336_harness.results import append_rows, check_writable
+from cs336_harness.studies.residuals import (
+    EXPERIMENTS,
+    GPU_CONTEXT_LENGTH,
+    GPU_SIZE,
+    ResidualsConfig,
+    run_experiments,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,26 +30,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = __doc__.split("Examples::", 1)[1]
     parser.add_argument("--experiment", action="append", choices=EXPERIMENTS, default=None,
                         help="repeatable; default: all of them")
-    parser.add_argument("--d-model", type=int, default=2560)
-    parser.add_argument("--d-ff", type=int, default=10240)
-    parser.add_argument("--num-heads", type=int, default=32, 
-                        help="default 32, the xl preset (the handout's code used 16)")
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--context-length", type=int, default=2048)
-    parser.add_argument("--device", default="cpu", help="cpu (default) | cuda | cuda:N")
+    parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+    parser.add_argument("--size", default=None,
+                        help=f"block preset: {', '.join(PRESETS)} (default {GPU_SIZE} on CUDA, tiny on CPU)")
+    parser.add_argument("--d-model", type=int, default=None, help="override the preset's d_model")
+    parser.add_argument("--d-ff", type=int, default=None, help="override the preset's d_ff")
+    parser.add_argument("--num-heads", type=int, default=None,
+                        help="override the preset's num_heads (xl has 32; the handout's code used 16)")
+    parser.add_argument("--batch-size", type=int, default=4, help="default 4")
+    parser.add_argument("--context-length", type=int, default=None,
+                        help=f"default {GPU_CONTEXT_LENGTH} on CUDA, {CPU_CONTEXT_LENGTH} on CPU")
+    add_quiet_argument(parser)
     parser.add_argument("--out", metavar="FILE", default=None, help="append rows (with provenance) to this JSONL")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         config = ResidualsConfig(
-            experiments=tuple(args.experiment or EXPERIMENTS), d_model=args.d_model, d_ff=args.d_ff,
+            experiments=tuple(args.experiment or EXPERIMENTS), size=args.size, d_model=args.d_model, d_ff=args.d_ff,
             num_heads=args.num_heads, batch_size=args.batch_size, context_length=args.context_length,
-            device=args.device,
+            **({"device": args.device} if args.device else {}),
         )
+        if args.out:
+            check_writable(args.out)
     except ValueError as e:
         raise SystemExit(f"cs336 residuals: {e}") from None
-    rows, lines = run_experiments(config)
+    print(f"{config.size} block (d_model {config.d_model}, d_ff {config.d_ff}, {config.num_heads} heads), "
+          f"batch {config.batch_size}, context {config.context_length}, on {config.device}")
+    rows, lines = run_experiments(config, progress=not args.quiet)
     print("\n".join(lines))
     if args.out:
         append_rows(args.out, rows)

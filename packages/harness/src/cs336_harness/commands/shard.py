@@ -15,9 +15,11 @@ from __future__ import annotations
 import argparse
 import tempfile
 
-from cs336_harness.analysis.tables import format_table, print_or_fill
-from cs336_harness.commands._shared import add_distributed_run_arguments, distributed_run_fields
-from cs336_harness.results import append_rows, read_rows
+from cs336_comms.process_group import RankDiedError
+
+from cs336_harness.analysis.tables import print_or_fill
+from cs336_harness.commands._shared import add_distributed_run_arguments, distributed_run_fields, print_measured_table
+from cs336_harness.results import append_rows, check_writable, read_rows
 from cs336_harness.studies import shard as shard_study
 
 
@@ -35,19 +37,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.markdown:
-        print_or_fill(shard_study.writeup_tables(read_rows(args.markdown)), args.fill)
+        try:
+            print_or_fill(shard_study.writeup_tables(read_rows(args.markdown)), args.fill)
+        except ValueError as e:
+            raise SystemExit(f"cs336 shard: {e}") from None
         return 0
     try:
         config = shard_study.ShardBenchConfig(**distributed_run_fields(args))
+        for path in (args.out, args.figure):
+            if path:
+                check_writable(path)
     except ValueError as e:
         raise SystemExit(f"cs336 shard: {e}") from None
     with tempfile.TemporaryDirectory() as tmp:
         trace_dir = args.trace_dir or tmp
-        rows = shard_study.run_shard_bench(config, trace_dir)
+        try:
+            rows = shard_study.run_shard_bench(config, trace_dir, progress=not args.quiet)
+        except RankDiedError as e:
+            raise SystemExit(f"cs336 shard: {e}; the run asked for {config.describe()}") from None
         if not rows:  # a torchrun rank other than 0
             return 0
-        print(format_table(rows, shard_study.MEMORY_COLUMNS, floatfmt=".2f"))
-        print(format_table(rows, [c for c in shard_study.TIME_COLUMNS if c != "vs_fsdp2"], floatfmt=".2f"))
+        print_measured_table(rows, shard_study.MEMORY_COLUMNS, floatfmt=".3g",
+                             cuda_only="memory is measured on CUDA only (allocator statistics); params, grads and "
+                                       "optimizer state are sizes of this rank's tensors")
+        print()
+        print_measured_table(rows, [c for c in shard_study.TIME_COLUMNS if c != "vs_fsdp2"], floatfmt=".2f",
+                             cuda_only="there are no NCCL kernels to time")
         if args.figure and "fsdp" in config.variants:
             path = shard_study.fsdp_timeline_from_rows(rows, trace_dir, config.dtypes[-1], args.figure)
             print(f"timeline: {path}")

@@ -10,10 +10,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from cs336_comms.collectives import OPS, run_collectives
 
 from cs336_harness.analysis.tables import markdown_table
+from cs336_harness.progress import progress_bar
+from cs336_harness.studies.distributed import check_backend
 
 
 @dataclass(frozen=True)
@@ -26,29 +27,32 @@ class CollectivesConfig:
     iters: int = 20
 
     def __post_init__(self) -> None:
-        if not self.backends or any(b not in ("gloo", "nccl") for b in self.backends):
-            raise ValueError(f"backends must be gloo and/or nccl, got {self.backends}")
-        if "nccl" in self.backends and not torch.cuda.is_available():
-            raise ValueError("backend nccl needs CUDA GPUs; use --backends gloo on CPU")
         if not self.world_sizes or any(n < 1 for n in self.world_sizes):
             raise ValueError(f"world sizes must be positive, got {self.world_sizes}")
-        if "nccl" in self.backends and max(self.world_sizes) > torch.cuda.device_count():
-            raise ValueError(f"nccl world sizes {self.world_sizes} exceed the {torch.cuda.device_count()} GPUs")
+        if not self.backends:
+            raise ValueError("backends must be gloo and/or nccl, got none")
         if not self.sizes_mb or any(s <= 0 for s in self.sizes_mb):
             raise ValueError(f"sizes must be positive MiB values, got {self.sizes_mb}")
         if not self.ops or any(op not in OPS for op in self.ops):
             raise ValueError(f"ops must be a subset of {OPS}, got {self.ops}")
         if self.warmup < 0 or self.iters < 1:
             raise ValueError(f"need warmup >= 0 and iters >= 1, got {self.warmup}, {self.iters}")
+        for backend in self.backends:  # last: the values above are wrong anywhere, a backend only on this machine
+            check_backend(backend, max(self.world_sizes))
 
 
-def run_collectives_study(config: CollectivesConfig) -> list[dict[str, Any]]:
-    """Every (backend, world size) of ``config``; [] on a torchrun rank other than 0."""
+def run_collectives_study(config: CollectivesConfig, progress: bool = False) -> list[dict[str, Any]]:
+    """Every (backend, world size) of ``config``; [] on a torchrun rank other than 0. With ``progress``, a bar on
+    stderr counts the (backend, world size) runs (each spawns its ranks once and times every op and size)."""
     sizes_bytes = [int(mb * 2**20) for mb in config.sizes_mb]
+    runs = [(backend, ws) for backend in config.backends for ws in config.world_sizes]
+    bar = progress_bar(total=len(runs), desc="collectives", enabled=progress, unit="run")
     rows = []
-    for backend in config.backends:
-        for ws in config.world_sizes:
-            rows += run_collectives(ws, backend, sizes_bytes, config.ops, config.warmup, config.iters)
+    for backend, ws in runs:
+        bar.set_postfix_str(f"{backend}, {ws} ranks: {len(config.ops)} ops x {len(sizes_bytes)} sizes")
+        rows += run_collectives(ws, backend, sizes_bytes, config.ops, config.warmup, config.iters)
+        bar.update()
+    bar.close()
     return rows
 
 

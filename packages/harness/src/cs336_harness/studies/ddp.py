@@ -65,6 +65,7 @@ from cs336_harness.analysis import figures, trace
 from cs336_harness.analysis.tables import markdown_table
 from cs336_harness.device import DTYPES, sync
 from cs336_harness.instrument import STEP_PHASES
+from cs336_harness.progress import progress_bar
 from cs336_harness.studies.distributed import DistributedRunConfig
 
 VARIANTS: tuple[str, ...] = ("nocomm", "naive", "flat", "overlapped", "bucketed", "torch_ddp")
@@ -238,11 +239,8 @@ def _trace_variant(config: DDPBenchConfig, variant: str, dtype: str, rank: int, 
     for _ in range(config.warmup):
         with instrument.annotate("warmup"):
             run.step()
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
     sync(device)
-    with torch.profiler.profile(activities=activities) as prof:
+    with instrument.profile(device) as prof:
         with instrument.annotate("step"):
             run.step()
         sync(device)
@@ -265,29 +263,38 @@ def _params_in_sync(model: nn.Module) -> bool:
     return bool(torch.equal(lo, hi))
 
 
-def _rank_main(rank: int, world_size: int, config: DDPBenchConfig, trace_dir: str) -> list[dict[str, Any]]:
+def _rank_main(rank: int, world_size: int, config: DDPBenchConfig, trace_dir: str,
+               progress: bool) -> list[dict[str, Any]]:
     device = current_device()
     runs = [(dtype, variant) for dtype in config.dtypes for variant in config.variants]
+    bar = progress_bar(total=2 * len(runs), desc="ddp", enabled=progress and rank == 0, unit="run")
     # Every variant is timed before any is profiled: a profiled run slows the next variant timed in the same
     # process.
-    rows = [_time_variant(config, variant, dtype, rank, device) for dtype, variant in runs]
+    rows = []
+    for dtype, variant in runs:
+        bar.set_postfix_str(f"timing {dtype} {variant}")
+        rows.append(_time_variant(config, variant, dtype, rank, device))
+        bar.update()
     for row in rows:
+        bar.set_postfix_str(f"profiling {row['dtype']} {row['variant']}")
         row["trace"] = f"{row['dtype']}_{row['variant']}.json"
         _trace_variant(config, row["variant"], row["dtype"], rank, device, Path(trace_dir) / row["trace"])
+        bar.update()
+    bar.close()
     return rows
 
 
-def run_ddp_bench(config: DDPBenchConfig) -> list[dict[str, Any]]:
+def run_ddp_bench(config: DDPBenchConfig, progress: bool = False) -> list[dict[str, Any]]:
     """Benchmark every (dtype, variant) of ``config``; rows carry the config and the trace metrics.
 
     Under torchrun only rank 0 returns rows (the others return []). Traces stay in ``config.trace_dir``
-    when it is given.
+    when it is given. With ``progress``, rank 0 shows a bar on stderr: timed and profiled runs done, and which.
     """
     with tempfile.TemporaryDirectory() as tmp:
         trace_dir = Path(config.trace_dir or tmp)
         trace_dir.mkdir(parents=True, exist_ok=True)
-        rows = run_ranks(_rank_main, config.world_size, config, str(trace_dir), backend=config.resolved_backend,
-                         timeout_s=600)
+        rows = run_ranks(_rank_main, config.world_size, config, str(trace_dir), progress,
+                         backend=config.resolved_backend, timeout_s=600)
         if rows is None:  # a torchrun rank other than 0
             return []
         for row in rows:
@@ -313,6 +320,10 @@ DDP_HEADERS = ("dtype", "wrapper", "bucket (MiB)", "median step (ms)", "slowest 
                "sync after backward / step", "comm after last rank's backward (ms)",
                "comm after last rank's backward / step", "backward host time (ms)", "peak memory (GiB)",
                "replicas equal", "commit")
+
+
+# The terminal's table: the commit is in the rows written with --out, not in the rows just measured.
+PRINTED_COLUMNS = tuple(c for c in DDP_COLUMNS if c != "commit")
 
 
 def ddp_markdown(rows: Sequence[dict[str, Any]]) -> str:

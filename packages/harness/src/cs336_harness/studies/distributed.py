@@ -6,11 +6,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
 from cs336_basics.config import DEFAULT_CONTEXT_LENGTH, DEFAULT_VOCAB_SIZE, PRESETS, ModelConfig
-from cs336_comms.process_group import default_backend
+from cs336_comms.process_group import default_backend, launched_by_torchrun
 
 # Compute dtypes a training study takes: fp32, or bf16 compute with fp32 master weights.
 TRAINING_DTYPES: tuple[str, ...] = ("fp32", "bf16")
+
+
+def check_backend(backend: str, world_size: int) -> None:
+    """That ``backend`` can run ``world_size`` ranks here: gloo anywhere, nccl with one visible GPU per rank (under
+    torchrun, whose ranks may span machines, with a GPU at all).
+
+    Raises:
+        ValueError: naming what was expected and what was given.
+    """
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend 'nccl' needs CUDA GPUs and none is visible here; use gloo on CPU")
+    if backend == "nccl" and not launched_by_torchrun() and world_size > torch.cuda.device_count():
+        raise ValueError(f"backend 'nccl' needs one GPU per rank: {world_size} ranks asked for, "
+                         f"{torch.cuda.device_count()} GPUs visible")
 
 
 @dataclass(frozen=True)
@@ -45,14 +62,14 @@ class DistributedRunConfig:
         if self.global_batch < 1 or self.context_length < 1 or self.vocab_size < 2:
             raise ValueError("global_batch and context_length must be positive and vocab_size at least 2, got "
                              f"{self.global_batch}, {self.context_length}, {self.vocab_size}")
-        if self.backend not in (None, "gloo", "nccl"):
-            raise ValueError(f"backend must be 'gloo', 'nccl' or None, got {self.backend!r}")
         if not self.dtypes or any(d not in TRAINING_DTYPES for d in self.dtypes):
             raise ValueError(f"dtypes must be a non-empty subset of {list(TRAINING_DTYPES)}, got {self.dtypes}")
         if any(v not in self.VARIANTS for v in self.variants):
             raise ValueError(f"variants must be a non-empty subset of {list(self.VARIANTS)}, got {self.variants}")
         if self.warmup < self.MIN_WARMUP or self.steps < 1:
             raise ValueError(f"need warmup >= {self.MIN_WARMUP} and steps >= 1; got {self.warmup}, {self.steps}")
+        # Last: the values above are wrong anywhere, the backend only on this machine.
+        check_backend(self.resolved_backend, self.world_size)
 
     @property
     def resolved_backend(self) -> str:
@@ -61,3 +78,10 @@ class DistributedRunConfig:
     @property
     def model_config(self) -> ModelConfig:
         return ModelConfig.from_preset(self.size, vocab_size=self.vocab_size, context_length=self.context_length)
+
+    def describe(self) -> str:
+        """What the run asked for, in words, for messages (a rank that died names it)."""
+        params = self.model_config.num_params
+        return (f"size {self.size} ({params / 1e6:.0f}M parameters, {16 * params / 2**30:.2f} GiB of fp32 weights, "
+                f"gradients and AdamW moments unsharded), context {self.context_length}, global batch "
+                f"{self.global_batch} over {self.world_size} {self.resolved_backend} ranks")

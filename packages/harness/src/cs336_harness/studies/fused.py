@@ -65,6 +65,7 @@ from triton.testing import do_bench
 
 from cs336_harness.analysis.tables import markdown_table
 from cs336_harness.device import H200_BF16_MATMUL_FLOPS, H200_COPY_BYTES_PER_S
+from cs336_harness.progress import progress_bar
 
 BENCHES: tuple[str, ...] = ("adamw", "linear-ce", "rms-norm", "rope", "swiglu")
 ADAMW_BYTES_PER_PARAM = 28  # fp32: read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq
@@ -449,19 +450,22 @@ def bench_glue(op: str, config: FusedBenchConfig) -> list[dict[str, Any]]:
     return rows
 
 
-def run_fused_bench(config: FusedBenchConfig) -> list[dict[str, Any]]:
-    """Rows of every benchmark in ``config.benches``."""
+def run_fused_bench(config: FusedBenchConfig, progress: bool = False) -> list[dict[str, Any]]:
+    """Rows of every benchmark in ``config.benches``, in :data:`BENCHES` order; with ``progress``, a bar on stderr
+    counts the benchmarks done and names the one running."""
+    runs: dict[str, Callable[[], list[dict[str, Any]]]] = {
+        "adamw": lambda: bench_adamw(config), "linear-ce": lambda: bench_linear_ce(config),
+        **{op: lambda op=op: bench_glue(op, config) for op in GLUE_OPS},
+    }
+    chosen = [name for name in BENCHES if name in config.benches]
+    bar = progress_bar(total=len(chosen), desc="fused", enabled=progress, unit="benchmark")
     rows: list[dict[str, Any]] = []
-    if "adamw" in config.benches:
-        rows += bench_adamw(config)
+    for name in chosen:
+        bar.set_postfix_str(name)
+        rows += runs[name]()
         torch.cuda.empty_cache()
-    if "linear-ce" in config.benches:
-        rows += bench_linear_ce(config)
-        torch.cuda.empty_cache()
-    for op in GLUE_OPS:
-        if op in config.benches:
-            rows += bench_glue(op, config)
-            torch.cuda.empty_cache()
+        bar.update()
+    bar.close()
     return rows
 
 

@@ -25,9 +25,13 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from cs336_basics.config import PRESETS
 from cs336_basics.model import RMSNorm, RotaryEmbedding, TransformerBlock
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
+
+from cs336_harness.device import CPU_CONTEXT_LENGTH, check_device, default_device
+from cs336_harness.progress import progress_bar
 
 MIB = 2**20
 
@@ -226,73 +230,120 @@ def block_gradient_bytes(d_model: int = 2560, d_ff: int = 10240, bytes_per_param
 EXPERIMENTS = ("rmsnorm", "block", "four-blocks")
 
 
+# With CUDA the defaults are the handout's: the xl block, batch 4, context 2048.
+GPU_SIZE, GPU_CONTEXT_LENGTH = "xl", 2048
+
+
 @dataclass(frozen=True)
 class ResidualsConfig:
-    """Which experiments to run and at what sizes (defaults: the handout's xl block, batch 4, context 2048)."""
+    """Which experiments to run, on what device and at what sizes.
+
+    Sizes left None follow the device: on CUDA the handout's xl block at context 2048, on CPU the tiny block at
+    context :data:`cs336_harness.device.CPU_CONTEXT_LENGTH` (the xl one outgrows most machines' host memory there).
+    ``d_model``, ``d_ff`` and ``num_heads`` override the ``size`` preset's.
+    """
 
     experiments: tuple[str, ...] = EXPERIMENTS
-    d_model: int = 2560
-    d_ff: int = 10240
-    num_heads: int = 32
+    device: str = field(default_factory=default_device)
+    size: str | None = None
+    d_model: int | None = None
+    d_ff: int | None = None
+    num_heads: int | None = None
     batch_size: int = 4
-    context_length: int = 2048
+    context_length: int | None = None
     rmsnorm_tokens: int = 512
-    device: str = "cpu"
 
     def __post_init__(self) -> None:
         unknown = [e for e in self.experiments if e not in EXPERIMENTS]
         if unknown or not self.experiments:
             raise ValueError(f"experiments must be drawn from {', '.join(EXPERIMENTS)}, got {self.experiments}")
+        check_device(self.device)
+        cuda = self.device.startswith("cuda")
+        size = self.size or (GPU_SIZE if cuda else "tiny")
+        if size not in PRESETS:
+            raise ValueError(f"size must be one of {', '.join(PRESETS)}, got {size!r}")
+        resolved = {name: PRESETS[size][name] if getattr(self, name) is None else getattr(self, name)
+                    for name in ("d_model", "d_ff", "num_heads")}
+        resolved["context_length"] = self.context_length or (GPU_CONTEXT_LENGTH if cuda else CPU_CONTEXT_LENGTH)
+        for name, value in {"size": size, **resolved}.items():
+            object.__setattr__(self, name, value)
         for name in ("d_model", "d_ff", "num_heads", "batch_size", "context_length", "rmsnorm_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.d_model % self.num_heads or (self.d_model // self.num_heads) % 2:
             raise ValueError(f"d_model / num_heads must be an even integer, got {self.d_model} / {self.num_heads}")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r} asked for, but CUDA is not available here")
+
+    @property
+    def dims(self) -> dict[str, Any]:
+        """The block's sizes and device, as the experiment functions take them."""
+        return dict(d_model=self.d_model, d_ff=self.d_ff, num_heads=self.num_heads, batch_size=self.batch_size,
+                    context_length=self.context_length, device=self.device)
 
 
-def run_experiments(config: ResidualsConfig) -> tuple[list[dict[str, Any]], list[str]]:
-    """Run the chosen experiments; returns result rows and printable lines."""
-    rows: list[dict[str, Any]] = []
-    lines: list[str] = []
-    dims = dict(d_model=config.d_model, d_ff=config.d_ff, num_heads=config.num_heads,
-                batch_size=config.batch_size, context_length=config.context_length, device=config.device)
-    if "rmsnorm" in config.experiments:
-        shape = (config.batch_size, config.rmsnorm_tokens, config.d_model)
-        for compiled in (False, True):
-            report = rmsnorm_experiment(shape, compiled=compiled, device=config.device)
-            label = "compiled" if compiled else "eager"
-            lines.append(f"RMSNorm {label} on {shape}: {len(report.records)} saved, {report.total_mib:.2f} MiB unique")
-            lines += [f"  {r.shape} {r.dtype} saved by {r.saved_by}, produced by {r.produced_by}"
-                      f"{' (same storage as an earlier one)' if r.duplicate else ''}" for r in report.records]
-            rows.append({"experiment": "rmsnorm", "variant": label, "shape": list(shape),
-                         "num_saved": len(report.records), "saved_mib": report.total_mib})
-    if "block" in config.experiments:
-        for compiled in (False, True):
-            report = block_experiment(compiled=compiled, **dims)
-            label = "compiled" if compiled else "eager"
-            lines.append(f"TransformerBlock {label}: {report.total_mib:.2f} MiB saved for backward")
-            row = {"experiment": "block", "variant": label, **dims, "saved_mib": report.total_mib,
-                   "num_saved": len(report.records)}
-            if not compiled:
-                by_op = {f"{r.module}: {r.saved_by}": 0 for r in report.records}
-                for r in report.records:
-                    if not r.duplicate:
-                        by_op[f"{r.module}: {r.saved_by}"] += r.nbytes
-                top = sorted(by_op.items(), key=lambda kv: -kv[1])[:5]
-                row["top5"] = [{"op": k, "mib": v / MIB, "share": v / report.total_bytes} for k, v in top]
-                row["by_module"] = {k: v / MIB for k, v in report.by("module").items()}
-                lines += [f"  {k}: {v / MIB:.1f} MiB ({v / report.total_bytes:.1%})" for k, v in top]
-            rows.append(row)
+def _rmsnorm_unit(config: ResidualsConfig, compiled: bool) -> tuple[list[dict[str, Any]], list[str]]:
+    shape = (config.batch_size, config.rmsnorm_tokens, config.d_model)
+    report = rmsnorm_experiment(shape, compiled=compiled, device=config.device)
+    label = "compiled" if compiled else "eager"
+    lines = [f"RMSNorm {label} on {shape}: {len(report.records)} saved, {report.total_mib:.2f} MiB unique"]
+    lines += [f"  {r.shape} {r.dtype} saved by {r.saved_by}, produced by {r.produced_by}"
+              f"{' (same storage as an earlier one)' if r.duplicate else ''}" for r in report.records]
+    row = {"experiment": "rmsnorm", "variant": label, "shape": list(shape), "device": config.device,
+           "num_saved": len(report.records), "saved_mib": report.total_mib}
+    return [row], lines
+
+
+def _block_unit(config: ResidualsConfig, compiled: bool) -> tuple[list[dict[str, Any]], list[str]]:
+    report = block_experiment(compiled=compiled, **config.dims)
+    label = "compiled" if compiled else "eager"
+    lines = [f"TransformerBlock {label}: {report.total_mib:.2f} MiB saved for backward"]
+    row = {"experiment": "block", "variant": label, **config.dims, "saved_mib": report.total_mib,
+           "num_saved": len(report.records)}
+    rows = [row]
+    if not compiled:
+        by_op = {f"{r.module}: {r.saved_by}": 0 for r in report.records}
+        for r in report.records:
+            if not r.duplicate:
+                by_op[f"{r.module}: {r.saved_by}"] += r.nbytes
+        top = sorted(by_op.items(), key=lambda kv: -kv[1])[:5]
+        row["top5"] = [{"op": k, "mib": v / MIB, "share": v / report.total_bytes} for k, v in top]
+        row["by_module"] = {k: v / MIB for k, v in report.by("module").items()}
+        lines += [f"  {k}: {v / MIB:.1f} MiB ({v / report.total_bytes:.1%})" for k, v in top]
+    else:  # the experiment's last measurement also reports the gradient bytes its residuals compare with
         grad = block_gradient_bytes(config.d_model, config.d_ff)
         lines.append(f"gradients of one block (fp32): {grad / MIB:.1f} MiB")
-        rows.append({"experiment": "block-gradients", **dims, "grad_mib": grad / MIB})
-    if "four-blocks" in config.experiments:
-        for checkpointed in (False, True):
-            report = four_blocks_experiment(checkpointed=checkpointed, **dims)
-            label = "checkpointed pairs" if checkpointed else "plain"
-            lines.append(f"four compiled blocks, {label}: {report.total_mib:.2f} MiB saved for backward")
-            rows.append({"experiment": "four-blocks", "variant": label, **dims, "saved_mib": report.total_mib,
-                         "num_saved": len(report.records)})
+        rows.append({"experiment": "block-gradients", **config.dims, "grad_mib": grad / MIB})
+    return rows, lines
+
+
+def _four_blocks_unit(config: ResidualsConfig, checkpointed: bool) -> tuple[list[dict[str, Any]], list[str]]:
+    report = four_blocks_experiment(checkpointed=checkpointed, **config.dims)
+    label = "checkpointed pairs" if checkpointed else "plain"
+    lines = [f"four compiled blocks, {label}: {report.total_mib:.2f} MiB saved for backward"]
+    return [{"experiment": "four-blocks", "variant": label, **config.dims, "saved_mib": report.total_mib,
+             "num_saved": len(report.records)}], lines
+
+
+_UNITS: dict[str, tuple[tuple[str, Callable[[ResidualsConfig], tuple[list[dict[str, Any]], list[str]]]], ...]] = {
+    "rmsnorm": (("RMSNorm eager", lambda c: _rmsnorm_unit(c, False)),
+                ("RMSNorm compiled", lambda c: _rmsnorm_unit(c, True))),
+    "block": (("block eager", lambda c: _block_unit(c, False)), ("block compiled", lambda c: _block_unit(c, True))),
+    "four-blocks": (("four blocks plain", lambda c: _four_blocks_unit(c, False)),
+                    ("four blocks checkpointed", lambda c: _four_blocks_unit(c, True))),
+}
+
+
+def run_experiments(config: ResidualsConfig, progress: bool = False) -> tuple[list[dict[str, Any]], list[str]]:
+    """Run the chosen experiments; returns result rows and printable lines. With ``progress``, a bar on stderr
+    counts the measurements (each experiment has two: eager and compiled, or plain and checkpointed)."""
+    units = [unit for experiment in EXPERIMENTS if experiment in config.experiments for unit in _UNITS[experiment]]
+    rows: list[dict[str, Any]] = []
+    lines: list[str] = []
+    bar = progress_bar(total=len(units), desc="residuals", enabled=progress, unit="measurement")
+    for name, measure in units:
+        bar.set_postfix_str(name)
+        unit_rows, unit_lines = measure(config)
+        rows += unit_rows
+        lines += unit_lines
+        bar.update()
+    bar.close()
     return rows, lines

@@ -62,6 +62,7 @@ from cs336_harness import instrument
 from cs336_harness.analysis import figures, trace
 from cs336_harness.analysis.tables import markdown_table
 from cs336_harness.device import DTYPES, GIB, sync
+from cs336_harness.progress import progress_bar
 from cs336_harness.studies.distributed import DistributedRunConfig
 
 VARIANTS: tuple[str, ...] = ("ddp", "zero1", "fsdp", "fsdp2")
@@ -94,7 +95,7 @@ def _build(variant: str, dtype: str, config: ShardBenchConfig, device: torch.dev
         wrapped = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
         optimizer = (torch.optim.AdamW(model.parameters(), **adamw) if variant == "ddp"
                      else ShardedOptimizer(model.parameters(), torch.optim.AdamW, **adamw))
-        return _Setup(wrapped, optimizer, lambda: None, compute)
+        return _Setup(wrapped, optimizer, lambda: None, None if compute == torch.float32 else compute)
     if variant == "fsdp":
         fsdp = FSDP(model, compute_dtype=compute)
         return _Setup(fsdp, torch.optim.AdamW(fsdp.parameters(), **adamw), fsdp.finish_gradient_synchronization,
@@ -204,11 +205,8 @@ def _bench_one(variant: str, dtype: str, config: ShardBenchConfig, rank: int, de
     row["peak_step_gib"] = memory.peak()
 
     if variant in PROFILED:
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
         sync(device)
-        with torch.profiler.profile(activities=activities) as prof:
+        with instrument.profile(device) as prof:
             step()
             sync(device)
         if rank == 0:
@@ -225,32 +223,37 @@ def _bench_one(variant: str, dtype: str, config: ShardBenchConfig, rank: int, de
     return row
 
 
-def _rank_main(rank: int, world_size: int, config: ShardBenchConfig, trace_dir: str) -> list[dict[str, Any]]:
+def _rank_main(rank: int, world_size: int, config: ShardBenchConfig, trace_dir: str,
+               progress: bool) -> list[dict[str, Any]]:
     device = current_device()
+    runs = [(dtype, variant) for dtype in config.dtypes for variant in config.variants]
+    bar = progress_bar(total=len(runs), desc="shard", enabled=progress and rank == 0, unit="run")
     rows = []
-    for dtype in config.dtypes:
-        for variant in config.variants:
-            # Each variant starts from an empty device: the previous one's tensors died with its frame
-            # (gc.collect for reference cycles), and its cached blocks go back to the driver.
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            rows.append(_bench_one(variant, dtype, config, rank, device,
-                                   Path(trace_dir) / f"shard_{dtype}_{variant}.json"))
+    for dtype, variant in runs:
+        bar.set_postfix_str(f"{dtype} {variant}")
+        # Each variant starts from an empty device: the previous one's tensors died with its frame
+        # (gc.collect for reference cycles), and its cached blocks go back to the driver.
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        rows.append(_bench_one(variant, dtype, config, rank, device, Path(trace_dir) / f"shard_{dtype}_{variant}.json"))
+        bar.update()
+    bar.close()
     return rows
 
 
-def run_shard_bench(config: ShardBenchConfig, trace_dir: str | Path | None = None) -> list[dict[str, Any]]:
+def run_shard_bench(config: ShardBenchConfig, trace_dir: str | Path | None = None,
+                    progress: bool = False) -> list[dict[str, Any]]:
     """Benchmark every (dtype, variant) of ``config``; rows carry the config and the trace metrics.
 
     Under torchrun only rank 0 returns rows (the others return []). Traces are kept in ``trace_dir``
-    when it is given.
+    when it is given. With ``progress``, rank 0 shows a bar on stderr: runs done, and which is running.
     """
     with tempfile.TemporaryDirectory() as tmp:
         traces = Path(trace_dir or tmp)
         traces.mkdir(parents=True, exist_ok=True)
-        rows = run_ranks(_rank_main, config.world_size, config, str(traces), backend=config.resolved_backend,
-                         timeout_s=600)
+        rows = run_ranks(_rank_main, config.world_size, config, str(traces), progress,
+                         backend=config.resolved_backend, timeout_s=600)
         if rows is None:  # a torchrun rank other than 0
             return []
         for row in rows:

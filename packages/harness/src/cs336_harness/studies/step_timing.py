@@ -8,8 +8,8 @@ torch.profiler trace with its kernel table and timeline figure (``profile_dir``)
 snapshot with its active-memory figure (``memory_dir``). Every step is inside an NVTX/record_function
 range (``warmup`` or ``step``), as is every phase.
 
-Run it as ``uv run cs336 bench`` (see ``--help``); :func:`run_configs` runs a list of configs with a
-progress bar and turns an out-of-memory error into a row with ``status == "oom"``.
+Run it as ``uv run cs336 bench`` (see ``--help``); :func:`run_configs` runs a list of configs (with a
+progress bar of their steps on request) and turns an out-of-memory error into a row with ``status == "oom"``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import itertools
 import statistics
 import timeit
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +32,9 @@ from cs336_sharding.parallelize import apply_fused_loss
 
 from cs336_harness import instrument
 from cs336_harness.analysis import figures, memory, trace
-from cs336_harness.device import DTYPES, sync
+from cs336_harness.device import DTYPES, check_device, default_device, sync
 from cs336_harness.instrument import annotate
+from cs336_harness.progress import progress_bar
 from cs336_harness.results import append_rows
 from cs336_harness.studies.attention_impls import ATTENTION_IMPLS, get_attention
 from cs336_harness.studies.distributed import TRAINING_DTYPES
@@ -48,10 +49,6 @@ PHASE_NAMES = instrument.PHASES
 def default_size() -> str:
     """``small`` with CUDA, ``tiny`` without, so a bare ``cs336 bench`` finishes in seconds on a CPU."""
     return "small" if torch.cuda.is_available() else "tiny"
-
-
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @dataclass(frozen=True)
@@ -82,7 +79,7 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         if self.size not in PRESETS:
-            raise ValueError(f"unknown size {self.size!r}; expected one of {', '.join(PRESETS)}")
+            raise ValueError(f"size must be one of {', '.join(PRESETS)}, got {self.size!r}")
         for name in ("d_model", "d_ff", "num_layers", "num_heads"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -101,10 +98,12 @@ class BenchConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         parse_policy(self.checkpoint)
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r} asked for, but CUDA is not available here")
+        check_device(self.device)
+        triton_in_step = [name for name, used in (("--attention triton", self.attention == "triton"),
+                                                  ("--loss fused", self.loss == "fused")) if used]
+        if self.device == "cpu" and self.dtype != "fp32" and triton_in_step:
+            raise ValueError(f"{' and '.join(triton_in_step)} with dtype {self.dtype} needs a GPU: on CPU the Triton "
+                             "kernels run in the interpreter, whose bf16 dot products are wrong; use fp32")
         if self.profile_dir is not None and not self.device.startswith("cuda"):
             raise ValueError("--profile needs a CUDA device: its kernel table and timeline are built from GPU kernels")
         if self.memory_dir is not None and not self.device.startswith("cuda"):
@@ -210,8 +209,9 @@ def config_fields(config: BenchConfig) -> dict[str, Any]:
     return row
 
 
-def run_bench(config: BenchConfig) -> dict[str, Any]:
-    """Run one config and return its row (timings, peaks, parameters; no provenance)."""
+def run_bench(config: BenchConfig, on_step: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Run one config and return its row (timings, peaks, parameters; no provenance); ``on_step`` is called after
+    every step, warm-up ones included."""
     model = build_model(config)
     optimizer = (build_optimizer(config.optimizer, model.parameters(), lr=1e-4, weight_decay=0.01)
                  if config.mode == "train" else None)
@@ -241,6 +241,8 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
     for _ in range(config.warmup):
         with annotate("warmup"):
             one_step()
+        if on_step is not None:
+            on_step()
     sync(config.device)
     rec.measuring = True
     with contextlib.ExitStack() as stack:
@@ -251,6 +253,8 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
         for _ in range(config.steps):
             with rec.phase("step"):
                 one_step()
+            if on_step is not None:
+                on_step()
     if prof is not None:
         row["profile"] = _write_profile(prof, config)
     if config.memory_dir is not None:
@@ -292,10 +296,10 @@ def _free_device_memory(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def run_one(config: BenchConfig) -> dict[str, Any]:
+def run_one(config: BenchConfig, on_step: Callable[[], None] | None = None) -> dict[str, Any]:
     """:func:`run_bench`, with an out-of-memory error turned into a row instead of an exception."""
     try:
-        return run_bench(config)
+        return run_bench(config, on_step)
     except torch.OutOfMemoryError:
         pass
     finally:
@@ -308,23 +312,44 @@ def run_one(config: BenchConfig) -> dict[str, Any]:
     return row
 
 
-def run_configs(configs: Sequence[BenchConfig], progress: bool = True) -> list[dict[str, Any]]:
-    """Run each config in turn (a tqdm bar when there are several); OOM configs give ``status == 'oom'`` rows."""
-    from tqdm import tqdm
-
-    rows = []
-    bar = tqdm(configs, desc="bench", disable=not progress or len(configs) < 2, leave=False)
-    for config in bar:
-        bar.set_postfix_str(config.tag)
-        rows.append(run_one(config))
+def run_configs(configs: Sequence[BenchConfig], progress: bool = False) -> list[dict[str, Any]]:
+    """Run each config in turn; OOM configs give ``status == 'oom'`` rows. With ``progress``, a bar on stderr
+    counts the steps of all configs (warm-up included) and names the config running."""
+    bar = progress_bar(total=sum(c.warmup + c.steps for c in configs), desc="bench", enabled=progress,
+                       unit="step")
+    rows, done = [], 0
+    for i, config in enumerate(configs):
+        bar.set_postfix_str(f"config {i + 1}/{len(configs)}: {config.tag}")
+        rows.append(run_one(config, bar.update))
+        done += config.warmup + config.steps
+        bar.update(done - bar.n)  # the steps an out-of-memory config did not run
+    bar.close()
     return rows
 
 
-TABLE_COLUMNS = (
-    "size", "context_length", "mode", "dtype", "checkpoint", "status",
-    "forward_ms_mean", "forward_ms_std", "backward_ms_mean", "backward_ms_std",
+# Always in the printed table: what a row is and whether it ran; then the measurements.
+_ROW_COLUMNS = ("size", "context_length", "mode", "dtype")
+# Shown when they differ between the rows or from the defaults, so that no two rows look alike.
+_SETTING_COLUMNS = ("batch_size", "vocab_size", "attention", "optimizer", "loss", "compile", "checkpoint", "warmup",
+                    "steps", "device")
+_DIM_COLUMNS = ("d_model", "d_ff", "num_layers", "num_heads")
+_MEASURED_COLUMNS = (
+    "status", "forward_ms_mean", "forward_ms_std", "backward_ms_mean", "backward_ms_std",
     "optimizer_ms_mean", "optimizer_ms_std", "step_ms_median", "peak_step_gib",
 )
+
+
+def table_columns(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The printed table's columns for ``rows``: what each row is, every setting that differs between the rows or
+    from :class:`BenchConfig`'s default, model dimensions where they differ from the size's preset, and the
+    measurements present."""
+    defaults = {f.name: f.default_factory() if f.default is MISSING else f.default for f in fields(BenchConfig)}
+    settings = [c for c in _SETTING_COLUMNS
+                if len({repr(r.get(c)) for r in rows}) > 1 or any(r.get(c) != defaults[c] for r in rows)]
+    dims = [c for c in _DIM_COLUMNS if any(r.get(c) != PRESETS[r["size"]][c] for r in rows)]
+    measured = [c for c in _MEASURED_COLUMNS if any(c in r for r in rows)]
+    return [*_ROW_COLUMNS, *settings, *dims, *measured]
+
 
 SWEEP_SIZES = ("small", "medium", "large", "xl", "10B")
 SWEEP_CONTEXT_LENGTHS = (128, 256, 512, 1024)

@@ -1,0 +1,235 @@
+"""What every ``cs336`` command shares: a light top-level help, the CPU rules, progress and ``--quiet``, comma-list
+help, and the same clear message for the same mistake in every command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from cs336_comms.process_group import RankDiedError
+from cs336_harness import cli, instrument
+from cs336_harness.analysis import trace
+from cs336_harness.commands import COMMANDS
+from cs336_harness.commands._shared import print_measured_table
+from cs336_harness.device import check_device
+from cs336_harness.studies import collectives as collectives_study
+from cs336_harness.studies import ddp as ddp_study
+from cs336_harness.studies import shard as shard_study
+
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU rules apply without CUDA")
+UNWRITABLE = "/proc/nope/rows.jsonl"  # /proc takes no new folders, even for root
+TINY_BENCH = ["bench", "--size", "tiny", "--context-length", "9", "--batch-size", "2", "--warmup", "0", "--steps",
+              "1", "--device", "cpu"]
+
+
+def _cs336(*argv: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cs336_harness.cli", *argv], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def _env_without_cpu_settings() -> dict[str, str]:
+    """This process's environment less what the CLI sets on CPU (conftest.py sets TRITON_INTERPRET here)."""
+    return {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "KINETO_LOG_LEVEL")}
+
+
+def test_top_level_help_imports_no_torch() -> None:
+    code = ("import sys\nfrom cs336_harness import cli\ntry:\n    cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "False"
+    assert all(name in done.stdout for name in COMMANDS)
+
+
+def _actions(name: str) -> list[argparse.Action]:
+    parser = cli._parser(name)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]._actions
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_every_comma_list_flag_says_so(name: str) -> None:
+    listed = [a for a in _actions(name) if getattr(a.type, "__qualname__", "").startswith("csv_of")]
+    assert all("comma list" in a.help for a in listed), [a.dest for a in listed if "comma list" not in a.help]
+
+
+@pytest.mark.parametrize("name", [n for n in COMMANDS if n != "sizes"])
+def test_commands_that_run_for_long_take_quiet(name: str) -> None:
+    assert any(a.dest == "quiet" for a in _actions(name)) == (name != "precision")
+
+
+@NO_CUDA
+def test_the_cli_chooses_the_triton_interpreter_before_a_command_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("KINETO_LOG_LEVEL", raising=False)
+    cli.parse_args(["sizes"])
+    assert os.environ["TRITON_INTERPRET"] == "1" and os.environ["KINETO_LOG_LEVEL"] == "5"
+
+
+def test_progress_goes_to_stderr_unless_quiet(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(TINY_BENCH) == 0
+    out, err = capsys.readouterr()
+    assert "bench:" in err and "1/1" in err and "tiny_ctx9_train_fp32" in err and "bench:" not in out
+    assert cli.main([*TINY_BENCH, "--quiet"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and "forward_ms_mean" in out
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "--device", "cpu"], ["residuals", "--device", "cpu"], ["precision"], ["ddp", "--backend", "gloo"],
+    ["shard", "--backend", "gloo"], ["collectives", "--backends", "gloo"],
+])
+def test_an_unwritable_out_fails_before_the_run(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the run started")
+
+    for study, fn in ((ddp_study, "run_ddp_bench"), (shard_study, "run_shard_bench")):
+        monkeypatch.setattr(study, fn, never)
+    monkeypatch.setattr("cs336_harness.commands.collectives.run_collectives_study", never)
+    monkeypatch.setattr("cs336_harness.studies.step_timing.run_configs", never)
+    with pytest.raises(SystemExit, match=f"cs336 {argv[0]}: cannot write to '{UNWRITABLE}': No such file"):
+        cli.main([*argv, "--out", UNWRITABLE])
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    (["ddp", "--backend", "gloo"], "--figure-dir"), (["shard", "--backend", "gloo"], "--figure"),
+    (["collectives", "--backends", "gloo"], "--plot"),
+])
+def test_an_unwritable_figure_fails_before_the_run(argv: list[str], flag: str) -> None:
+    target = "/proc/nope" if flag == "--figure-dir" else "/proc/nope/figure.png"
+    with pytest.raises(SystemExit, match=f"cs336 {argv[0]}: cannot write to '/proc/nope/"):
+        cli.main([*argv, flag, target])
+
+
+@NO_CUDA
+@pytest.mark.parametrize("argv", [["ddp", "--backend", "nccl"], ["shard", "--backend", "nccl"],
+                                  ["collectives", "--backends", "nccl"]])
+def test_nccl_on_cpu_is_one_clear_message(argv: list[str]) -> None:
+    with pytest.raises(SystemExit, match=f"cs336 {argv[0]}: backend 'nccl' needs CUDA GPUs and none is visible here"):
+        cli.main(argv)
+
+
+@pytest.mark.parametrize("name", ["bench", "residuals", "precision"])
+def test_an_unknown_device_is_one_clear_message(name: str) -> None:
+    with pytest.raises(SystemExit, match=f"cs336 {name}: device must be 'cpu', 'cuda' or 'cuda:N', got 'tpu'"):
+        cli.main([name, "--device", "tpu"])
+
+
+@pytest.mark.parametrize(("name", "asked"), [
+    ("ddp", "the run asked for size tiny (1M parameters, 0.02 GiB of fp32 weights"),
+    ("shard", "the run asked for size tiny (1M parameters"),
+    ("collectives", "the run asked for float32 tensors of up to 100 MiB on up to 6 ranks"),
+])
+def test_a_rank_killed_by_the_os_names_memory_and_the_asked_size(name: str, asked: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    def killed(*args: object, **kwargs: object) -> None:
+        raise RankDiedError(1, "SIGKILL", -9)
+
+    monkeypatch.setattr(ddp_study, "run_ddp_bench", killed)
+    monkeypatch.setattr(shard_study, "run_shard_bench", killed)
+    monkeypatch.setattr("cs336_harness.commands.collectives.run_collectives_study", killed)
+    argv = [name, "--backends", "gloo"] if name == "collectives" else [name, "--size", "tiny", "--backend", "gloo"]
+    message = f"cs336 {name}: rank 1 died (signal SIGKILL), most likely out of host memory; {asked}"
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        cli.main(argv)
+
+
+def test_printed_tables_leave_out_empty_columns_and_say_why(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = [{"variant": "ddp", "backend": "gloo", "peak_step_gib": None, "params_gib": 0.5}]
+    print_measured_table(rows, ["variant", "peak_step_gib", "params_gib"], ".2f", cuda_only="memory: CUDA only")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["variant", "params_gib"]
+    assert lines[-2:] == ["left out, no value in any row: peak_step_gib", "on CPU (gloo) memory: CUDA only"]
+    assert "commit" not in ddp_study.PRINTED_COLUMNS  # rows get their commit when written
+
+
+def test_collectives_bar_counts_backend_and_world_size_runs(monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    calls = []
+    monkeypatch.setattr(collectives_study, "run_collectives",
+                        lambda ws, backend, *args: calls.append((backend, ws)) or [])
+    config = collectives_study.CollectivesConfig(("gloo",), (2, 3), (1.0,), warmup=0, iters=1)
+    assert collectives_study.run_collectives_study(config, progress=True) == []
+    assert calls == [("gloo", 2), ("gloo", 3)] and "collectives:" in capsys.readouterr().err
+
+
+def test_leaderboard_markdown_says_why_its_table_is_empty(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"size": "tiny", "context_length": 32, "global_batch": 2, "world_size": 2,
+                                "compute_dtype": "fp32", "status": "ok", "step_s": 1.0}) + "\n")
+    assert cli.main(["leaderboard", "--markdown", str(rows)]) == 0
+    out, err = capsys.readouterr()
+    assert "has no ok rows of the leaderboard configuration" in err and out == ""  # no table to print
+
+
+def test_precision_tables_say_where_they_ran(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["precision"]) == 0
+    tables = capsys.readouterr().out.split("\n\n")
+    assert len(tables) == 3 and all(t.split()[0] == "on_device" for t in tables)
+
+
+@NO_CUDA
+@pytest.mark.slow
+def test_triton_kernels_in_bench_run_on_cpu_without_setup() -> None:
+    done = _cs336(*TINY_BENCH, "--loss", "fused", "--optimizer", "fused-adamw", "--attention", "triton",
+                  "--quiet", env=_env_without_cpu_settings())
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    assert "triton" in done.stdout and "fused-adamw" in done.stdout and "fused" in done.stdout
+
+
+@NO_CUDA
+@pytest.mark.slow
+@pytest.mark.parametrize("argv", [
+    ["residuals", "--experiment", "rmsnorm"],  # torch.compile on CPU
+    ["ddp", "--variants", "nocomm,naive", "--context-length", "16", "--warmup", "1", "--steps", "1"],  # profiler
+])
+def test_successful_cpu_runs_print_nothing_on_stderr_with_quiet(argv: list[str]) -> None:
+    done = _cs336(*argv, "--quiet", env=_env_without_cpu_settings())
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+
+
+@pytest.mark.gpu
+def test_gpu_profile_records_kernels_without_a_warning(tmp_path) -> None:
+    x = torch.randn(256, 256, device="cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with instrument.profile("cuda") as prof:
+            (x @ x).sum().item()
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    assert any(e.get("cat") == "kernel" for e in trace.load_trace(tmp_path / "trace.json"))
+
+
+@pytest.mark.gpu
+def test_gpu_devices_and_ranks_beyond_the_visible_gpus_are_one_clear_message() -> None:
+    n = torch.cuda.device_count()
+    with pytest.raises(ValueError, match=f"device 'cuda:{n}' asked for, but only {n} GPUs are visible"):
+        check_device(f"cuda:{n}")
+    with pytest.raises(SystemExit, match=f"needs one GPU per rank: {n + 1} ranks asked for, {n} GPUs visible"):
+        cli.main(["ddp", "--world-size", str(n + 1), "--global-batch", str(n + 1)])
+
+
+@pytest.mark.parametrize("name", ["attention", "collectives", "ddp", "fused", "leaderboard", "shard"])
+def test_markdown_from_a_missing_or_broken_rows_file_is_one_clear_message(name: str, tmp_path) -> None:
+    with pytest.raises(SystemExit, match=f"cs336 {name}: cannot read rows from '/nonexistent.jsonl': No such file"):
+        cli.main([name, "--markdown", "/nonexistent.jsonl"])
+    broken = tmp_path / "rows.jsonl"
+    broken.write_text('{"a": 1}\n{"a": \n')
+    with pytest.raises(SystemExit, match=f"cs336 {name}: '{broken}' line 2 is not JSON"):
+        cli.main([name, "--markdown", str(broken)])
+
+
+@pytest.mark.parametrize("name", ["attention", "leaderboard", "shard"])
+def test_fill_of_a_missing_section_is_one_clear_message(name: str, tmp_path) -> None:
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("")
+    with pytest.raises(SystemExit, match=f"cs336 {name}: cannot read the section '/nonexistent.md'"):
+        cli.main([name, "--markdown", str(rows), "--fill", "/nonexistent.md"])
