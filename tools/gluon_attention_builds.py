@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import argparse
 import re
-import subprocess
-import tempfile
 
 import torch
 import triton
 from cs336_harness.results import append_rows, provenance
 from cs336_kernels.flash_attention import gluon_backward as backward
 from cs336_kernels.flash_attention import gluon_forward as forward
-from cs336_kernels.sass import cuobjdump, loop_spills
+from cs336_kernels.sass import loop_spills, read_build
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
@@ -37,10 +35,7 @@ def _compile(kernel, args: tuple, constants: dict) -> tuple[triton.compiler.Comp
     source = GluonASTSource(kernel, signature, constants, attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 4, "maxnreg": forward.MAX_REGISTERS})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        sass = subprocess.run([cuobjdump(), "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
+    sass = read_build(compiled).sass
     return compiled, sass
 
 

@@ -15,15 +15,12 @@ subprocess.
 from __future__ import annotations
 
 import json
-import re
-import subprocess
-import tempfile
 from typing import Any
 
 import triton
 import triton.backends.nvidia
 from cs336_kernels import rms_norm, rope, swiglu
-from cs336_kernels.sass import cuobjdump
+from cs336_kernels.sass import read_build
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -41,14 +38,10 @@ def build(name: str, kernel: Any, types: dict[str, str], constants: dict[str, An
              if signature[arg].startswith("*") or signature[arg] == "i32"}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
     compiled = triton.compile(source, target=TARGET, options={"num_warps": num_warps})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        usage = subprocess.run([cuobjdump(), "-res-usage", cubin.name], capture_output=True, text=True).stdout
-        sass = subprocess.run([cuobjdump(), "-sass", cubin.name], capture_output=True, text=True).stdout
-    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    build = read_build(compiled)
+    sass = build.sass
     return {"kernel": name, "target": "sm_90", "num_warps": num_warps,
-            "registers": int(found[1]) if found else None, "stack_bytes": int(found[2]) if found else None,
+            "registers": build.registers, "stack_bytes": build.stack_bytes,
             "shared_bytes": compiled.metadata.shared, "spill_stores": sass.count("STL"),
             "spill_loads": sass.count("LDL"), "sass_lines": sass.count("\n")}
 

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 def cuobjdump() -> str:
@@ -43,3 +47,24 @@ def loop_spills(sass: str) -> list[list[int]]:
     with_mma = [r for r in sorted(ranges) if any("HGMMA" in text for text in body[r])]
     innermost = [r for r in with_mma if not any(o != r and r[0] <= o[0] and o[1] <= r[1] for o in with_mma)]
     return [[sum("STL" in t for t in body[r]), sum("LDL" in t for t in body[r]), len(body[r])] for r in innermost]
+
+
+@dataclass(frozen=True)
+class Build:
+    """What ptxas made of one compiled kernel: registers per thread, stack frame bytes, and its SASS."""
+
+    registers: int | None
+    stack_bytes: int | None
+    sass: str
+
+
+def read_build(compiled: Any) -> Build:
+    """Resource usage and SASS of a ``triton.compile`` result, read from its cubin with :func:`cuobjdump`."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([cuobjdump(), "-res-usage", cubin.name], capture_output=True, text=True,
+                               check=True).stdout
+        sass = subprocess.run([cuobjdump(), "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    return Build(int(found[1]) if found else None, int(found[2]) if found else None, sass)

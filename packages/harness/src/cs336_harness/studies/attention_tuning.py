@@ -29,10 +29,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import re
-import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -47,7 +44,7 @@ from cs336_kernels.flash_attention.tuning import (
     extra_configs,
     listed_configs,
 )
-from cs336_kernels.sass import cuobjdump, loop_spills
+from cs336_kernels.sass import loop_spills, read_build
 
 from cs336_harness.results import append_rows, provenance
 from cs336_harness.studies.attention import AttentionBenchConfig, _flash_rows, _warm_one
@@ -168,16 +165,12 @@ def build_row(name: str, head_dim: int, entry: Entry, tma: bool = False) -> dict
     source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        usage = subprocess.run([cuobjdump(), "-res-usage", cubin.name], capture_output=True, text=True).stdout
-        sass = subprocess.run([cuobjdump(), "-sass", cubin.name], capture_output=True, text=True).stdout
-    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    build = read_build(compiled)
+    sass = build.sass
     return {"bench": "build", "kernel": name, "d": head_dim, "dtype": "bf16",
             "config": list(entry) + ([TMA_FLAGS[name].lower()] if tma else []),
-            "target": "sm_90", "registers": int(found[1]) if found else None,
-            "stack_bytes": int(found[2]) if found else None, "shared_bytes": compiled.metadata.shared,
+            "target": "sm_90", "registers": build.registers,
+            "stack_bytes": build.stack_bytes, "shared_bytes": compiled.metadata.shared,
             "spill_stores": sass.count("STL"), "spill_loads": sass.count("LDL"), "wgmma": sass.count("HGMMA"),
             "mma_sync": sass.count("HMMA"), "tma_loads": sass.count("UTMALDG"), "loops": loop_spills(sass)}
 
