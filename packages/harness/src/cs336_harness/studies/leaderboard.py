@@ -77,6 +77,7 @@ from cs336_harness import instrument
 from cs336_harness.analysis import kernel_kinds, trace
 from cs336_harness.analysis.tables import markdown_table
 from cs336_harness.device import DTYPES, GIB, H200_BF16_MATMUL_FLOPS
+from cs336_harness.progress import progress_bar
 from cs336_harness.studies.attention_impls import get_attention
 from cs336_harness.studies.leaderboard_baselines import CHUNK_TOKENS, build_baseline
 from cs336_harness.studies.optimizers import build_optimizer
@@ -425,7 +426,7 @@ def _handout_ms(training: Training, inputs: torch.Tensor, targets: torch.Tensor,
     return _max_over_ranks([do_bench(step)], device)[0]
 
 
-def _rank_main(rank: int, world_size: int, config: LeaderboardConfig) -> dict[str, Any]:
+def _rank_main(rank: int, world_size: int, config: LeaderboardConfig, show_progress: bool) -> dict[str, Any]:
     start = time.perf_counter()
     device = current_device()
     cuda = device.type == "cuda"
@@ -449,6 +450,9 @@ def _rank_main(rank: int, world_size: int, config: LeaderboardConfig) -> dict[st
                 f"time limit of {config.time_limit_s:g} s reached after {done} of {total_steps} "
                 "steps (model build included); raise --time-limit-s or lower --steps/--warmup")
 
+    bar = progress_bar(total=total_steps, desc=f"leaderboard {config.impl}", enabled=show_progress and rank == 0,
+                       unit="step")
+    bar.set_postfix_str("building the model")
     training = build_training(config, device)
     inputs, targets = rank_batch(config, rank, device)
     sync()
@@ -456,12 +460,15 @@ def _rank_main(rank: int, world_size: int, config: LeaderboardConfig) -> dict[st
     times: list[float] = []
     breakdown = None
     try:
+        bar.set_postfix_str("warm-up")
         for i in range(config.warmup):
             check_time(i)
             training.step(inputs, targets)
+            bar.update()
         sync()
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
+        bar.set_postfix_str("timed steps")
         for i in range(config.steps):
             check_time(config.warmup + i)
             sync()
@@ -469,17 +476,24 @@ def _rank_main(rank: int, world_size: int, config: LeaderboardConfig) -> dict[st
             loss = training.step(inputs, targets)
             sync()
             times.append(time.perf_counter() - t0)
+            bar.update()
         peak_step = torch.cuda.max_memory_allocated(device) / GIB if cuda else None
         if config.profile:
+            bar.set_postfix_str("profiled step")
             check_time(config.warmup + config.steps)
             breakdown = _profiled_step(training, inputs, targets, device, sync)
+            bar.update()
         handout_ms = None
         if config.handout_timing and cuda:
             check_time(total_steps - 8)
+            bar.set_postfix_str("do_bench")
             handout_ms = _handout_ms(training, inputs, targets, device, min(times))
+            bar.update(8)
     except TimeLimitExceeded as e:
         # Every rank stops here together; the caller raises the message again.
+        bar.close()
         return {"time_limit_exceeded": str(e)}
+    bar.close()
     loss_sum = loss.float().reshape(1)
     dist.all_reduce(loss_sum)  # gloo has no AVG
     step_s, step_max_s = _max_over_ranks([statistics.median(times), max(times)], device)
@@ -513,8 +527,8 @@ def run_leaderboard(config: LeaderboardConfig, progress: Callable[[str], None] |
                  f"{config.glue}, checkpoint {config.checkpoint}, optimizer {config.optimizer}"
                  + (", compiled blocks" if config.compile_blocks else "") + (", fused qkv" if config.fused_qkv else ""))
     # The group's timeout bounds a hung collective; the time limit is checked between steps.
-    result = run_ranks(_rank_main, config.world_size, config, backend=config.resolved_backend,
-                       timeout_s=config.time_limit_s + 60)
+    result = run_ranks(_rank_main, config.world_size, config, progress is not None,
+                       backend=config.resolved_backend, timeout_s=config.time_limit_s + 60)
     if result is None:  # a torchrun rank other than 0
         return []
     if "time_limit_exceeded" in result:
