@@ -4,9 +4,9 @@ without ``torch.use_deterministic_algorithms(True)``, as results rows.
 In deterministic mode the cs336_basics layers run one batch element at a time and sum weight gradients as a
 tree (cs336_basics.deterministic); this measures what that costs in time and peak memory. The two modes
 alternate (plain, deterministic, plain, deterministic) in one process, each a fresh model timed by
-cs336_harness.bench (``--warmup`` untimed and ``--steps`` timed steps); every row carries the provenance of
-cs336_harness.results and a ``call_id`` shared by the rows of one invocation, and the deterministic rows the
-ratio of their median step time to the plain median measured just before them::
+cs336_harness.studies.step_timing (``--warmup`` untimed and ``--steps`` timed steps); every row carries the
+provenance of cs336_harness.results and the ``call_id`` of the GPU call (tools/gpu.sh), and the deterministic
+rows the ratio of their median step time to the plain median measured just before them::
 
     bash tools/gpu.sh python3 tools/determinism_cost.py --out writeup/results/determinism.jsonl
 """
@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import uuid
 
 # cuBLAS needs a fixed workspace to be deterministic; it must be set before the first cuBLAS call.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch  # noqa: E402
-from cs336_harness.bench import BenchConfig, run_one  # noqa: E402
-from cs336_harness.results import append_rows, format_table, provenance  # noqa: E402
+from cs336_harness.analysis.tables import format_table  # noqa: E402
+from cs336_harness.results import append_rows, provenance  # noqa: E402
+from cs336_harness.studies.step_timing import BenchConfig, run_one  # noqa: E402
 
 COLUMNS = ("deterministic", "dtype", "status", "forward_ms_median", "backward_ms_median", "optimizer_ms_median",
            "step_ms_median", "peak_step_gib", "step_ratio_vs_plain")
@@ -40,7 +40,7 @@ def main() -> None:
         raise SystemExit("determinism_cost.py times a GPU step; no CUDA device is visible")
     config = BenchConfig(size="xl", batch_size=4, context_length=512, mode="train", dtype=args.dtype,
                          warmup=args.warmup, steps=args.steps, device="cuda")
-    meta = {**provenance(), "call_id": uuid.uuid4().hex[:12]}
+    meta = provenance()
     rows = []
     for repeat in range(args.repeats):
         for deterministic in (False, True):

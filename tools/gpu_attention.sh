@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # FlashAttention-2 on one GPU of the lent machine, in one call. Two modes:
 #   explore: the kernels' GPU tests once, then the wide autotuning sweep (python -m
-#            cs336_harness.attention_tuning: every candidate config timed at the real shapes, then ours
+#            cs336_harness.studies.attention_tuning: every candidate config timed at the real shapes, then ours
 #            against SDPA in one process).
 #            Rows: $OUT/attention_tuning.jsonl (about 5 minutes).
 #   final:   the attention GPU tests (Triton and Gluon) 5 times in a row, then `cs336 attention --part anchors`

@@ -2,7 +2,7 @@
 # The bf16 DDP comparison repeated (about 4 minutes on a two-GPU machine): bucketed against torch DDP at the
 # same bucket size (default 25 MiB), xl, context 512, global batch 4, 12 timed steps, in alternating order
 # over 4 processes, so drift between runs shows up in both wrappers alike. The first process also times the
-# compute-only step. Rows carry sync_tail_ms and comm_tail_ms (CUDA events, no profiler; see cs336_harness.ddp_bench).
+# compute-only step. Rows carry sync_tail_ms and comm_tail_ms (CUDA events, no profiler; see cs336_harness.studies.ddp).
 # Results in $OUT: ddp_bf16_repeats.jsonl, log.txt. No run starts after $DDP_DEADLINE_S seconds (default 260).
 #   run (GPU machine, repo root): bash tools/gpu_ddp_bf16.sh [BUCKET_MIB]
 set -uo pipefail

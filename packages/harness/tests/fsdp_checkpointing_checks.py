@@ -1,5 +1,5 @@
 """What each spawned rank runs for test_fsdp_checkpointing.py: FSDP over a model checkpointed by
-:func:`cs336_harness.checkpointing.apply_checkpointing`, against single-process training without
+:func:`cs336_sharding.checkpointing.apply_checkpointing`, against single-process training without
 checkpointing, and what each variant saves for backward.
 
 It lives outside the test module because spawned ranks import their entry point by module name, which
@@ -51,12 +51,17 @@ def checkpointed(model: BasicsTransformerLM, policy: str) -> tuple[BasicsTransfo
     return model, {n: old[id(p)] for n, p in model.named_parameters()}
 
 
-def training(rank: int, policy: str) -> dict[str, Any]:
-    """Per step: FSDP over the checkpointed model (renamed back) and the plain single-process reference,
-    which runs each rank's batch in turn and averages the accumulated gradients."""
+def training(rank: int, policy: str, checkpoint_first: bool = True) -> dict[str, Any]:
+    """Per step: FSDP over the checkpointed model (renamed back), or checkpointing applied in place to the model
+    FSDP already wraps, and the plain single-process reference, which runs each rank's batch in turn and averages
+    the accumulated gradients."""
     ref = new_model()
-    model, names = checkpointed(copy.deepcopy(ref), policy)
-    fsdp = FSDP(model)
+    if checkpoint_first:
+        model, names = checkpointed(copy.deepcopy(ref), policy)
+        fsdp = FSDP(model)
+    else:
+        fsdp = FSDP(copy.deepcopy(ref))
+        names = checkpointed(fsdp.module, policy)[1]
     ref_opt, opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (ref, fsdp))
     out: dict[str, Any] = {"fsdp": [], "reference": []}
     for step in batches(STEPS, seed=5):
@@ -124,6 +129,7 @@ def all_checks(rank: int, world_size: int, out_dir: str) -> None:
     record: dict[str, Any] = {"training": {}, "saved": {}}
     for policy in POLICIES:
         record["training"][policy] = training(rank, policy)
+    record["training"]["all, after FSDP"] = training(rank, "all", checkpoint_first=False)
     for policy in ("none", "all"):
         for sharded in (False, True):
             record["saved"][policy, sharded] = saved_for_backward(rank, policy, sharded)

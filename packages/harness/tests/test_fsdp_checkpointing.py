@@ -1,5 +1,5 @@
-"""FSDP composed with activation checkpointing (applied to the model first, then wrapped) on two gloo
-ranks: bit-exact against single-process training without checkpointing, and the checkpointing still
+"""FSDP composed with activation checkpointing (applied to the model first, then wrapped, and the other
+order) on two gloo ranks: bit-exact against single-process training without checkpointing, and the checkpointing still
 saves memory (FSDP adds no saved tensors of its own and keeps no gathered weights between forward and
 backward). One spawn runs every check (fsdp_checkpointing_checks.py)."""
 
@@ -28,7 +28,7 @@ def records(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(WORLD_SIZE)]
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", [*POLICIES, "all, after FSDP"])
 def test_fp32_matches_single_process_without_checkpointing_exactly(records: list[dict], policy: str) -> None:
     for rank, record in enumerate(records):
         run = record["training"][policy]

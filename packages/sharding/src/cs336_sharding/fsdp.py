@@ -36,11 +36,10 @@ autograd has produced every gradient of the unit's weights, they are reduce-scat
 the storage is freed again; replicated gradients are all-reduced as soon as they are accumulated. Execution
 orders are recorded each iteration and predict the next gather in the following one, on every rank alike.
 
-Activation checkpointing composes with this, since FSDP installs no saved-tensor hook: apply it to the
-model first, then wrap (``FSDP(apply_checkpointing(model, "all"))``, with ``cs336_harness.checkpointing``),
-so the names that :func:`gather_full_params` and checkpoints use are those of the checkpointed model (the
-other order would rename parameters under FSDP). Units are the children of the innermost ``ModuleList``,
-so the blocks stay units inside the checkpointed segments. The backward's
+Activation checkpointing (:mod:`cs336_sharding.checkpointing`) composes with this in either order, since FSDP
+installs no saved-tensor hook and checkpointing keeps the blocks, their names and their hooks in place
+(``FSDP(apply_checkpointing(model, "all"))`` or ``apply_checkpointing(fsdp.module, "all")``). Units are the
+children of the innermost ``ModuleList``, so the blocks stay units inside the checkpointed segments. The backward's
 recomputation runs a unit's forward again: the pre-hook gathers it as usual, and the post-hook keeps it
 gathered if the unit's own backward has begun (it needs the recomputed views), else frees it.
 

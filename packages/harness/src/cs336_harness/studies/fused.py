@@ -11,7 +11,8 @@
     (:data:`cs336_harness.device.H200_COPY_BYTES_PER_S`); the same run also measures its own copy bandwidth and
     reports it in ``copy_tbps``.
 (b) LM head + cross-entropy, forward and backward: fused_linear_cross_entropy vs plain PyTorch
-    (F.linear + F.cross_entropy, cs336_kernels' reference), in bfloat16. Median time, and peak memory above
+    (F.linear + F.cross_entropy, cs336_kernels' reference), Liger-Kernel's and Cut Cross-Entropy's fused
+    losses where they import (a row saying why otherwise), in bfloat16. Median time, and peak memory above
     the inputs and their gradients (max_memory_allocated during one fwd+bwd minus what was allocated before it,
     minus the gradients' bytes). The matmul floor counts three (N x V x d) products, forward logits and the
     two gradients, at 772 TFLOP/s (:data:`cs336_harness.device.H200_BF16_MATMUL_FLOPS`):
@@ -192,6 +193,8 @@ def bench_linear_ce(config: FusedBenchConfig) -> list[dict[str, Any]]:
         impls[f"fused, chunk {rows_per_chunk}"] = functools.partial(fused_linear_cross_entropy,
                                                                     chunk_size=rows_per_chunk)
     impls["plain torch"] = linear_cross_entropy_reference
+    others, missing = _other_linear_ce()
+    impls.update(others)
     loss_fp32 = _fp32_loss(hidden.detach(), weight.detach(), targets)
     rows, results = [], {}
     for name, loss_fn in impls.items():
@@ -218,13 +221,39 @@ def bench_linear_ce(config: FusedBenchConfig) -> list[dict[str, Any]]:
             "loss_rel_err": abs(loss.item() - loss_fp32) / loss_fp32,
         })
     ref = results["plain torch"]
+    torch_ms = next(r["median_ms"] for r in rows if r["impl"] == "plain torch")
     for r in rows:
-        r["speedup_vs_torch"] = rows[-1]["median_ms"] / r["median_ms"]
+        if "median_ms" not in r:
+            continue
+        r["speedup_vs_torch"] = torch_ms / r["median_ms"]
         if r["impl"] != "plain torch":
             ours = results[r["impl"]]
             r.update(grad_hidden_rel_err=_rel_err(ours[1], ref[1]), grad_weight_rel_err=_rel_err(ours[2], ref[2]))
     del results
+    shape = {"tokens": n, "d_model": d, "vocab_size": v, "dtype": "bf16"}
+    rows += [{"bench": "linear_ce", "impl": name, **shape, "note": why} for name, why in missing.items()]
     return rows + [_linear_ce_parts(hidden.detach(), weight.detach(), targets, default_rows, config)]
+
+
+def _other_linear_ce() -> tuple[dict[str, Callable[..., torch.Tensor]], dict[str, str]]:
+    """Liger-Kernel's and Cut Cross-Entropy's fused LM head + loss, called as ours is (hidden, weight, targets,
+    reduction, ignore_index), where they import; and for each that does not, why."""
+    impls: dict[str, Callable[..., torch.Tensor]] = {}
+    missing: dict[str, str] = {}
+    liger, why_not = _liger()
+    if liger is None:
+        missing["Liger-Kernel"] = why_not
+    else:
+        impls["Liger-Kernel"] = lambda h, w, t, reduction, ignore_index: liger.liger_fused_linear_cross_entropy(
+            h, w, t, ignore_index=ignore_index, reduction=reduction)
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+    except Exception as e:  # noqa: BLE001 (any import failure means: no CCE row)
+        missing["Cut Cross-Entropy"] = f"cut_cross_entropy is not importable: {type(e).__name__}: {e}"
+    else:
+        impls["Cut Cross-Entropy"] = lambda h, w, t, reduction, ignore_index: linear_cross_entropy(
+            h, w, t, ignore_index=ignore_index, reduction=reduction)
+    return impls, missing
 
 
 def _linear_ce_parts(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows_per_chunk: int,
@@ -501,9 +530,9 @@ def fused_markdown(rows: Sequence[dict[str, Any]]) -> str:
             "(3 products at 772 TFLOP/s).\n\n"
             + markdown_table(ce, list(zip(
                 ["impl", "median_ms", "speedup_vs_torch", "floor_fraction", "extra_gib", "loss_rel_err",
-                 "grad_hidden_rel_err", "grad_weight_rel_err"],
+                 "grad_hidden_rel_err", "grad_weight_rel_err", "note"],
                 ["implementation", "median (ms)", "vs plain torch", "floor / time", "peak above inputs+grads (GiB)",
-                 "loss rel. err vs fp32", "grad h rel. err", "grad W rel. err"], strict=True)))
+                 "loss rel. err vs fp32", "grad h rel. err", "grad W rel. err", "note"], strict=True)))
         )
     for p in _latest_run(rows, "linear_ce_parts"):
         stages = [

@@ -25,7 +25,7 @@ Measured per (dtype, variant), the maximum over ranks:
   memory across the forward (what autograd saved, plus logits and loss).
 - ``step_ms``: median wall time of ``steps`` whole steps, devices synchronised around each.
 - for the profiled variants (``fsdp``, ``fsdp2``): NCCL kernel time and the part of it not overlapped
-  with compute (:func:`cs336_harness.ddp_bench.comm_overlap`); for ``fsdp`` also, per forward unit of
+  with compute (:func:`cs336_harness.analysis.trace.comm_overlap`); for ``fsdp`` also, per forward unit of
   communication (a Transformer block, the embedding, the LM head), whether its all-gather finished before
   the compute stream reached the unit (:func:`forward_gathers`).
 

@@ -366,7 +366,7 @@ def expand_configs(
     """Every combination of the given values (an empty sequence keeps ``base``'s value).
 
     A checkpoint value of ``groups`` stands for ``group:K`` for each K in
-    :data:`cs336_harness.checkpointing.GROUP_SWEEP` up to the model's number of layers.
+    :data:`cs336_sharding.checkpointing.GROUP_SWEEP` up to the model's number of layers.
     """
     configs = []
     for size, ctx, dtype, attn, ckpt in itertools.product(
