@@ -10,6 +10,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import warnings
 
 from cs336_basics.config import PRESETS
 
@@ -57,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"cs336 residuals: {e}") from None
     print(f"{config.size} block (d_model {config.d_model}, d_ff {config.d_ff}, {config.num_heads} heads), "
           f"batch {config.batch_size}, context {config.context_length}, on {config.device}")
+    # Bytes saved for backward do not depend on matmul precision, so Inductor's advice to enable TF32 for fp32 is noise.
+    warnings.filterwarnings("ignore", message="TensorFloat32 tensor cores", category=UserWarning)
     rows, lines = run_experiments(config, progress=not args.quiet)
     print("\n".join(lines))
     if args.out:
