@@ -4,7 +4,8 @@
 # (bench, fused, attention, and ddp on nccl). Each run's stdout and stderr go to their own files; a run with
 # --quiet must leave its stderr empty, a run without it must show its bar there. No run starts after
 # $CLI_DEADLINE_S seconds (default 400).
-# Results in $OUT: <run>.out, <run>.err, log.txt (ends with one "ok" or "FAIL" line per check).
+# Results in $OUT: log.txt (ends with one "ok" or "FAIL" line per check, then the stderr of each failed check) and
+# runs.tar (every run's <run>.out and <run>.err; one file, since a call brings back at most 8).
 #   run (GPU machine, repo root): bash tools/gpu_cli.sh
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -42,4 +43,11 @@ run() {
     run ddp_bar "ddp:" ddp --size small --context-length 128 --variants nocomm,bucketed --warmup 1 --steps 2
   fi
   printf '%s\n' "${checks[@]}"
-} 2>&1 | tee "$OUT/log.txt"
+  for check in "${checks[@]}"; do
+    case "$check" in FAIL*) name="${check#FAIL }"; name="${name%%:*}"
+      [ -s "$OUT/$name.err" ] && { echo "== $name stderr:"; head -c 2000 "$OUT/$name.err"; echo; } ;;
+    esac
+  done
+} 2>&1 | tee "$OUT/runs.log"
+(cd "$OUT" && tar -cf runs.tar ./*.out ./*.err 2>/dev/null && rm -f ./*.out ./*.err)
+mv "$OUT/runs.log" "$OUT/log.txt"
