@@ -1,0 +1,299 @@
+"""FlashAttention backward for Hopper (sm_90) in Gluon, warp-specialised as in FlashAttention-3 (Shah et al., 2024).
+
+One program owns ``BLOCK_N`` keys of one (batch, key/value head) and runs three partitions:
+
+- a one-warp producer that loads the program's K and V tiles once, then streams the Q and dO tiles of every
+  query head of the GQA group by TMA into a ``STAGES``-deep shared-memory ring;
+- two consumer warpgroups, each owning ``BLOCK_N / 2`` of the keys, that run five wgmma products per
+  (query tile, key tile): ``S^T = K Q^T`` and ``dP^T = V dO^T`` (keys as rows, so that P^T and dS^T are
+  already the register A operands of the next two), ``dV += P^T dO``, ``dK += dS^T Q``, and
+  ``dQ = dS K`` over all the program's keys. Both consumers write their dS^T rows to shared memory; with
+  d = 128 each computes half of dQ's columns, with d = 64 they take turns by query tile. dQ is added in fp32
+  into a global accumulator by TMA reduce-adds (``cp.reduce.async.bulk.tensor``), which run off the
+  consumers' critical path. dK and dV stay in registers until the end.
+
+``P^T = exp2(S^T * scale * log2(e) - L * log2(e))`` is recomputed from the forward's logsumexp and
+``dS^T = P^T * (dP^T - D)`` uses ``D = rowsum(dO * O)``. Rows past the end of a head read as zeros by TMA,
+so they add nothing to any product and need no masks; only tiles that straddle the causal diagonal are
+masked. The reduce-adds land in an order that varies from run to run, so dQ is not bitwise reproducible
+(dK and dV are: each program owns its keys and sums the query heads of its group in a fixed order).
+
+The kernels need an sm_90 GPU; they do not run in the Triton interpreter.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+from triton._C.libtriton import ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from cs336_kernels.flash_attention.backward import bwd_preprocess_kernel
+from cs336_kernels.flash_attention.gluon_forward import (
+    CONSUMER_REGISTERS,
+    LOG2E,
+    MAX_REGISTERS,
+    PRODUCER_REGISTERS,
+    check_inputs,
+    descriptor,
+    mma_layout,
+    tma_ready,
+)
+
+# Per head dim: (BLOCK_M queries per tile, BLOCK_N keys per program, STAGES of the Q/dO ring). Shared memory
+# at d = 128: K, V 2 x 32 KiB, Q/dO ring 2 x 32 KiB, dS^T 2 x 16 KiB, dQ staging 2 x 16 KiB = 192 KiB.
+CONFIGS = {64: (64, 128, 3), 128: (64, 128, 2)}
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    # Triton 3.6 builds this op (an fp32 add of a shared-memory tile into global memory by TMA) but its Gluon
+    # has no Python wrapper for it; this mirrors tma.async_copy_shared_to_global.
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def _bwd_producer(
+    q_desc, k_desc, v_desc, do_desc, l_desc, d_desc, bufs, b, h_kv, k0, q_first, n_q, GROUP,
+    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, LD_SMEM: gl.constexpr,
+):
+    k_buf, v_buf, q_bufs, do_bufs, ds_bufs, kv_ready, qdo_ready, qdo_empty, ds_ready, l_bufs, d_bufs = bufs
+    mbarrier.expect(kv_ready.index(0), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [b, h_kv, k0, 0], kv_ready.index(0), k_buf)
+    tma.async_copy_global_to_shared(v_desc, [b, h_kv, k0, 0], kv_ready.index(0), v_buf)
+    for t in range(GROUP * n_q):
+        h = h_kv * GROUP + t // n_q
+        row = (q_first + t % n_q) * BLOCK_M
+        stage = t % STAGES
+        # A fresh mbarrier counts as having completed the phase before phase 0: the first pass does not wait.
+        mbarrier.wait(qdo_empty.index(stage), ((t // STAGES) & 1) ^ 1)
+        ready = qdo_ready.index(stage)
+        if LD_SMEM:
+            mbarrier.expect(ready, q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                            + l_desc.block_type.nbytes + d_desc.block_type.nbytes)
+        else:
+            mbarrier.expect(ready, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, row, 0], ready, q_bufs.index(stage))
+        tma.async_copy_global_to_shared(do_desc, [b, h, row, 0], ready, do_bufs.index(stage))
+        if LD_SMEM:
+            tma.async_copy_global_to_shared(l_desc, [b, h, row], ready, l_bufs.index(stage))
+            tma.async_copy_global_to_shared(d_desc, [b, h, row], ready, d_bufs.index(stage))
+
+
+@gluon.jit
+def _bwd_consumer(
+    dq_desc, L, DELTA, DK, DV, bufs, dq_bufs, b, h_kv, H_KV, k0, q_first, n_q, masked_until, GROUP,
+    N_QUERIES, N_KEYS, qk_scale, sm_scale,
+    CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+    STAGES: gl.constexpr, LD_SMEM: gl.constexpr, DQ_BUFS: gl.constexpr,
+):
+    k_buf, v_buf, q_bufs, do_bufs, ds_bufs, kv_ready, qdo_ready, qdo_empty, ds_ready, l_bufs, d_bufs = bufs
+    dtype: gl.constexpr = k_buf.dtype
+    KEYS: gl.constexpr = BLOCK_N // 2
+    # d = 128: each consumer computes dQ for half the columns (a (64, 64) fp32 tile, 32 registers a thread);
+    # d = 64: the whole (64, 64) tile, one consumer per query tile in turn.
+    SPLIT_DQ: gl.constexpr = HEAD_DIM == 128
+    DQ_COLS: gl.constexpr = HEAD_DIM // 2 if SPLIT_DQ else HEAD_DIM
+    s_layout: gl.constexpr = mma_layout(BLOCK_M)
+    kv_layout: gl.constexpr = mma_layout(HEAD_DIM)
+    dq_layout: gl.constexpr = mma_layout(DQ_COLS)
+    # P^T and dS^T feed dV += P^T dO and dK += dS^T Q from registers; for 16-bit types this layout holds the
+    # same elements per thread as the S^T accumulator, so the conversion moves no data.
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    k_all = k_buf.reshape([BLOCK_N, HEAD_DIM])
+    k_own = k_all.slice(CONSUMER * KEYS, KEYS, dim=0)
+    v_own = v_buf.reshape([BLOCK_N, HEAD_DIM]).slice(CONSUMER * KEYS, KEYS, dim=0)
+    k_dq = k_all.slice(CONSUMER * DQ_COLS, DQ_COLS, dim=1) if SPLIT_DQ else k_all
+    offs_k = k0 + CONSUMER * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
+    s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout)
+    dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
+    dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=kv_layout)
+    dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=kv_layout)
+    mbarrier.wait(kv_ready.index(0), 0)
+
+    for t in range(GROUP * n_q):
+        h = h_kv * GROUP + t // n_q
+        i = q_first + t % n_q
+        stage = t % STAGES
+        slot = t % 2
+        q_smem = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
+        do_smem = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
+        offs_q = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_s)
+        row_base = ((b * H_KV + h_kv) * GROUP + t // n_q).to(gl.int64) * N_QUERIES
+        # Padded query rows read L = D = 0; their Q and dO rows are zeros, so they add nothing anyway.
+        if not LD_SMEM:
+            lse2 = gl.load(L + row_base + offs_q, mask=offs_q < N_QUERIES, other=0.0) * 1.4426950408889634
+            delta = gl.load(DELTA + row_base + offs_q, mask=offs_q < N_QUERIES, other=0.0)
+        mbarrier.wait(qdo_ready.index(stage), (t // STAGES) & 1)
+        s_t = warpgroup_mma(k_own, q_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp_t = warpgroup_mma(v_own, do_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s_t = warpgroup_mma_wait(1, deps=(s_t,))
+        if LD_SMEM:
+            lse2 = l_bufs.index(stage).reshape([BLOCK_M]).load(col_s) * 1.4426950408889634
+        p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
+        if i < masked_until:  # never without the causal mask: masked_until is 0 then
+            p_t = gl.where(offs_q[None, :] >= offs_k[:, None], p_t, 0.0)
+        p16 = gl.convert_layout(p_t.to(dtype), a_layout)
+        dv = warpgroup_mma(p16, do_smem, dv, is_async=True)
+        dp_t = warpgroup_mma_wait(1, deps=(dp_t,))
+        if LD_SMEM:
+            delta = d_bufs.index(stage).reshape([BLOCK_M]).load(col_s)
+        # dS^T carries the softmax scale, so that dK and dQ come out scaled.
+        ds16 = (p_t * (dp_t - delta[None, :]) * sm_scale).to(dtype)
+        ds_bufs.index(slot).slice(CONSUMER * KEYS, KEYS, dim=0).store(ds16)
+        fence_async_shared()
+        mbarrier.arrive(ds_ready.index(slot))
+        ds16 = gl.convert_layout(ds16, a_layout)
+        dk = warpgroup_mma(ds16, q_smem, dk, is_async=True)
+        if (t % 2 == CONSUMER) | SPLIT_DQ:
+            # dQ needs both consumers' dS^T rows. The slot is reused two tiles later; by then the other
+            # consumer has passed this tile's ds_ready wait (it is two arrivals behind at most).
+            mbarrier.wait(ds_ready.index(slot), (t // 2) & 1)
+            dq = warpgroup_mma(ds_bufs.index(slot).permute((1, 0)), k_dq, dq_zero, use_acc=False, is_async=True)
+            # Waits for every wgmma in flight; dK and dV pass through the wait after the branch.
+            dq, p16, ds16 = warpgroup_mma_wait(0, deps=(dq, p16, ds16))
+            # The previous reduce-add has had a whole tile to read the staging buffer.
+            if SPLIT_DQ:
+                dq_tile = dq_bufs.index(CONSUMER * DQ_BUFS + t % DQ_BUFS)
+            else:
+                dq_tile = dq_bufs.index(CONSUMER * DQ_BUFS + (t // 2) % DQ_BUFS)
+            tma.store_wait(DQ_BUFS - 1)
+            dq_tile.reshape([BLOCK_M, DQ_COLS]).store(dq)
+            fence_async_shared()
+            _tma_reduce_add(dq_desc, [b, h, i * BLOCK_M, CONSUMER * DQ_COLS if SPLIT_DQ else 0], dq_tile)
+        dk, dv, p16, ds16 = warpgroup_mma_wait(0, deps=(dk, dv, p16, ds16))
+        mbarrier.arrive(qdo_empty.index(stage))
+
+    # dK, dV rows past the end of the keys are dropped by the mask.
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+    rows = k0 + CONSUMER * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kv_layout))
+    offsets = ((b * H_KV + h_kv).to(gl.int64) * N_KEYS + rows[:, None]) * HEAD_DIM + offs_d[None, :]
+    gl.store(DK + offsets, dk.to(dtype), mask=rows[:, None] < N_KEYS)
+    gl.store(DV + offsets, dv.to(dtype), mask=rows[:, None] < N_KEYS)
+    tma.store_wait(0)
+
+
+# Lengths and head counts only enter comparisons and offsets: one build serves them all.
+@gluon.jit(do_not_specialize=["H_KV", "GROUP", "N_QUERIES", "N_KEYS"])
+def _attn_bwd_kernel(
+    q_desc, k_desc, v_desc, do_desc, dq_desc, l_desc, d_desc, L, DELTA, DK, DV,
+    H_KV, GROUP, N_QUERIES, N_KEYS, qk_scale, sm_scale,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, LD_SMEM: gl.constexpr, DQ_BUFS: gl.constexpr,
+):
+    # Grid: (key tiles, batch * key/value heads). Causal programs with the first keys see the most queries
+    # and start first.
+    pid_bh = gl.program_id(1)
+    b = pid_bh // H_KV
+    h_kv = pid_bh % H_KV
+    k0 = gl.program_id(0) * BLOCK_N
+    n_tiles_q = gl.cdiv(N_QUERIES, BLOCK_M)
+    # Query tiles [q_first, q_first + n_q) see at least one of the keys; those below masked_until straddle
+    # the diagonal.
+    if IS_CAUSAL:
+        q_first = gl.minimum(k0 // BLOCK_M, n_tiles_q)
+        masked_until = gl.cdiv(k0 + BLOCK_N, BLOCK_M)
+    else:
+        q_first = 0
+        masked_until = 0
+    n_q = n_tiles_q - q_first
+
+    dtype: gl.constexpr = q_desc.dtype
+    k_buf = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
+    v_buf = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFS] + dq_desc.block_type.shape, dq_desc.layout)
+    if LD_SMEM:
+        l_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + l_desc.block_type.shape, l_desc.layout)
+        d_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + d_desc.block_type.shape, d_desc.layout)
+    else:
+        l_bufs = dq_bufs
+        d_bufs = dq_bufs
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    qdo_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready.index(0), count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(qdo_ready.index(s), count=1)
+        # Both consumers read every Q and dO tile; each releases it once.
+        mbarrier.init(qdo_empty.index(s), count=2)
+    for s in gl.static_range(2):
+        mbarrier.init(ds_ready.index(s), count=2)
+
+    bufs = (k_buf, v_buf, q_bufs, do_bufs, ds_bufs, kv_ready, qdo_ready, qdo_empty, ds_ready, l_bufs, d_bufs)
+    gl.warp_specialize(
+        [
+            (_bwd_consumer, (dq_desc, L, DELTA, DK, DV, bufs, dq_bufs, b, h_kv, H_KV, k0, q_first, n_q,
+                             masked_until, GROUP, N_QUERIES, N_KEYS, qk_scale, sm_scale,
+                             0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, LD_SMEM, DQ_BUFS)),
+            (_bwd_consumer, (dq_desc, L, DELTA, DK, DV, bufs, dq_bufs, b, h_kv, H_KV, k0, q_first, n_q,
+                             masked_until, GROUP, N_QUERIES, N_KEYS, qk_scale, sm_scale,
+                             1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, LD_SMEM, DQ_BUFS)),
+            (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, l_desc, d_desc, bufs, b, h_kv, k0, q_first, n_q,
+                             GROUP, BLOCK_M, STAGES, LD_SMEM)),
+        ],
+        [4, 1],
+        [CONSUMER_REGISTERS, PRODUCER_REGISTERS],
+    )
+
+
+def _row_desc(x: torch.Tensor, block_m: int) -> TensorDescriptor:
+    block = [1, 1, block_m]
+    return TensorDescriptor.from_tensor(x, block, gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
+                                                                       rank=3))
+
+
+def _padded_rows(shape, device) -> torch.Tensor:
+    # (batch, heads, seq) fp32 view over rows padded to a multiple of 4 (TMA needs 16-byte strides).
+    b, h, n = shape
+    return torch.zeros((b, h, (n + 3) // 4 * 4), device=device, dtype=torch.float32)[..., :n]
+
+
+def gluon_attention_backward_exp(q, k, v, o, do, lse, is_causal, ld_smem=False, dq_bufs=1, stages=None):
+    check_inputs(q, k, v, is_causal)
+    q, k, v, do = tma_ready(q), tma_ready(k), tma_ready(v), tma_ready(do)
+    batch, heads_q, n_queries, head_dim = q.shape
+    lse_p = _padded_rows(lse.shape, q.device)
+    lse_p.copy_(lse)
+    delta = _padded_rows(lse.shape, q.device)
+    bwd_preprocess_kernel[(triton.cdiv(n_queries, 64), batch * heads_q)](
+        o, do, delta, *o.stride(), *do.stride(), delta.stride(0), delta.stride(1), heads_q, n_queries,
+        HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=64,
+    )
+    dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+    dk = torch.empty(k.shape, device=q.device, dtype=q.dtype)
+    dv = torch.empty_like(dk)
+    heads_kv, n_keys = k.shape[1], k.shape[2]
+    block_m, block_n, default_stages = CONFIGS[head_dim]
+    sm_scale = 1.0 / math.sqrt(head_dim)
+    dq_block = [1, 1, block_m, head_dim // 2 if head_dim == 128 else head_dim]
+    dq_desc = TensorDescriptor.from_tensor(dq_acc, dq_block, gl.NVMMASharedLayout.get_default_for(dq_block, gl.float32))
+    args = (
+        descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(do, block_m), dq_desc,
+        _row_desc(lse_p, block_m), _row_desc(delta, block_m),
+        lse_p, delta, dk, dv, heads_kv, heads_q // heads_kv, n_queries, n_keys, sm_scale * LOG2E, sm_scale,
+    )
+    constants = {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages or default_stages,
+                 "IS_CAUSAL": is_causal, "LD_SMEM": ld_smem, "DQ_BUFS": dq_bufs}
+    grid = (triton.cdiv(n_keys, block_n), batch * heads_kv)
+    _attn_bwd_kernel[grid](*args, **constants, num_warps=4, maxnreg=MAX_REGISTERS)
+    return dq_acc.to(q.dtype), dk, dv
