@@ -15,6 +15,10 @@ each rounded once to the input dtype. Here it differs from PyTorch's autograd of
 four intermediates (g * b, its products with s and with a, sigmoid's backward) and their sum, so da is a little
 more accurate than the module's.
 
+Both kernels run on a flat 1-D grid, one block of the row-major (rows, n) elements per program, so only the last
+block is masked. Contiguous rows (every operand's rows n apart) are indexed base + i; rows with other strides
+(unit column stride, e.g. column slices of a fused w1|w3 output) through row = i // n, col = i - row * n.
+
     out = silu_mul(a, b)      # a, b (..., n) of one dtype and shape
 
 ``silu_mul_reference`` is the module's expression in plain PyTorch; tests and benchmarks import it.
@@ -31,10 +35,12 @@ import triton.language as tl
 from cs336_kernels.interpreter import check_device
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Elements per program along a row: 8 bf16 values per thread at 4 warps, one 16-byte load per tensor.
-_BLOCK_N = 1024
-_NUM_WARPS = 4
-MAX_N = 65535 * _BLOCK_N  # row blocks are grid axis 1, which holds at most 65535 programs
+# Elements per program: 16 per thread at 8 warps, two 16-byte loads of bf16 per tensor in flight.
+_BLOCK = 4096
+_NUM_WARPS = 8
+# The strided path indexes within rows in int32, up to n + _BLOCK.
+MAX_N = 2**31 - _BLOCK
+MAX_NUMEL = (2**31 - 1) * _BLOCK  # one program per block on grid axis 0
 
 
 @triton.jit
@@ -44,40 +50,52 @@ def _rounded(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _at(X, stride, N, start, idx, ROW_STRIDED: tl.constexpr):
+    """Pointers to the elements start + idx, in row-major order, of (rows, N) X with rows ``stride`` apart."""
+    if ROW_STRIDED:
+        row0 = start // N
+        col = (start - row0 * N).to(tl.int32) + idx
+        row = col // N
+        return X + (row0 + row) * stride + (col - row * N)
+    else:
+        return X + start + idx
+
+
+@triton.jit
 def _silu_mul_fwd_kernel(
-    A, B, OUT,  # a, b (rows, N) with row strides and unit column stride; out (rows, N) contiguous
-    stride_a, stride_b, N,
-    BLOCK_N: tl.constexpr,
+    A, B, OUT,  # a, b (rows, N) with unit column stride, rows stride_a / stride_b apart; out (rows, N) contiguous
+    stride_a, stride_b, N, numel,
+    BLOCK: tl.constexpr, ROW_STRIDED: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = cols < N
-    a = tl.load(A + row * stride_a + cols, mask=mask, other=0.0)
-    b = tl.load(B + row * stride_b + cols, mask=mask, other=0.0).to(tl.float32)
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    idx = tl.arange(0, BLOCK)
+    mask = idx < numel - start
+    a = tl.load(_at(A, stride_a, N, start, idx, ROW_STRIDED), mask=mask, other=0.0)
+    b = tl.load(_at(B, stride_b, N, start, idx, ROW_STRIDED), mask=mask, other=0.0).to(tl.float32)
     dtype = a.dtype
     a = a.to(tl.float32)
     t = _rounded(a * _rounded(tl.sigmoid(a), dtype), dtype)
-    tl.store(OUT + row * N + cols, (t * b).to(dtype), mask=mask)
+    tl.store(OUT + start + idx, (t * b).to(dtype), mask=mask)
 
 
 @triton.jit
 def _silu_mul_bwd_kernel(
-    DOUT, A, B, DA, DB,  # dout, a, b (rows, N) strided, unit column stride; da, db (rows, N) contiguous
-    stride_dout, stride_a, stride_b, N,
-    BLOCK_N: tl.constexpr,
+    DOUT, A, B, DA, DB,  # dout, a, b (rows, N) with unit column stride and row strides; da, db (rows, N) contiguous
+    stride_dout, stride_a, stride_b, N, numel,
+    BLOCK: tl.constexpr, ROW_STRIDED: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = cols < N
-    a = tl.load(A + row * stride_a + cols, mask=mask, other=0.0)
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    idx = tl.arange(0, BLOCK)
+    mask = idx < numel - start
+    a = tl.load(_at(A, stride_a, N, start, idx, ROW_STRIDED), mask=mask, other=0.0)
     dtype = a.dtype
     a = a.to(tl.float32)
-    b = tl.load(B + row * stride_b + cols, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(DOUT + row * stride_dout + cols, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(_at(B, stride_b, N, start, idx, ROW_STRIDED), mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(_at(DOUT, stride_dout, N, start, idx, ROW_STRIDED), mask=mask, other=0.0).to(tl.float32)
     s = tl.sigmoid(a)
     t = _rounded(a * _rounded(s, dtype), dtype)
-    tl.store(DB + row * N + cols, (g * t).to(dtype), mask=mask)
-    tl.store(DA + row * N + cols, (g * b * s * (1.0 + a * (1.0 - s))).to(dtype), mask=mask)
+    tl.store(DB + start + idx, (g * t).to(dtype), mask=mask)
+    tl.store(DA + start + idx, (g * b * s * (1.0 + a * (1.0 - s))).to(dtype), mask=mask)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -86,8 +104,14 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _grid(rows: int, n: int) -> tuple[int, int]:
-    return rows, triton.cdiv(n, _BLOCK_N)
+def _row_strided(*ts: torch.Tensor) -> bool:
+    """Whether the kernels must step rows by their strides: some (rows, n) operand's rows are not n apart."""
+    rows, n = ts[0].shape
+    return rows > 1 and any(t.stride(0) != n for t in ts)
+
+
+def _grid(numel: int) -> tuple[int]:
+    return (triton.cdiv(numel, _BLOCK),)
 
 
 def _device_context(t: torch.Tensor):
@@ -100,8 +124,9 @@ def silu_mul_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, n), dtype=a.dtype, device=a.device)
     if out.numel():
         with _device_context(a):
-            _silu_mul_fwd_kernel[_grid(rows, n)](a, b, out, a.stride(0), b.stride(0), n, BLOCK_N=_BLOCK_N,
-                                                 num_warps=_NUM_WARPS)
+            _silu_mul_fwd_kernel[_grid(out.numel())](a, b, out, a.stride(0), b.stride(0), n, out.numel(),
+                                                     BLOCK=_BLOCK, ROW_STRIDED=_row_strided(a, b),
+                                                     num_warps=_NUM_WARPS)
     return out
 
 
@@ -112,8 +137,9 @@ def silu_mul_backward(dout: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> t
     db = torch.empty_like(da)
     if da.numel():
         with _device_context(a):
-            _silu_mul_bwd_kernel[_grid(rows, n)](dout, a, b, da, db, dout.stride(0), a.stride(0), b.stride(0), n,
-                                                 BLOCK_N=_BLOCK_N, num_warps=_NUM_WARPS)
+            _silu_mul_bwd_kernel[_grid(da.numel())](dout, a, b, da, db, dout.stride(0), a.stride(0), b.stride(0), n,
+                                                    da.numel(), BLOCK=_BLOCK, ROW_STRIDED=_row_strided(dout, a, b),
+                                                    num_warps=_NUM_WARPS)
     return da, db
 
 
@@ -143,6 +169,8 @@ def _check_inputs(a: torch.Tensor, b: torch.Tensor) -> None:
         raise ValueError(f"a and b must have one shape (..., n), got {tuple(a.shape)} and {tuple(b.shape)}")
     if a.shape[-1] > MAX_N:
         raise ValueError(f"the last dim must be at most {MAX_N}, got {a.shape[-1]}")
+    if a.numel() > MAX_NUMEL:
+        raise ValueError(f"a and b must have at most {MAX_NUMEL} elements, got {a.numel()}")
     if a.device != b.device:
         raise ValueError(f"a and b must be on one device, got {a.device} and {b.device}")
 
