@@ -22,6 +22,7 @@ from cs336_kernels.flash_attention import (
     flash_forward_triton,
     tuning,
 )
+from cs336_kernels.flash_attention.api import backward_impl
 from cs336_kernels.flash_attention.forward import gluon_forward_applies
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -217,7 +218,7 @@ def test_bad_flags_raise():
     q, k, v = _bad((1, 4, 16))
     with pytest.raises(TypeError, match="is_causal"):
         flash_attention(q, k, v, 1)
-    with pytest.raises(ValueError, match="backward"):
+    with pytest.raises(ValueError, match="backward must be one of auto, triton, gluon, pytorch"):
         flash_attention(q, k, v, backward="cuda")
     with pytest.raises(ValueError, match="forward must be one of auto, triton, gluon"):
         flash_attention(q, k, v, forward="fa3")
@@ -233,6 +234,21 @@ def test_auto_forward_is_triton_off_sm90():
     assert torch.equal(flash_attention(q, k, v, True), flash_attention(q, k, v, True, forward="triton"))
     with pytest.raises((ValueError, TypeError), match="sm_90|dtype"):
         flash_attention(q, k, v, True, forward="gluon")
+
+
+def test_auto_backward_is_triton_off_sm90_and_when_deterministic():
+    # "auto" names the Gluon backward only where the Gluon kernels apply and deterministic algorithms are off;
+    # off sm_90 (here) and in deterministic mode it is the reproducible Triton one; a named backward stays.
+    q = torch.randn(1, 2, 33, 64)
+    assert backward_impl(q, "auto") == "triton"
+    assert [backward_impl(q, name) for name in ("triton", "gluon", "pytorch")] == ["triton", "gluon", "pytorch"]
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert backward_impl(q, "auto") == "triton"
+    finally:
+        torch.use_deterministic_algorithms(False)
+    with pytest.raises(ValueError, match="backward must be one of"):
+        backward_impl(q, "fa3")
 
 
 # ------------------------------------------------------------------------------------------------ GPU

@@ -10,6 +10,7 @@ import pytest
 import torch
 from attention_tolerances import LSE_TOL, REL_TOL
 from cs336_kernels.flash_attention import attention_reference, flash_attention
+from cs336_kernels.flash_attention.api import backward_impl
 from cs336_kernels.flash_attention.forward import gluon_forward_applies
 from cs336_kernels.flash_attention.gluon_backward import gluon_attention_backward
 from cs336_kernels.flash_attention.gluon_forward import gluon_attention_forward
@@ -117,7 +118,8 @@ def test_gpu_input_checks():
         gluon_attention_forward(q, k, v, 1)
 
 
-@pytest.mark.parametrize(("forward", "backward"), [("auto", "triton"), ("gluon", "gluon"), ("triton", "gluon")])
+@pytest.mark.parametrize(("forward", "backward"),
+                         [("auto", "auto"), ("auto", "triton"), ("gluon", "gluon"), ("triton", "gluon")])
 def test_gpu_flash_attention_runs_each_path(forward, backward):
     # Through the public function: the custom op's dispatch, the autograd Function and the backward choice.
     q, k, v, do = _inputs((2, 4, 777, 128), (2, 2, 777, 128), torch.bfloat16, seed=11)
@@ -132,3 +134,26 @@ def test_gpu_flash_attention_runs_each_path(forward, backward):
     for name, got, ref in zip(("dQ", "dK", "dV"), grads, ref_grads, strict=True):
         assert _rel_err(got, ref.double()) < REL_TOL[torch.bfloat16], name
     assert not gluon_forward_applies(q.float()) and not gluon_forward_applies(q[..., :96])
+
+
+def test_gpu_auto_backward_is_gluon_unless_deterministic():
+    # On sm_90 "auto" runs the Gluon backward: its dK and dV equal the forced Gluon path's bit for bit (dQ's
+    # reduce-adds land in a varying order); under deterministic algorithms it is the Triton one, bit for bit.
+    q, k, v, do = _inputs((1, 4, 300, 64), (1, 2, 300, 64), torch.bfloat16, seed=12)
+
+    def grads(**backward):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        flash_attention(*leaves, is_causal=True, **backward).backward(do)
+        return [t.grad for t in leaves]
+
+    assert backward_impl(q, "auto") == "gluon"
+    auto, gluon = grads(), grads(backward="gluon")
+    assert torch.equal(auto[1], gluon[1]) and torch.equal(auto[2], gluon[2])
+    assert _rel_err(auto[0], gluon[0]) < REL_TOL[torch.bfloat16]
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert backward_impl(q, "auto") == "triton"
+        deterministic = grads()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert all(torch.equal(a, b) for a, b in zip(deterministic, grads(backward="triton"), strict=True))

@@ -13,7 +13,7 @@ Parts (handout section 4):
   forward+backward of our Triton FlashAttention-2, the plain PyTorch attention and torch SDPA.
 - ``anchors``: (1, 32, 32768, 128) (one layer of the leaderboard model), (1, 16, 16384, 64) and
   (4, 32, 4096, 128), bf16, causal, every path of ours and the PyTorch baselines in the same process:
-  ``ours`` (``flash_attention`` as it is called by default: the Gluon forward on sm_90, the Triton backward),
+  ``ours`` (``flash_attention`` as it is called by default: the Gluon forward and backward on sm_90),
   ``triton`` (Triton forward and backward), ``gluon`` (Gluon forward and backward), ``sdpa`` (PyTorch's
   default backend, cuDNN on an H200), ``sdpa_flash`` (its FlashAttention-2 backend) and ``flex``
   (FlexAttention under ``torch.compile`` with a causal block mask).

@@ -21,7 +21,8 @@ Conventions:
   scaled_dot_product_attention(is_causal=True)``: query ``i`` sees keys ``0..i``. Every query therefore
   sees at least key 0, so no row is ever empty; keys past ``Tq - 1`` get zero gradient.
 - ``L`` is the natural-log logsumexp of the scaled scores, fp32, shaped like ``Q`` without its last dim.
-- The Triton backward pass is two kernels without atomics, so it is deterministic.
+- The Triton backward pass is two kernels without atomics, so it is deterministic; ``backward="auto"`` (the default)
+  runs it off sm_90 and under ``torch.use_deterministic_algorithms(True)``, the faster Gluon one elsewhere.
 - fp32 inputs use true fp32 products (``input_precision="ieee"``), not TF32.
 
 This package is also callable: ``cs336_kernels.flash_attention(q, k, v)`` is :func:`flash_attention`, so

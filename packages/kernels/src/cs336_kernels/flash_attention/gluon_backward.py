@@ -3,14 +3,17 @@
 One program owns ``BLOCK_N`` keys of one (batch, key/value head) and runs three partitions:
 
 - a one-warp producer that loads the program's K and V tiles once, then streams the Q and dO tiles of every
-  query head of the GQA group by TMA into a ``STAGES``-deep shared-memory ring;
+  query head of the GQA group, with their rows of L and D, by TMA into a ``STAGES``-deep shared-memory ring
+  (so the consumers read L and D from shared memory just before they need them: no global loads, and no
+  registers holding them across the products);
 - two consumer warpgroups, each owning ``BLOCK_N / 2`` of the keys, that run five wgmma products per
   (query tile, key tile): ``S^T = K Q^T`` and ``dP^T = V dO^T`` (keys as rows, so that P^T and dS^T are
   already the register A operands of the next two), ``dV += P^T dO``, ``dK += dS^T Q``, and
   ``dQ = dS K`` over all the program's keys. Both consumers write their dS^T rows to shared memory; with
   d = 128 each computes half of dQ's columns, with d = 64 they take turns by query tile. dQ is added in fp32
-  into a global accumulator by TMA reduce-adds (``cp.reduce.async.bulk.tensor``), which run off the
-  consumers' critical path. dK and dV stay in registers until the end.
+  into a global accumulator by TMA reduce-adds (``cp.reduce.async.bulk.tensor``) from two staging buffers per
+  consumer, so a consumer waits only for the reduce-add of two dQ tiles ago. dK and dV stay in registers
+  until the end.
 
 ``P^T = exp2(S^T * scale * log2(e) - L * log2(e))`` is recomputed from the forward's logsumexp and
 ``dS^T = P^T * (dP^T - D)`` uses ``D = rowsum(dO * O)``. Rows past the end of a head read as zeros by TMA,
@@ -53,8 +56,11 @@ from cs336_kernels.flash_attention.gluon_forward import (
 )
 
 # Per head dim: (BLOCK_M queries per tile, BLOCK_N keys per program, STAGES of the Q/dO ring). Shared memory
-# at d = 128: K, V 2 x 32 KiB, Q/dO ring 2 x 32 KiB, dS^T 2 x 16 KiB, dQ staging 2 x 16 KiB = 192 KiB.
+# at d = 128: K, V 2 x 32 KiB, Q/dO ring 2 x 32 KiB, dS^T 2 x 16 KiB, dQ staging 4 x 16 KiB, L/D ring 1 KiB =
+# 225 KiB of the 227 an sm_90 block may have.
 CONFIGS = {64: (64, 128, 3), 128: (64, 128, 2)}
+# Two dQ staging buffers per consumer.
+DQ_BUFFERS = 2
 
 
 @builtin
@@ -67,10 +73,10 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 @gluon.jit
 def _bwd_producer(
-    q_desc, k_desc, v_desc, do_desc, bufs, b, h_kv, k0, q_first, n_q, GROUP,
+    q_desc, k_desc, v_desc, do_desc, l_desc, d_desc, bufs, b, h_kv, k0, q_first, n_q, GROUP,
     BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
 ):
-    k_buf, v_buf, q_bufs, do_bufs, ds_bufs, kv_ready, qdo_ready, qdo_empty, ds_ready = bufs
+    k_buf, v_buf, q_bufs, do_bufs, l_bufs, d_bufs, ds_bufs, kv_ready, qdo_ready, qdo_empty, ds_ready = bufs
     mbarrier.expect(kv_ready.index(0), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [b, h_kv, k0, 0], kv_ready.index(0), k_buf)
     tma.async_copy_global_to_shared(v_desc, [b, h_kv, k0, 0], kv_ready.index(0), v_buf)
@@ -81,19 +87,22 @@ def _bwd_producer(
         # A fresh mbarrier counts as having completed the phase before phase 0: the first pass does not wait.
         mbarrier.wait(qdo_empty.index(stage), ((t // STAGES) & 1) ^ 1)
         ready = qdo_ready.index(stage)
-        mbarrier.expect(ready, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        mbarrier.expect(ready, q_desc.block_type.nbytes + do_desc.block_type.nbytes + l_desc.block_type.nbytes
+                        + d_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, h, row, 0], ready, q_bufs.index(stage))
         tma.async_copy_global_to_shared(do_desc, [b, h, row, 0], ready, do_bufs.index(stage))
+        tma.async_copy_global_to_shared(l_desc, [b, h, row], ready, l_bufs.index(stage))
+        tma.async_copy_global_to_shared(d_desc, [b, h, row], ready, d_bufs.index(stage))
 
 
 @gluon.jit
 def _bwd_consumer(
-    dq_desc, L, DELTA, DK, DV, bufs, dq_bufs, b, h_kv, H_KV, k0, q_first, n_q, masked_until, GROUP,
-    N_QUERIES, N_KEYS, qk_scale, sm_scale,
+    dq_desc, DK, DV, bufs, dq_bufs, b, h_kv, H_KV, k0, q_first, n_q, masked_until, GROUP, N_KEYS, qk_scale,
+    sm_scale,
     CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-    STAGES: gl.constexpr,
+    STAGES: gl.constexpr, DQ_BUFFERS: gl.constexpr,
 ):
-    k_buf, v_buf, q_bufs, do_bufs, ds_bufs, kv_ready, qdo_ready, qdo_empty, ds_ready = bufs
+    k_buf, v_buf, q_bufs, do_bufs, l_bufs, d_bufs, ds_bufs, kv_ready, qdo_ready, qdo_empty, ds_ready = bufs
     dtype: gl.constexpr = k_buf.dtype
     KEYS: gl.constexpr = BLOCK_N // 2
     # d = 128: each consumer computes dQ for half the columns (a (64, 64) fp32 tile, 32 registers a thread);
@@ -112,8 +121,6 @@ def _bwd_consumer(
     k_own = k_all.slice(CONSUMER * KEYS, KEYS, dim=0)
     v_own = v_buf.reshape([BLOCK_N, HEAD_DIM]).slice(CONSUMER * KEYS, KEYS, dim=0)
     k_dq = k_all.slice(CONSUMER * DQ_COLS, DQ_COLS, dim=1) if SPLIT_DQ else k_all
-    dq_tile = dq_bufs.index(CONSUMER)
-    dq_smem = dq_tile.reshape([BLOCK_M, DQ_COLS])
     offs_k = k0 + CONSUMER * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
     s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout)
     dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
@@ -129,20 +136,20 @@ def _bwd_consumer(
         q_smem = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
         do_smem = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
         offs_q = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_s)
-        row_base = ((b * H_KV + h_kv) * GROUP + t // n_q).to(gl.int64) * N_QUERIES
-        # Padded query rows read L = D = 0; their Q and dO rows are zeros, so they add nothing anyway.
-        lse2 = gl.load(L + row_base + offs_q, mask=offs_q < N_QUERIES, other=0.0) * 1.4426950408889634
-        delta = gl.load(DELTA + row_base + offs_q, mask=offs_q < N_QUERIES, other=0.0)
         mbarrier.wait(qdo_ready.index(stage), (t // STAGES) & 1)
         s_t = warpgroup_mma(k_own, q_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dp_t = warpgroup_mma(v_own, do_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s_t = warpgroup_mma_wait(1, deps=(s_t,))
+        # Query rows past the end read L = D = 0 (TMA fills them with zeros); their Q and dO rows are zeros
+        # too, so they add nothing.
+        lse2 = l_bufs.index(stage).reshape([BLOCK_M]).load(col_s) * 1.4426950408889634  # log2(e)
         p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
         if i < masked_until:  # never without the causal mask: masked_until is 0 then
             p_t = gl.where(offs_q[None, :] >= offs_k[:, None], p_t, 0.0)
         p16 = gl.convert_layout(p_t.to(dtype), a_layout)
         dv = warpgroup_mma(p16, do_smem, dv, is_async=True)
         dp_t = warpgroup_mma_wait(1, deps=(dp_t,))
+        delta = d_bufs.index(stage).reshape([BLOCK_M]).load(col_s)
         # dS^T carries the softmax scale, so that dK and dQ come out scaled.
         ds16 = (p_t * (dp_t - delta[None, :]) * sm_scale).to(dtype)
         ds_bufs.index(slot).slice(CONSUMER * KEYS, KEYS, dim=0).store(ds16)
@@ -157,9 +164,13 @@ def _bwd_consumer(
             dq = warpgroup_mma(ds_bufs.index(slot).permute((1, 0)), k_dq, dq_zero, use_acc=False, is_async=True)
             # Waits for every wgmma in flight; dK and dV pass through the wait after the branch.
             dq, p16, ds16 = warpgroup_mma_wait(0, deps=(dq, p16, ds16))
-            # The previous reduce-add has had a whole tile to read the staging buffer.
-            tma.store_wait(0)
-            dq_smem.store(dq)
+            # A staging buffer is reused DQ_BUFFERS dQ tiles later, once its reduce-add has read it.
+            if SPLIT_DQ:
+                dq_tile = dq_bufs.index(CONSUMER * DQ_BUFFERS + t % DQ_BUFFERS)
+            else:
+                dq_tile = dq_bufs.index(CONSUMER * DQ_BUFFERS + (t // 2) % DQ_BUFFERS)
+            tma.store_wait(DQ_BUFFERS - 1)
+            dq_tile.reshape([BLOCK_M, DQ_COLS]).store(dq)
             fence_async_shared()
             _tma_reduce_add(dq_desc, [b, h, i * BLOCK_M, CONSUMER * DQ_COLS if SPLIT_DQ else 0], dq_tile)
         dk, dv, p16, ds16 = warpgroup_mma_wait(0, deps=(dk, dv, p16, ds16))
@@ -177,10 +188,10 @@ def _bwd_consumer(
 # Lengths and head counts only enter comparisons and offsets: one build serves them all.
 @gluon.jit(do_not_specialize=["H_KV", "GROUP", "N_QUERIES", "N_KEYS"])
 def _attn_bwd_kernel(
-    q_desc, k_desc, v_desc, do_desc, dq_desc, L, DELTA, DK, DV,
+    q_desc, k_desc, v_desc, do_desc, dq_desc, l_desc, d_desc, DK, DV,
     H_KV, GROUP, N_QUERIES, N_KEYS, qk_scale, sm_scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    IS_CAUSAL: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr,
 ):
     # Grid: (key tiles, batch * key/value heads). Causal programs with the first keys see the most queries
     # and start first.
@@ -204,9 +215,11 @@ def _attn_bwd_kernel(
     v_buf = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    l_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + l_desc.block_type.shape, l_desc.layout)
+    d_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + d_desc.block_type.shape, d_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-    dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFFERS] + dq_desc.block_type.shape, dq_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     qdo_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -219,28 +232,49 @@ def _attn_bwd_kernel(
     for s in gl.static_range(2):
         mbarrier.init(ds_ready.index(s), count=2)
 
-    bufs = (k_buf, v_buf, q_bufs, do_bufs, ds_bufs, kv_ready, qdo_ready, qdo_empty, ds_ready)
+    bufs = (k_buf, v_buf, q_bufs, do_bufs, l_bufs, d_bufs, ds_bufs, kv_ready, qdo_ready, qdo_empty, ds_ready)
     gl.warp_specialize(
         [
-            (_bwd_consumer, (dq_desc, L, DELTA, DK, DV, bufs, dq_bufs, b, h_kv, H_KV, k0, q_first, n_q,
-                             masked_until, GROUP, N_QUERIES, N_KEYS, qk_scale, sm_scale,
-                             0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
-            (_bwd_consumer, (dq_desc, L, DELTA, DK, DV, bufs, dq_bufs, b, h_kv, H_KV, k0, q_first, n_q,
-                             masked_until, GROUP, N_QUERIES, N_KEYS, qk_scale, sm_scale,
-                             1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
-            (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, bufs, b, h_kv, k0, q_first, n_q, GROUP,
-                             BLOCK_M, STAGES)),
+            (_bwd_consumer, (dq_desc, DK, DV, bufs, dq_bufs, b, h_kv, H_KV, k0, q_first, n_q, masked_until,
+                             GROUP, N_KEYS, qk_scale, sm_scale, 0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                             DQ_BUFFERS)),
+            (_bwd_consumer, (dq_desc, DK, DV, bufs, dq_bufs, b, h_kv, H_KV, k0, q_first, n_q, masked_until,
+                             GROUP, N_KEYS, qk_scale, sm_scale, 1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                             DQ_BUFFERS)),
+            (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, l_desc, d_desc, bufs, b, h_kv, k0, q_first, n_q,
+                             GROUP, BLOCK_M, STAGES)),
         ],
         [4, 1],
         [CONSUMER_REGISTERS, PRODUCER_REGISTERS],
     )
 
 
+def _row_descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
+    # (1, 1, rows) boxes of a (batch, heads, seq) fp32 tensor; a 256-byte row of one box takes no swizzle.
+    return TensorDescriptor.from_tensor(x, [1, 1, block_rows], gl.NVMMASharedLayout(0, 32, rank=3))
+
+
+def _padded_rows(shape: torch.Size, device: torch.device) -> torch.Tensor:
+    # A (batch, heads, seq) fp32 view whose head stride is a multiple of 4 elements, as TMA needs 16-byte strides.
+    batch, heads, n = shape
+    return torch.empty((batch, heads, -(-n // 4) * 4), device=device, dtype=torch.float32)[..., :n]
+
+
+def _rows_ready(x: torch.Tensor) -> torch.Tensor:
+    aligned = x.data_ptr() % 16 == 0 and x.stride(-1) == 1 and all(s % 4 == 0 for s in x.stride()[:-1])
+    if aligned:
+        return x
+    padded = _padded_rows(x.shape, x.device)
+    padded.copy_(x)
+    return padded
+
+
 def backward_args(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
     dq_acc: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, is_causal: bool,
 ) -> tuple[tuple, dict]:
-    """The backward kernel's arguments and constexprs for these tensors (for the launcher and offline builds)."""
+    """The backward kernel's arguments and constexprs for these tensors (for the launcher and offline builds);
+    ``lse`` and ``delta`` (batch, heads_q, seq_q) fp32 with 16-byte-aligned strides."""
     heads_q, n_queries, head_dim = q.shape[1:]
     heads_kv, n_keys = k.shape[1], k.shape[2]
     block_m, block_n, stages = CONFIGS[head_dim]
@@ -249,10 +283,11 @@ def backward_args(
     dq_desc = TensorDescriptor.from_tensor(dq_acc, dq_block, gl.NVMMASharedLayout.get_default_for(dq_block, gl.float32))
     args = (
         descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(do, block_m), dq_desc,
-        lse, delta, dk, dv, heads_kv, heads_q // heads_kv, n_queries, n_keys, sm_scale * LOG2E, sm_scale,
+        _row_descriptor(lse, block_m), _row_descriptor(delta, block_m), dk, dv,
+        heads_kv, heads_q // heads_kv, n_queries, n_keys, sm_scale * LOG2E, sm_scale,
     )
     return args, {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages,
-                  "IS_CAUSAL": is_causal}
+                  "IS_CAUSAL": is_causal, "DQ_BUFFERS": DQ_BUFFERS}
 
 
 def gluon_attention_backward(
@@ -279,10 +314,10 @@ def gluon_attention_backward(
         )
     if lse.shape != q.shape[:-1] or lse.dtype != torch.float32 or lse.device != q.device:
         raise ValueError(f"lse must be fp32 {tuple(q.shape[:-1])} on {q.device}; got {lse.dtype} {tuple(lse.shape)}")
-    lse = lse.contiguous()
+    lse = _rows_ready(lse)
     q, k, v, do = tma_ready(q), tma_ready(k), tma_ready(v), tma_ready(do)
     batch, heads_q, n_queries, head_dim = q.shape
-    delta = torch.empty_like(lse)  # D = rowsum(dO * O), fp32
+    delta = _padded_rows(lse.shape, q.device)  # D = rowsum(dO * O), fp32
     bwd_preprocess_kernel[(triton.cdiv(n_queries, 64), batch * heads_q)](
         o, do, delta, *o.stride(), *do.stride(), delta.stride(0), delta.stride(1), heads_q, n_queries,
         HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=64,
