@@ -7,6 +7,8 @@ the backward pass is bitwise deterministic.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,6 +28,8 @@ from cs336_kernels.flash_attention.api import backward_impl
 from cs336_kernels.flash_attention.forward import gluon_forward_applies
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# The Triton kernels both ways, whatever "auto" would pick on this machine (the Gluon kernels have their own tests).
+triton_attention = functools.partial(flash_attention, forward="triton", backward="triton")
 
 # Relative Frobenius error of O, dQ, dK, dV against float64 on the same (already rounded) inputs, and the
 # absolute error of the logsumexp L. The 16-bit kernels round P and dS to the input dtype before their
@@ -101,7 +105,7 @@ def _cases(shapes):
 @pytest.mark.parametrize(("shape_q", "shape_kv", "is_causal", "dtype"), _cases(CPU_SHAPES))
 def test_triton_matches_reference(shape_q, shape_kv, is_causal, dtype):
     q, k, v, do = _inputs(shape_q, shape_kv, dtype, seed=len(shape_q) + shape_q[-2])
-    _check_against_reference(flash_attention, q, k, v, do, is_causal)
+    _check_against_reference(triton_attention, q, k, v, do, is_causal)
 
 
 @pytest.mark.parametrize(("shape_q", "shape_kv", "is_causal", "dtype"), _cases(CPU_SHAPES))
@@ -167,7 +171,7 @@ def test_backward_with_tma_loads_matches_reference(monkeypatch, shape_q, shape_k
     # d = 40 inside a 64-wide tile (TMA's zero fill).
     _force_backward_tma(monkeypatch, {"dkdv": tuning._INTERPRETER_CONFIG, "dq": tuning._INTERPRETER_CONFIG})
     q, k, v, do = _inputs(shape_q, shape_kv, dtype, seed=shape_q[-2])
-    _check_against_reference(flash_attention, q, k, v, do, is_causal)
+    _check_against_reference(triton_attention, q, k, v, do, is_causal)
 
 
 def test_causal_alignment_is_top_left_like_sdpa():
@@ -179,7 +183,7 @@ def test_causal_alignment_is_top_left_like_sdpa():
 
 def test_keys_past_the_last_query_get_zero_gradient_when_causal():
     q, k, v, do = _inputs((1, 1, 5, 16), (1, 1, 40, 16), torch.float32, seed=5)
-    _, _, (_, dk, dv) = _run(flash_attention, q, k, v, do, True)
+    _, _, (_, dk, dv) = _run(triton_attention, q, k, v, do, True)
     assert dk[..., 5:, :].abs().max() == 0 and dv[..., 5:, :].abs().max() == 0
     assert dk[..., :5, :].abs().max() > 0
 
@@ -271,7 +275,7 @@ GPU_CASES = [
 @pytest.mark.parametrize(("shape_q", "shape_kv", "dtype", "is_causal"), GPU_CASES)
 def test_gpu_matches_reference(shape_q, shape_kv, dtype, is_causal):
     q, k, v, do = _inputs(shape_q, shape_kv, dtype, seed=shape_q[-2])
-    _check_against_reference(flash_attention, q, k, v, do, is_causal)
+    _check_against_reference(triton_attention, q, k, v, do, is_causal)
 
 
 @pytest.mark.gpu
@@ -301,8 +305,8 @@ def test_gpu_backward_with_tma_loads_matches_reference_and_is_deterministic(monk
     _force_backward_tma(monkeypatch, {name: entry})
     for is_causal in (False, True):
         q, k, v, do = _inputs((2, 4, 777, head_dim), (2, 2, 1000, head_dim), torch.bfloat16, seed=head_dim)
-        _check_against_reference(flash_attention, q, k, v, do, is_causal)
-        first, second = (_run(flash_attention, q, k, v, do, is_causal)[2] for _ in range(2))
+        _check_against_reference(triton_attention, q, k, v, do, is_causal)
+        first, second = (_run(triton_attention, q, k, v, do, is_causal)[2] for _ in range(2))
         assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
@@ -319,7 +323,7 @@ def test_gpu_large_bf16_matches_sdpa_in_fp32(shape, heads_kv):
     # A float64 reference would not fit; fp32 SDPA on the same bf16-rounded inputs stands in for it.
     shape_kv = (shape[0], heads_kv, *shape[2:])
     q, k, v, do = _inputs(shape, shape_kv, torch.bfloat16, seed=8)
-    o, _, grads = _run(flash_attention, q, k, v, do, True)
+    o, _, grads = _run(triton_attention, q, k, v, do, True)
     q32, k32, v32 = (t.float().requires_grad_() for t in (q, k, v))
     o_ref = F.scaled_dot_product_attention(q32, k32, v32, is_causal=True, enable_gqa=True)
     o_ref.backward(do.float())
@@ -332,8 +336,8 @@ def test_gpu_large_bf16_matches_sdpa_in_fp32(shape, heads_kv):
 @pytest.mark.gpu
 def test_gpu_backward_is_deterministic():
     q, k, v, do = _inputs((2, 8, 2048, 128), (2, 2, 2048, 128), torch.bfloat16, seed=9)
-    first = _run(flash_attention, q, k, v, do, True)
-    second = _run(flash_attention, q, k, v, do, True)
+    first = _run(triton_attention, q, k, v, do, True)
+    second = _run(triton_attention, q, k, v, do, True)
     for a, b in zip((first[0], first[1], *first[2]), (second[0], second[1], *second[2]), strict=True):
         assert torch.equal(a, b)
 

@@ -90,9 +90,9 @@ def test_gpu_extra_config_is_timed_by_the_autotuner():
     q, k, v = (torch.randn(1, 2, 300, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     tuned = tuning.autotuned_kernel("fwd")
     with tuning.extra_configs({"fwd": {(2, 64): [extra]}}):
-        flash_attention(q, k, v, is_causal=True)
+        flash_attention(q, k, v, is_causal=True, forward="triton")
         timed = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in tuned.configs_timings}
         assert extra in timed
-    flash_attention(q, k, v, is_causal=True)
+    flash_attention(q, k, v, is_causal=True, forward="triton")
     timed = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in tuned.configs_timings}
     assert extra not in timed

@@ -129,7 +129,7 @@ def _impl(name: str, seq: int, device: torch.device) -> Callable[[torch.Tensor, 
         return _flex(seq, device)
     return {
         "ours": lambda q, k, v: flash_attention(q, k, v, is_causal=True),
-        "triton": lambda q, k, v: flash_attention(q, k, v, is_causal=True, forward="triton"),
+        "triton": lambda q, k, v: flash_attention(q, k, v, is_causal=True, forward="triton", backward="triton"),
         "gluon": lambda q, k, v: flash_attention(q, k, v, is_causal=True, forward="gluon", backward="gluon"),
         "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
         "sdpa_flash": _sdpa_flash,
