@@ -1,4 +1,5 @@
-"""Compile the RMSNorm, RoPE and SiLU-mul kernels for sm_90 without a GPU and print what ptxas made of them.
+"""Compile the RMSNorm (alone and with the residual add folded in), RoPE and SiLU-mul kernels for sm_90 without a
+GPU and print what ptxas made of them.
 
 Each kernel is specialised as its launcher specialises it at the leaderboard shapes (bf16, d_model 4096,
 head_dim 128 with 32 heads; the SiLU-mul kernels do not specialise on d_ff; unit strides as constants,
@@ -51,13 +52,18 @@ def rows() -> list[dict]:
     out = []
     block_d, warps = rms_norm.launch_settings(d_model)
     for w in ("bf16", "fp32"):
-        out.append(build(f"rms_norm_fwd (weight {w})", rms_norm._rms_norm_fwd_kernel,
-                         {"X": "*bf16", "W": f"*{w}", "Y": "*bf16", "RSTD": "*fp32", "stride_x": "i32", "D": "i32",
-                          "eps": "fp32"}, {"BLOCK_D": block_d}, warps))
-        out.append(build(f"rms_norm_bwd (weight {w})", rms_norm._rms_norm_bwd_kernel,
-                         {"DY": "*bf16", "X": "*bf16", "W": f"*{w}", "RSTD": "*fp32", "DX": "*bf16",
-                          "DW_PARTIAL": "*fp32", "stride_dy": "i32", "stride_x": "i32", "n_rows": "i32",
-                          "rows_per_program": "i32", "D": "i32"}, {"BLOCK_D": block_d}, warps))
+        for add in (False, True):  # the norm alone (no delta, h, dh: None), and with the residual add folded in
+            name = "add_rms_norm" if add else "rms_norm"
+            fwd_add, bwd_add = ({"DELTA": "*bf16", "H": "*bf16"}, {"DH": "*bf16"}) if add else ({}, {})
+            out.append(build(f"{name}_fwd (weight {w})", rms_norm._rms_norm_fwd_kernel,
+                             {"X": "*bf16", "W": f"*{w}", "Y": "*bf16", "RSTD": "*fp32", "stride_x": "i32",
+                              "stride_delta": "i32", "D": "i32", "eps": "fp32", **fwd_add},
+                             {"BLOCK_D": block_d, "ADD": add, **({} if add else {"DELTA": None, "H": None})}, warps))
+            out.append(build(f"{name}_bwd (weight {w})", rms_norm._rms_norm_bwd_kernel,
+                             {"DY": "*bf16", "X": "*bf16", "W": f"*{w}", "RSTD": "*fp32", "DX": "*bf16",
+                              "DW_PARTIAL": "*fp32", "stride_dy": "i32", "stride_dh": "i32", "stride_x": "i32",
+                              "n_rows": "i32", "rows_per_program": "i32", "D": "i32", **bwd_add},
+                             {"BLOCK_D": block_d, "ADD": add, **({} if add else {"DH": None})}, warps))
     settings = rope.launch_settings(head_dim, heads, heads)
     rope_warps = settings.pop("num_warps")
     for inverse in (False, True):

@@ -66,6 +66,8 @@ def test_fused_linear_cross_entropy_is_the_module_and_callable_as_its_function()
             torch.zeros(3, dtype=torch.long, device="meta"),
         ),
         lambda: cs336_kernels.rms_norm(torch.randn(3, 16, device="meta"), torch.ones(16, device="meta")),
+        lambda: cs336_kernels.rms_norm.add_rms_norm(*(torch.randn(3, 16, device="meta") for _ in range(2)),
+                                                    torch.ones(16, device="meta")),
         lambda: cs336_kernels.rope(*(torch.randn(1, 3, 2, 16, device="meta") for _ in range(2)),
                                    *(torch.randn(8, 8, device="meta") for _ in range(2)),
                                    torch.arange(3, device="meta")),

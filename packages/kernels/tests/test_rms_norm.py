@@ -1,15 +1,18 @@
-"""rms_norm against its float64 reference: output, both gradients, awkward shapes, weight dtypes, errors.
+"""rms_norm and add_rms_norm against their float64 references: outputs, every gradient, awkward shapes, weight
+dtypes, errors; add_rms_norm also bit for bit against the unfused add, rms_norm and autograd's sum.
 
-CPU tests run the kernels in the Triton interpreter (root conftest) in fp32 and fp16; GPU tests run bf16 at the
-leaderboard shape (32,768 x 4,096) and compare with the reference evaluated in bf16, which is the model's
-``RMSNorm.forward`` (``packages/harness/tests/test_fused_bench.py`` checks that they are the same computation).
+CPU tests run the kernels in the Triton interpreter (root conftest) in fp32 and fp16 (the interpreter truncates
+fp32 to bf16 where PyTorch and the GPU round to nearest, so bf16 bit equality is checked on the GPU only); GPU
+tests run bf16 at the leaderboard shape (32,768 x 4,096) and compare with the reference evaluated in bf16, which is
+the model's ``RMSNorm.forward`` (``packages/harness/tests/test_fused_bench.py`` checks that they are the same
+computation).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from cs336_kernels.rms_norm import rms_norm, rms_norm_reference
+from cs336_kernels.rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # ||ours - float64|| / ||float64|| allowed, by the dtype the result is rounded to (one rounding of an fp32 value,
@@ -130,3 +133,143 @@ def test_leaderboard_shape_bf16_on_gpu(w_dtype):
             assert _rel_err(out, same) < tol, (name, _rel_err(out, same))
         # Never less accurate than PyTorch running the module's formula in bf16.
         assert _rel_err(out, expected) <= 1.01 * _rel_err(same, expected) + FP32_ORDER_SLACK, name
+
+
+# add_rms_norm: the residual add folded into the norm.
+
+def _add_inputs(shape, dtype, w_dtype, seed=0, device=DEVICE):
+    x, w, dy = _inputs(shape, dtype, w_dtype, seed, device)
+    gen = torch.Generator(device=device).manual_seed(seed + 100)
+    delta = torch.randn(shape, generator=gen, device=device).to(dtype).requires_grad_()
+    dh = torch.randn(shape, generator=gen, device=device).to(dtype)
+    return x, delta, w, dh, dy
+
+
+def _unfused(x, delta, w, eps):
+    """What the block computes without the fold: PyTorch's add, then the rms_norm kernel on its result."""
+    h = x + delta
+    return h, rms_norm(h, w, eps)
+
+
+def _add_forward_backward(fn, x, delta, w, dh, dy, eps=1e-5):
+    h, y = fn(x, delta, w, eps)
+    torch.autograd.backward((h, y), (dh, dy))  # autograd sums dh and the norm's gradient into h's gradient
+    grads = x.grad, delta.grad, w.grad
+    x.grad = delta.grad = w.grad = None
+    return h.detach(), y.detach(), *grads
+
+
+ADD_NAMES = ("h", "y", "dx", "ddelta", "dw")
+
+
+def _check_add(shape, dtype, w_dtype, eps=1e-5, seed=0):
+    x, delta, w, dh, dy = _add_inputs(shape, dtype, w_dtype, seed)
+    ours = _add_forward_backward(add_rms_norm, x, delta, w, dh, dy, eps)
+    x64, delta64, w64 = (t.detach().double().requires_grad_() for t in (x, delta, w))
+    ref = _add_forward_backward(add_rms_norm_reference, x64, delta64, w64, dh.double(), dy.double(), eps)
+    dtypes = (dtype,) * 4 + (w_dtype,)
+    for name, out, expected, want_dtype in zip(ADD_NAMES, ours, ref, dtypes, strict=True):
+        assert out.shape == expected.shape and out.dtype == want_dtype, name
+        # h is rounded to x's dtype before the norm reads it (as in the model), so even an fp32 dw carries that
+        # rounding: each result is held to the coarser of its own dtype and x's.
+        err = _rel_err(out, expected)
+        assert err < max(REL_TOL[want_dtype], REL_TOL[dtype]), (name, err)
+    return x, delta, w, dh, dy, ours
+
+
+# Rows 1, 7 and 333 (a ragged last block over the interpreter's 3 programs); d = 37, 100, 65 and 5000 are not powers
+# of two, 5000 is above one 4096 block.
+ADD_SHAPES = [(1, 1, 37), (7, 100), (3, 111, 65), (2, 5000)]
+ADD_IDS = ["one-row", "7-rows", "333-rows", "d-above-4096"]
+
+
+@pytest.mark.parametrize("shape", ADD_SHAPES, ids=ADD_IDS)
+def test_add_matches_float64_reference_fp32(shape):
+    _check_add(shape, torch.float32, torch.float32)
+
+
+@pytest.mark.parametrize(("dtype", "w_dtype"), [(torch.float16, torch.float16), (torch.float16, torch.float32),
+                                                (torch.float32, torch.float64)])
+def test_add_matches_float64_reference_mixed_dtypes(dtype, w_dtype):
+    _check_add((17, 3, 96), dtype, w_dtype, seed=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", ADD_SHAPES[:3], ids=ADD_IDS[:3])
+def test_add_is_the_unfused_add_and_norm_bit_for_bit(shape, dtype):
+    x, delta, w, dh, dy, ours = _check_add(shape, dtype, torch.float32, seed=2)
+    unfused = _add_forward_backward(_unfused, x, delta, w, dh, dy)
+    for name, got, want in zip(ADD_NAMES, ours, unfused, strict=True):
+        assert torch.equal(got, want), name
+    # x and delta get one gradient, as from the add, but not one tensor: changing one in place leaves the other.
+    h, y = add_rms_norm(x, delta, w)
+    torch.autograd.backward((h, y), (dh, dy))
+    assert x.grad.data_ptr() != delta.grad.data_ptr()
+
+
+def test_add_strided_inputs_and_large_eps():
+    x, delta, w, dh, dy = _add_inputs((6, 2, 40), torch.float32, torch.float32, seed=3)
+    x64, delta64, w64 = (t.detach().double().requires_grad_() for t in (x, delta, w))
+    outs = []
+    for fn, a, b, c, upstream in ((add_rms_norm, x, delta, w, (dh, dy)),
+                                  (add_rms_norm_reference, x64, delta64, w64, (dh.double(), dy.double()))):
+        h, y = fn(a.transpose(0, 1), b.transpose(0, 1), c, 0.5)  # (2, 6, 40), non-unit strides on the leading dims
+        torch.autograd.backward((h, y), tuple(t.transpose(0, 1) for t in upstream))
+        outs.append((h.detach(), y.detach(), a.grad, b.grad, c.grad))
+    ours, ref = outs
+    assert ours[0].shape == ours[1].shape == (2, 6, 40)
+    for name, out, expected in zip(ADD_NAMES, ours, ref, strict=True):
+        assert _rel_err(out, expected) < REL_TOL[torch.float32], name
+
+
+def test_add_needs_only_the_gradients_asked_for_and_empty_input():
+    x, delta, w, dh, dy = _add_inputs((5, 12), torch.float32, torch.float32, seed=4)
+    w.requires_grad_(False)
+    delta.requires_grad_(False)
+    h, y = add_rms_norm(x, delta, w)
+    torch.autograd.backward((h, y), (dh, dy))
+    assert w.grad is None and delta.grad is None and x.grad is not None
+    x.grad = None
+    add_rms_norm(x, delta, w)[1].backward(dy)  # h unused: its gradient is zero, x's is the norm's alone
+    assert torch.equal(x.grad, _forward_backward(rms_norm, x, w, dy, 1e-5)[1])
+    empty = torch.empty(0, 12, device=DEVICE, requires_grad=True)
+    h, y = add_rms_norm(empty, torch.empty(0, 12, device=DEVICE), w)
+    (h.sum() + y.sum()).backward()
+    assert h.shape == y.shape == (0, 12) and empty.grad.shape == (0, 12)
+
+
+@pytest.mark.parametrize(
+    ("x", "delta", "w", "error", "message"),
+    [
+        (torch.randn(3, 4), torch.randn(3, 5), torch.randn(4), ValueError, r"delta must have x's shape \(3, 4\), got "
+                                                                            r"\(3, 5\)"),
+        (torch.randn(3, 4), torch.randn(4), torch.randn(4), ValueError, "delta must have x's shape"),  # no broadcast
+        (torch.randn(3, 4), torch.randn(3, 4).half(), torch.randn(4), TypeError,
+         "delta must have x's dtype torch.float32, got torch.float16"),
+        (torch.randn(3, 4), [1.0], torch.randn(4), TypeError, "delta must be a torch.Tensor"),
+        (torch.randn(3, 4), torch.randn(3, 4, device="meta"), torch.randn(4), ValueError, "one device"),
+        (torch.randn(3, 4), torch.randn(3, 4), torch.randn(5), ValueError, r"weight \(d,\)"),
+        (torch.randn(3, 4).double(), torch.randn(3, 4).double(), torch.randn(4), TypeError, "x must have a dtype"),
+    ],
+)
+def test_add_rejects_bad_inputs(x, delta, w, error, message):
+    with pytest.raises(error, match=message):
+        add_rms_norm(x, delta, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
+def test_add_leaderboard_shape_bf16_on_gpu(w_dtype):
+    shape = (32768, 4096)
+    x, delta, w, dh, dy, ours = _check_add(shape, torch.bfloat16, w_dtype, seed=5)
+    # On the GPU, bf16 rounds to nearest in the kernel as in PyTorch's add: bit for bit the unfused sequence.
+    unfused = _add_forward_backward(_unfused, x, delta, w, dh, dy)
+    for name, got, want in zip(ADD_NAMES, ours, unfused, strict=True):
+        assert torch.isfinite(got).all(), name
+        assert torch.equal(got, want), name
+    eager = _add_forward_backward(add_rms_norm_reference, x, delta, w, dh, dy)
+    x64, delta64, w64 = (t.detach().double().requires_grad_() for t in (x, delta, w))
+    exact = _add_forward_backward(add_rms_norm_reference, x64, delta64, w64, dh.double(), dy.double())
+    for name, got, same, expected in zip(ADD_NAMES, ours, eager, exact, strict=True):
+        # Never less accurate than PyTorch running the model's add and norm in bf16.
+        assert _rel_err(got, expected) <= 1.01 * _rel_err(same, expected) + FP32_ORDER_SLACK, name

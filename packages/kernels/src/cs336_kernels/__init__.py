@@ -5,8 +5,9 @@
 - :class:`FusedAdamW`, AdamW in one launch per parameter group and dtype;
 - :func:`fused_linear_cross_entropy` (LM head + cross-entropy without the logits),
   :class:`FusedLinearCrossEntropy`, :func:`linear_cross_entropy_reference`;
-- the glue of a Transformer block: :func:`rms_norm`, :func:`rope` (queries and keys in the projections' layout)
-  and :func:`silu_mul` (SwiGLU's ``silu(a) * b``), forward and backward.
+- the glue of a Transformer block: :func:`rms_norm` (and ``rms_norm.add_rms_norm``, the residual add before a
+  norm folded into it), :func:`rope` (queries and keys in the projections' layout) and :func:`silu_mul` (SwiGLU's
+  ``silu(a) * b``), forward and backward.
 
 The kernels run on CUDA tensors, or on CPU tensors in Triton's interpreter when ``TRITON_INTERPRET=1`` is
 set before this package is imported (install ``cs336-kernels[cpu]`` for the interpreter's numpy).

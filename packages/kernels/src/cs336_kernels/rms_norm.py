@@ -19,8 +19,21 @@ one ``sum`` and returned in the weight's dtype.
 
     y = rms_norm(x, weight, eps=1e-5)      # x (..., d) fp32/fp16/bf16, weight (d,)
 
-``rms_norm_reference`` is the module's formula in plain PyTorch (any dtype, float64 for the tests' oracle); tests
-and benchmarks import it.
+The block's first residual add folded into its second norm (``add_rms_norm``): the forward reads x and delta once
+and writes h = x + delta and y = rms_norm(h), instead of an add (read 2, write 1) and a norm that reads h again.
+h is rounded to the input dtype as PyTorch's add rounds it (one fp32 add, one rounding) and the norm reads that
+rounded h. The backward gets dh (h's gradient from the residual path) with dy and returns
+
+    dx = (dx_norm rounded to the dtype + dh) rounded to the dtype
+
+as the gradient of both x and delta: the rounding of the norm's own gradient, then autograd's accumulation of the
+two gradients of h, so the result is bit for bit the unfused add, ``rms_norm`` and autograd's sum. Both directions
+are the kernels above with an ``ADD`` constexpr (one kernel per direction).
+
+    h, y = add_rms_norm(x, delta, weight, eps=1e-5)
+
+``rms_norm_reference`` and ``add_rms_norm_reference`` are the model's formulas in plain PyTorch (any dtype,
+float64 for the tests' oracle); tests and benchmarks import them.
 """
 
 from __future__ import annotations
@@ -46,14 +59,21 @@ _INTERPRET_PROGRAMS = 3
 
 @triton.jit
 def _rms_norm_fwd_kernel(
-    X, W, Y, RSTD,  # x (rows, D) with row stride stride_x, w (D,), y (rows, D) contiguous, rstd (rows,) fp32
-    stride_x, D, eps,
+    X, DELTA, W, H, Y, RSTD,  # x, delta (rows, D) strided; w (D,); h, y (rows, D) contiguous; rstd (rows,) fp32
+    stride_x, stride_delta, D, eps,
     BLOCK_D: tl.constexpr,
+    ADD: tl.constexpr,  # normalise h = x + delta and store h; otherwise DELTA and H are None
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if ADD:
+        # PyTorch's add: one fp32 add, one rounding to the dtype; the norm then reads the rounded h, as ln2 does.
+        delta = tl.load(DELTA + row * stride_delta + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + delta.to(tl.float32)).to(H.dtype.element_ty)
+        tl.store(H + row * D + cols, x, mask=mask)
+    x = x.to(tl.float32)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
     tl.store(RSTD + row, rstd)
@@ -62,9 +82,10 @@ def _rms_norm_fwd_kernel(
 
 @triton.jit
 def _rms_norm_bwd_kernel(
-    DY, X, W, RSTD, DX, DW_PARTIAL,  # dy, x (rows, D) strided; dx (rows, D) contiguous; partial (programs, D) fp32
-    stride_dy, stride_x, n_rows, rows_per_program, D,
+    DY, DH, X, W, RSTD, DX, DW_PARTIAL,  # dy, dh, x (rows, D) strided; dx (rows, D) contiguous; (programs, D) fp32
+    stride_dy, stride_dh, stride_x, n_rows, rows_per_program, D,
     BLOCK_D: tl.constexpr,
+    ADD: tl.constexpr,  # dx = rounded dx_norm + dh (x is then h); otherwise DH is None
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
@@ -80,6 +101,10 @@ def _rms_norm_bwd_kernel(
         xhat = x * rstd
         g = dy * w
         dx = rstd * (g - xhat * (tl.sum(g * xhat, axis=0) / D))
+        if ADD:
+            # Autograd rounds the norm's gradient to the dtype, then adds the residual's (fp32 add, one rounding).
+            dh = tl.load(DH + row * stride_dh + cols, mask=mask, other=0.0).to(tl.float32)
+            dx = dx.to(DX.dtype.element_ty).to(tl.float32) + dh
         tl.store(DX + row * D + cols, dx.to(DX.dtype.element_ty), mask=mask)
         dw += dy * xhat
     tl.store(DW_PARTIAL + pid * D + cols, dw, mask=mask)
@@ -104,33 +129,40 @@ def _device_context(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward kernel on x (rows, d) with unit column stride; returns y (rows, d) in x's dtype,
-    contiguous, and rstd (rows,) fp32."""
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                     delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Launch the forward kernel on x (rows, d) with unit column stride, or with ``delta`` (the same shape, dtype
+    and column stride) on h = x + delta. Returns y (rows, d) in x's dtype, contiguous, rstd (rows,) fp32, and h
+    (rows, d) contiguous when delta is given, else None."""
     rows, d = x.shape
+    h = None if delta is None else torch.empty((rows, d), dtype=x.dtype, device=x.device)
     y = torch.empty((rows, d), dtype=x.dtype, device=x.device)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows:
         block_d, num_warps = launch_settings(d)
+        stride_delta = 0 if delta is None else delta.stride(0)
         with _device_context(x):
-            _rms_norm_fwd_kernel[(rows,)](x, weight, y, rstd, x.stride(0), d, eps, BLOCK_D=block_d,
-                                          num_warps=num_warps)
-    return y, rstd
+            _rms_norm_fwd_kernel[(rows,)](x, delta, weight, h, y, rstd, x.stride(0), stride_delta, d, eps,
+                                          BLOCK_D=block_d, ADD=delta is not None, num_warps=num_warps)
+    return y, rstd, h
 
 
-def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                      rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the backward kernel; dy and x are (rows, d) with unit column strides. Returns dx (rows, d) in x's
-    dtype and dw (d,) in the weight's dtype, reduced in fp32."""
+def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                      dh: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the backward kernel; dy and x (h for the add) are (rows, d) with unit column strides, and so is
+    ``dh``, the gradient reaching h from elsewhere, when the add was folded in. Returns dx (rows, d) in x's dtype
+    (with dh: the gradient of both x and delta) and dw (d,) in the weight's dtype, reduced in fp32."""
     rows, d = x.shape
     dx = torch.empty((rows, d), dtype=x.dtype, device=x.device)
     programs = max(1, min(_num_programs(x.device), rows))
     partial = torch.zeros((programs, d), dtype=torch.float32, device=x.device)
     if rows:
         block_d, num_warps = launch_settings(d)
+        stride_dh = 0 if dh is None else dh.stride(0)
         with _device_context(x):
-            _rms_norm_bwd_kernel[(programs,)](dy, x, weight, rstd, dx, partial, dy.stride(0), x.stride(0), rows,
-                                              triton.cdiv(rows, programs), d, BLOCK_D=block_d, num_warps=num_warps)
+            _rms_norm_bwd_kernel[(programs,)](dy, dh, x, weight, rstd, dx, partial, dy.stride(0), stride_dh,
+                                              x.stride(0), rows, triton.cdiv(rows, programs), d, BLOCK_D=block_d,
+                                              ADD=dh is not None, num_warps=num_warps)
     return dx, partial.sum(0).to(weight.dtype)
 
 
@@ -146,7 +178,7 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x2 = _rows(x)
-        y, rstd = rms_norm_forward(x2, weight, eps)
+        y, rstd, _ = rms_norm_forward(x2, weight, eps)
         ctx.save_for_backward(x2, weight, rstd)
         return y.view(x.shape)
 
@@ -155,6 +187,27 @@ class RMSNormFunction(torch.autograd.Function):
         x2, weight, rstd = ctx.saved_tensors
         dx, dw = rms_norm_backward(_rows(dy), x2, weight, rstd)
         return dx.view(dy.shape), dw if ctx.needs_input_grad[1] else None, None
+
+
+class AddRMSNormFunction(torch.autograd.Function):
+    """(h, y) = (x + delta, rms_norm(x + delta, weight, eps)) for x and delta (..., d) of one dtype and weight
+    (d,); saves h (rows, d), weight and rstd (rows,) fp32. The backward takes (dh, dy) and gives x and delta the
+    same gradient, as the add does."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        y, rstd, h = rms_norm_forward(_rows(x), weight, eps, delta=_rows(delta))
+        ctx.save_for_backward(h, weight, rstd)
+        return h.view(x.shape), y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dh: torch.Tensor, dy: torch.Tensor):
+        h, weight, rstd = ctx.saved_tensors
+        dx, dw = rms_norm_backward(_rows(dy), h, weight, rstd, dh=_rows(dh))
+        dx = dx.view(dy.shape)
+        needs = ctx.needs_input_grad
+        return dx if needs[0] else None, dx if needs[1] else None, dw if needs[2] else None, None
 
 
 def _check_inputs(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
@@ -199,6 +252,44 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5)
     xa = x.to(acc)
     rstd = torch.rsqrt(xa.pow(2).mean(dim=-1, keepdim=True) + eps)
     return (xa * rstd * weight).to(x.dtype)
+
+
+def _check_add_inputs(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    _check_inputs(x, weight, eps)
+    if not isinstance(delta, torch.Tensor):
+        raise TypeError(f"delta must be a torch.Tensor, got {type(delta).__name__}")
+    if delta.dtype != x.dtype:
+        raise TypeError(f"delta must have x's dtype {x.dtype}, got {delta.dtype}")
+    if delta.shape != x.shape:
+        raise ValueError(f"delta must have x's shape {tuple(x.shape)}, got {tuple(delta.shape)}")
+    if delta.device != x.device:
+        raise ValueError(f"x and delta must be on one device, got {x.device} and {delta.device}")
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next RMSNorm in one pass each way (Triton, differentiable).
+
+    Args:
+        x: (..., d) in fp32, fp16 or bf16, d <= 65536 (the residual stream); any strides.
+        delta: what is added to it (the attention's output): x's shape and dtype, any strides.
+        weight: (d,) in fp32, fp16, bf16 or fp64 (used in fp32).
+        eps: added to the mean square before the rsqrt.
+
+    Returns:
+        h = x + delta and y = rms_norm(h, weight, eps), both (..., d) contiguous in x's dtype, bit for bit
+        ``h = x + delta`` followed by :func:`rms_norm` (and their gradients as autograd sums them).
+    """
+    _check_add_inputs(x, delta, weight, eps)
+    check_device(x.device, "add_rms_norm")
+    return AddRMSNormFunction.apply(x, delta, weight, float(eps))
+
+
+def add_rms_norm_reference(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                           eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block's ``h = x + delta`` and ``ln2(h)`` in plain PyTorch, for any dtype: (h, rms_norm_reference(h))."""
+    h = x + delta
+    return h, rms_norm_reference(h, weight, eps)
 
 
 sys.modules[__name__].__class__ = CallableModule
