@@ -112,6 +112,29 @@ def test_block_is_prenorm_residual():
     torch.testing.assert_close(block(x), h + block.ffn(block.ln2(h)))
 
 
+def test_add_norm_hook_gets_the_residual_and_ln2s_weight():
+    block = TransformerBlock(12, 3, 20, RotaryEmbedding(16, 4))
+    assert block.add_norm is None
+    with torch.no_grad():
+        block.ln2.weight.copy_(1 + torch.randn(12))
+    x = torch.randn(2, 5, 12, dtype=torch.float64)
+    block = block.double()
+    seen = []
+
+    def add_norm(x, delta, weight, eps):  # the add and RMSNorm's formula, as the block writes them
+        seen.append((delta.shape, weight is block.ln2.weight, eps))
+        h = x + delta
+        return h, block.ln2(h)
+
+    want, want_grads = _outputs_and_grads(block, x)
+    block.add_norm = add_norm
+    out, grads = _outputs_and_grads(block, x)
+    assert seen == [((2, 5, 12), True, block.ln2.eps)]  # one call per forward, with ln2's own weight and eps
+    assert torch.equal(out, want)
+    for g, w in zip(grads, want_grads, strict=True):
+        assert torch.equal(g, w)
+
+
 def test_lm_shapes_and_causality():
     torch.manual_seed(0)
     lm = small_lm()

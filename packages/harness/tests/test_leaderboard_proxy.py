@@ -242,6 +242,70 @@ def test_triton_glue_matches_the_models_code(attention: str, fused_qkv: bool, ch
         torch.testing.assert_close(grads[name], want, atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def _block_outputs_and_grads(block: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    x = x.clone().requires_grad_()
+    out = block(x)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out.dtype))
+    return [out.detach(), x.grad, *(p.grad for p in block.parameters())]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_folded_residual_add_is_the_unfused_block_bit_for_bit(dtype: torch.dtype) -> None:
+    # The fold rounds where PyTorch's add, the norm kernel and autograd's sum of h's two gradients round, so the
+    # block is the same computation with or without it: equal, not close. (bf16 is left to the GPU: the interpreter
+    # truncates to bf16 where PyTorch rounds to nearest.)
+    folded = _block(dtype, "triton", False)
+    unfused = copy.deepcopy(folded)
+    unfused.add_norm = None
+    assert folded.add_norm is not None and isinstance(unfused.ln2, GlueRMSNorm)
+    assert [n for n, _ in folded.named_parameters()] == [n for n, _ in unfused.named_parameters()]
+    x = torch.randn(2, 23, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
+    got, want = _block_outputs_and_grads(folded, x), _block_outputs_and_grads(unfused, x)
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g, w), i
+
+
+class _CountedLaunches:
+    """Stands in for a Triton kernel: runs it and counts the launches with the residual add folded in (ADD)."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.adds = kernel, 0
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.adds += bool(kwargs["ADD"])
+            return launch(*args, **kwargs)
+
+        return run
+
+
+@pytest.mark.parametrize(("checkpoint", "recomputed"), [("none", 0), ("attention", 2), ("selective", 2)])
+def test_checkpointing_recomputes_the_folded_add(checkpoint: str, recomputed: int,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # Neither policy saves an RMSNorm op's output, so the fold (an autograd.Function running Triton kernels, no
+    # registered op) is recomputed with the rest of each checkpointed block, as ln2 was: one launch per block.
+    from cs336_kernels import rms_norm as rms_norm_module
+
+    forward = _CountedLaunches(rms_norm_module._rms_norm_fwd_kernel)
+    monkeypatch.setattr(rms_norm_module, "_rms_norm_fwd_kernel", forward)
+    plain = _lm()
+    glued = apply_checkpointing(apply_glue(_lm(), "triton"), checkpoint)
+    gen = torch.Generator().manual_seed(1)
+    tokens, targets = torch.randint(0, 37, (3, 13), generator=gen), torch.randint(0, 37, (3, 13), generator=gen)
+    loss = glued(tokens, targets)
+    assert forward.adds == 2  # one per block
+    loss.backward()
+    assert forward.adds == 2 + recomputed
+    want_loss, want_grads = _loss_and_grads(plain)
+    torch.testing.assert_close(loss.detach(), want_loss, atol=OUT_ATOL, rtol=OUT_RTOL)
+    for name, p in glued.named_parameters():
+        torch.testing.assert_close(p.grad, want_grads[name], atol=GRAD_ATOL, rtol=GRAD_RTOL,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
 def test_glue_norms_own_the_models_weights() -> None:
     model = _lm()
     weights = [model.layers[0].ln1.weight, model.layers[1].ln2.weight, model.ln_final.weight]
@@ -249,6 +313,7 @@ def test_glue_norms_own_the_models_weights() -> None:
     assert [model.layers[0].ln1.weight, model.layers[1].ln2.weight, model.ln_final.weight] == weights
     assert all(a is b for a, b in zip(weights, [model.layers[0].ln1.weight, model.layers[1].ln2.weight,
                                                 model.ln_final.weight], strict=True))
+    assert all(block.add_norm is not None for block in model.layers)  # reads ln2.weight, which ln2 still owns
     assert apply_glue(model, "model") is model  # the model's own code: nothing to do
 
 

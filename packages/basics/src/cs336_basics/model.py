@@ -16,10 +16,10 @@ and owns its attention implementation: a name from :data:`ATTENTION_IMPLS` or an
 
 The LM head computes the loss itself (``lm_head(hidden, targets)``), so a fused linear + cross-entropy head that
 never materialises the logits can take its place. In the same way the attention's RoPE
-(``CausalMultiHeadSelfAttention.rotary``) and SwiGLU's ``silu(a) * b`` (``SwiGLU.gate``) are plain attributes that
-kernels with the same numerics can take over, and queries, keys and values stay in the projections' (batch, seq,
-heads, head_dim) layout so that such kernels read them without copies. Run ``uv run cs336 sizes`` to print the
-size presets.
+(``CausalMultiHeadSelfAttention.rotary``), SwiGLU's ``silu(a) * b`` (``SwiGLU.gate``) and a block's first residual
+add with its second norm (``TransformerBlock.add_norm``) are plain attributes that kernels with the same numerics can
+take over, and queries, keys and values stay in the projections' (batch, seq, heads, head_dim) layout so that such
+kernels read them without copies. Run ``uv run cs336 sizes`` to print the size presets.
 """
 
 from __future__ import annotations
@@ -287,8 +287,17 @@ class CausalMultiHeadSelfAttention(nn.Module):
         return self.output_proj(out)
 
 
+AddNormFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+
+
 class TransformerBlock(nn.Module):
-    """Pre-norm block: ``x + attn(ln1(x))``, then ``h + ffn(ln2(h))``."""
+    """Pre-norm block: ``h = x + attn(ln1(x))``, then ``h + ffn(ln2(h))``.
+
+    ``add_norm`` is a plain attribute: None (the default) runs the add and ``ln2`` as written; or
+    ``fn(x, delta, weight, eps) -> (h, y)`` with ``delta = attn(ln1(x))`` and ``ln2``'s own ``weight`` and ``eps``,
+    returning ``h = x + delta`` and ``y = ln2(h)`` (the signature of ``cs336_kernels.rms_norm.add_rms_norm``), for a
+    kernel that computes both in one pass. ``ln2`` keeps its weight either way, so parameter names do not change.
+    """
 
     def __init__(
         self,
@@ -308,10 +317,14 @@ class TransformerBlock(nn.Module):
                                                  attention=attention, fused_qkv=fused_qkv)
         self.ln2 = RMSNorm(d_model, device=device, dtype=dtype)
         self.ffn = SwiGLU(d_model, d_ff, device=device, dtype=dtype)
+        self.add_norm: AddNormFn | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.ffn(self.ln2(x))
+        if self.add_norm is None:
+            x = x + self.attn(self.ln1(x))
+            return x + self.ffn(self.ln2(x))
+        h, y = self.add_norm(x, self.attn(self.ln1(x)), self.ln2.weight, self.ln2.eps)
+        return h + self.ffn(y)
 
 
 class TransformerBlocks(nn.ModuleList):

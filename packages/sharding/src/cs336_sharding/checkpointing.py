@@ -254,7 +254,8 @@ def block_memory(shape: BlockShape, batch: int, seq: int, *, dtype_bytes: int = 
 
     - both norms: ``glue="model"`` upcasts x and keeps it and ``x * rstd`` in fp32 (8 N d; the first norm's
       upcast of an fp32 block input is the input itself) and rstd (4 N); the kernels keep their input (the block
-      input for the first, free here; the residual sum h for the second: e N d) and rstd (4 N);
+      input for the first, free here; the residual sum h for the second, which the residual add folded into it
+      writes and keeps: e N d) and rstd (4 N);
     - the q / k / v projections keep the normed input (e N d); RoPE keeps its tables' rows (the model's own:
       cos and sin gathered at the positions for q and for k, 4 * 4 * seq * d / (2 h)) or the positions (the
       kernel: 8 seq, int64); the attention op keeps rotated q and k, v and its output (4 e N d) and the fp32

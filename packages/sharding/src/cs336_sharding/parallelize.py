@@ -10,8 +10,9 @@ The order, and why:
 
 1. with ``glue`` other than ``"model"`` (:func:`apply_glue`), the blocks' memory-bound glue computed by kernels
    with the model's numerics: every RMSNorm (each block's ``ln1`` and ``ln2``, the model's ``ln_final``) replaced
-   by a :class:`GlueRMSNorm` that owns the same weight, and each attention's ``rotary`` and each SwiGLU's ``gate``
-   set (``cs336_basics.model``); first, since it swaps modules inside the blocks that later steps wrap;
+   by a :class:`GlueRMSNorm` that owns the same weight, each block's ``add_norm`` (its first residual add and
+   ``ln2`` in one op, with ``ln2``'s weight), each attention's ``rotary`` and each SwiGLU's ``gate`` set
+   (``cs336_basics.model``); first, since it swaps modules inside the blocks that later steps wrap;
 2. activation checkpointing of ``model.layers`` (:func:`cs336_sharding.checkpointing.apply_checkpointing`), in
    place, so parameter names do not change;
 3. with ``compile_blocks``, each block's forward under ``torch.compile`` (:func:`apply_compile`): inside the
@@ -23,10 +24,13 @@ The order, and why:
 5. :class:`cs336_sharding.fsdp.FSDP` with ``compute_dtype`` over the process group (a single rank without one).
 
 Glue implementations (:data:`GLUES`): ``model`` (the model's own PyTorch code), ``triton`` (our kernels
-``cs336_kernels.rms_norm``, ``rope`` and ``silu_mul``: RMSNorm statistics in fp32 inside the kernel, RoPE on q
-and k in the projections' (batch, seq, heads, head_dim) layout writing the layout the attention reads, the
-SwiGLU gate in one pass each way) and ``compiled`` (``torch.compile`` of the same PyTorch references the kernels
-are tested against), so a run can measure the kernels against the compiler on the same step.
+``cs336_kernels.rms_norm``, ``add_rms_norm``, ``rope`` and ``silu_mul``: RMSNorm statistics in fp32 inside the
+kernel, the residual add folded into the second norm (bit for bit the add, the norm and autograd's sum of their
+gradients), RoPE on q and k in the projections' (batch, seq, heads, head_dim) layout writing the layout the
+attention reads, the SwiGLU gate in one pass each way) and ``compiled`` (``torch.compile`` of the same PyTorch
+references the kernels are tested against), so a run can measure the kernels against the compiler on the same step.
+The folded add is an ``autograd.Function``, not a registered operator, so checkpointing policies recompute it as
+they recompute ``ln2`` (no policy names an RMSNorm op).
 
 The attention implementation is the model's own choice, made when it is built (``attention=``). Each step is also
 a public function that changes the model in place, for a single-process run that wants some of them without FSDP.
@@ -44,6 +48,7 @@ from cs336_sharding.checkpointing import GLUES, CheckpointPolicySpec, apply_chec
 from cs336_sharding.fsdp import FSDP
 
 NormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+AddNormFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
 
 
 class FusedLossHead(nn.Module):
@@ -104,18 +109,20 @@ class GlueRMSNorm(nn.Module):
         return f"hidden_size={self.weight.shape[0]}, eps={self.eps}"
 
 
-def glue_functions(glue: str) -> tuple[NormFn, Callable, Callable]:
-    """(norm, rotary, gate) functions of a glue implementation other than ``model``: see the module docstring."""
+def glue_functions(glue: str) -> tuple[NormFn, AddNormFn, Callable, Callable]:
+    """(norm, add_norm, rotary, gate) functions of a glue implementation other than ``model``: see the module
+    docstring."""
     if glue not in GLUES or glue == "model":
         raise ValueError(f"glue functions exist for {', '.join(g for g in GLUES if g != 'model')}, got {glue!r}")
     # Imported here: on CPU the Triton interpreter must be chosen before the kernels load.
-    from cs336_kernels.rms_norm import rms_norm, rms_norm_reference
+    from cs336_kernels.rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
     from cs336_kernels.rope import rope, rope_reference
     from cs336_kernels.swiglu import silu_mul, silu_mul_reference
 
     if glue == "triton":
-        return rms_norm, rope, silu_mul
-    return torch.compile(rms_norm_reference), torch.compile(rope_reference), torch.compile(silu_mul_reference)
+        return rms_norm, add_rms_norm, rope, silu_mul
+    return (torch.compile(rms_norm_reference), torch.compile(add_rms_norm_reference), torch.compile(rope_reference),
+            torch.compile(silu_mul_reference))
 
 
 def _norm_weight(norm: nn.Module, where: str) -> tuple[nn.Parameter, float]:
@@ -129,9 +136,11 @@ def _norm_weight(norm: nn.Module, where: str) -> tuple[nn.Parameter, float]:
 def apply_glue(model: nn.Module, glue: str) -> nn.Module:
     """Compute ``model``'s glue with ``glue`` (:data:`GLUES`) in place; returns ``model`` (names unchanged).
 
-    ``model`` is a ``cs336_basics`` LM (``layers`` of blocks with ``ln1``, ``attn``, ``ln2`` and ``ffn``, and
-    ``ln_final``) or a single such block. The norms become :class:`GlueRMSNorm` owning the same weights; each
-    block's ``attn.rotary`` and ``ffn.gate`` are set to the implementation's RoPE and ``silu(a) * b``.
+    ``model`` is a ``cs336_basics`` LM (``layers`` of blocks with ``ln1``, ``attn``, ``ln2``, ``ffn`` and the
+    ``add_norm`` hook, and ``ln_final``) or a single such block. The norms become :class:`GlueRMSNorm` owning the
+    same weights; each block's ``add_norm`` is set to the implementation's residual add + RMSNorm (which reads
+    ``ln2.weight`` and ``ln2.eps``, so ``ln2`` still owns its weight), its ``attn.rotary`` and ``ffn.gate`` to its
+    RoPE and ``silu(a) * b``.
 
     Raises:
         TypeError: if ``model`` is not built that way.
@@ -144,13 +153,15 @@ def apply_glue(model: nn.Module, glue: str) -> nn.Module:
     blocks = list(layers) if isinstance(layers, nn.ModuleList) else [model]
     for i, block in enumerate(blocks):
         parts = [getattr(block, name, None) for name in ("ln1", "attn", "ln2", "ffn")]
-        if any(p is None for p in parts) or not hasattr(parts[1], "rotary") or not hasattr(parts[3], "gate"):
-            raise TypeError(f"apply_glue needs blocks with ln1, attn (with rotary), ln2 and ffn (with gate), as "
-                            f"cs336_basics' TransformerBlock; block {i} is {type(block).__name__}")
-    norm_fn, rotary_fn, gate_fn = glue_functions(glue)
+        if (any(p is None for p in parts) or not hasattr(parts[1], "rotary") or not hasattr(parts[3], "gate")
+                or not hasattr(block, "add_norm")):
+            raise TypeError(f"apply_glue needs blocks with ln1, attn (with rotary), ln2, ffn (with gate) and add_norm, "
+                            f"as cs336_basics' TransformerBlock; block {i} is {type(block).__name__}")
+    norm_fn, add_norm_fn, rotary_fn, gate_fn = glue_functions(glue)
     for block in blocks:
         for name in ("ln1", "ln2"):
             setattr(block, name, GlueRMSNorm(*_norm_weight(getattr(block, name), name), norm_fn))
+        block.add_norm = add_norm_fn
         block.attn.rotary = rotary_fn
         block.ffn.gate = gate_fn
     if blocks[0] is not model:
@@ -192,7 +203,7 @@ def parallelize(
         compute_dtype: FSDP's compute (and all-gather) dtype; master weights and gradients stay in the
             parameters' dtype.
         fused_loss: replace the LM head by :class:`FusedLossHead`.
-        glue: how RMSNorm, RoPE and SwiGLU's gate run (:data:`GLUES`).
+        glue: how RMSNorm (with the residual add before ``ln2``), RoPE and SwiGLU's gate run (:data:`GLUES`).
         compile_blocks: compile each block's forward (:func:`apply_compile`).
         process_group: the ranks to shard over (default: the world, or a single rank without a process group).
     """

@@ -7,8 +7,9 @@ on two GPUs. For ``impl="ours"``, :func:`build_training` composes:
 
 1. ``BasicsTransformerLM`` with fp32 master weights on the rank's device, with its attention: ``triton``, our
    FlashAttention-2 kernel, or ``sdpa``; with ``fused_qkv``, one (3d, d) matmul for q, k and v;
-2. :func:`cs336_sharding.parallelize.parallelize`: the glue (``glue``: the model's code, our Triton RMSNorm /
-   RoPE / SiLU-mul kernels, or torch.compile of their references), activation checkpointing of the blocks
+2. :func:`cs336_sharding.parallelize.parallelize`: the glue (``glue``: the model's code, our Triton RMSNorm
+   (with the residual add before ``ln2`` folded in) / RoPE / SiLU-mul kernels, or torch.compile of their
+   references), activation checkpointing of the blocks
    (``checkpoint``), optionally each block's forward compiled (``compile_blocks``), the LM head replaced by the
    fused linear + cross-entropy loss (the (tokens, vocab) logits never exist), and our FSDP with
    ``compute_dtype``; ``finish_gradient_synchronization()`` after each backward;
