@@ -13,7 +13,7 @@ import torch
 from cs336_basics.model import RMSNorm, RotaryEmbedding, SwiGLU
 from cs336_harness.studies import fused as fused_study
 from cs336_harness.studies.fused import FusedBenchConfig, fused_markdown
-from cs336_kernels.rms_norm import rms_norm_reference
+from cs336_kernels.rms_norm import add_rms_norm_reference, rms_norm_reference
 from cs336_kernels.rope import rope_reference
 from cs336_kernels.swiglu import silu_mul_reference
 
@@ -80,6 +80,7 @@ def test_config_rejects_bad_values(change):
 
 def _tiny_cases(device: str) -> dict[str, fused_study.GlueCase]:
     return {"rms_norm": fused_study.rms_norm_case(37, 24, None, device),
+            "add_rms_norm": fused_study.add_rms_norm_case(37, 24, None, device),
             "rope": fused_study.rope_case(11, 24, 3, None, device),
             "silu_mul": fused_study.swiglu_case(9, 40, None, device)}
 
@@ -109,6 +110,8 @@ def test_glue_cases_wiring_on_cpu(monkeypatch):
                 assert _rel(got, want) < INTERPRETER_TOL, (op, name, _rel(got, want))
     # bytes that must move: 5 passes over x of 37 x 24 bf16, rstd twice, w read twice and dw written
     assert cases["rms_norm"][:2] == ("37x24", 5 * 37 * 24 * 2 + 8 * 37 + 3 * 24 * 2)
+    # the add folded in: x, delta, h, y forward; dy, dh, h, dx backward
+    assert cases["add_rms_norm"][:2] == ("37x24", 8 * 37 * 24 * 2 + 8 * 37 + 3 * 24 * 2)
     assert cases["rope"][:2] == ("1x11x3x8", 4 * 2 * 11 * 24 * 2 + 8 * 11 * 8 + 16 * 11)
     assert cases["silu_mul"][:2] == ("9x40", 8 * 9 * 40 * 2)
 
@@ -124,6 +127,9 @@ def test_references_are_the_model_modules(device, dtype):
     with torch.no_grad():
         norm.weight.copy_(1 + torch.randn(32, generator=gen, device=device))
     assert torch.equal(rms_norm_reference(x, norm.weight), norm(x))
+    delta = torch.randn(2, 7, 32, generator=gen, device=device).to(dtype)
+    h, y = add_rms_norm_reference(x, delta, norm.weight)
+    assert torch.equal(h, x + delta) and torch.equal(y, norm(x + delta))  # TransformerBlock's add, then its ln2
 
     rotary = RotaryEmbedding(16, 8, device=device)
     q, k = (torch.randn(2, 7, 4, 8, generator=gen, device=device).to(dtype) for _ in range(2))  # (b, s, h, d)
@@ -140,6 +146,7 @@ def test_references_are_the_model_modules(device, dtype):
 def test_glue_kernels_match_the_model_modules_on_gpu():
     tokens, d_model, heads, d_ff = 32768, 4096, 32, 11008
     cases = {"rms_norm": fused_study.rms_norm_case(tokens, d_model, None),
+             "add_rms_norm": fused_study.add_rms_norm_case(tokens, d_model, None),
              "rope": fused_study.rope_case(tokens, d_model, heads, None),
              "silu_mul": fused_study.swiglu_case(tokens, d_ff, None)}
     for op, (_, _, impls) in cases.items():

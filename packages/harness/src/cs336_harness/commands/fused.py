@@ -1,10 +1,11 @@
-"""``cs336 fused``: our fused kernels (AdamW, linear + cross-entropy, RMSNorm, RoPE, SiLU-mul) against PyTorch.
+"""``cs336 fused``: our fused kernels (AdamW, linear + cross-entropy, RMSNorm, residual add + RMSNorm, RoPE,
+SiLU-mul) against PyTorch.
 
 Examples::
 
     bash tools/gpu.sh python3 -m cs336_harness.cli fused --out writeup/results/fused.jsonl
     uv run cs336 fused --bench linear-ce --tokens 8192 --vocab-size 32000
-    uv run cs336 fused --bench rms-norm --bench rope --bench swiglu     # the block glue only
+    uv run cs336 fused --bench rms-norm --bench add-rms-norm --bench rope --bench swiglu     # the block glue only
     uv run cs336 fused --markdown writeup/results/fused.jsonl     # the writeup's tables from saved rows
 """
 

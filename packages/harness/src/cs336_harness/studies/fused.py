@@ -22,16 +22,20 @@
     Each row also carries the relative error of its loss against an fp32 reference (the logits in fp32,
     chunk by chunk) and of our gradients against plain PyTorch's.
 (c) The glue of a Transformer block at the leaderboard shapes, bf16, forward + backward: RMSNorm (tokens x
-    d_model, bf16 weight as FSDP hands it over), RoPE on q and k ((1, tokens, heads, head_dim) views of the
-    projections) and SwiGLU's silu(a) * b (tokens x d_ff). Implementations: ours (cs336_kernels), torch.compile
-    of the same PyTorch reference the tests use, the eager model code (cs336_basics' RMSNorm and RotaryEmbedding
-    modules, SwiGLU's expression), and Liger-Kernel's op when ``liger_kernel`` imports (a row saying why
-    otherwise). Each row: do_bench median of forward + backward, GB/s from the bytes the op must move, the peak
-    memory above inputs, upstream gradients and the inputs' gradients (negative where an implementation writes
-    gradients into its inputs, as Liger's SiLU-mul and RoPE do), and the forward's relative difference from the
-    eager output. Bytes that must move, forward + backward (N tokens, e bytes per element):
+    d_model, bf16 weight as FSDP hands it over), the block's first residual add folded into its second RMSNorm
+    (h = x + delta and rms_norm(h), tokens x d_model, with h's gradient from the residual path), RoPE on q and k
+    ((1, tokens, heads, head_dim) views of the projections) and SwiGLU's silu(a) * b (tokens x d_ff).
+    Implementations: ours (cs336_kernels), torch.compile of the same PyTorch reference the tests use, the eager
+    model code (cs336_basics' RMSNorm and RotaryEmbedding modules, the block's add then RMSNorm, SwiGLU's
+    expression), and Liger-Kernel's op when ``liger_kernel`` imports (a row saying why otherwise). Each row:
+    do_bench median of forward + backward, GB/s from the bytes the op must move, the peak memory above inputs,
+    upstream gradients and the inputs' gradients (negative where an implementation writes gradients into its
+    inputs, as Liger's SiLU-mul and RoPE do), and the forward's relative difference from the eager output. Bytes
+    that must move, forward + backward (N tokens, e bytes per element):
 
         rms_norm:  5 * N * d * e + 8 * N + 3 * d * e_w        x, y, dy, x again, dx; rstd; w twice, dw
+        add_rms_norm:  8 * N * d * e + 8 * N + 3 * d * e_w    x, delta, h, y; dy, dh, h again, dx (one gradient
+                                                              for x and delta); rstd; w twice, dw
         rope:      4 * (q.numel() + k.numel()) * e + 8 * N * D + 16 * N
                                                               q, k in and out twice; cos, sin rows and
                                                               int64 positions, once per pass
@@ -59,7 +63,7 @@ from cs336_kernels.fused_linear_cross_entropy import (
     linear_cross_entropy_reference,
     softmax_grad_inplace,
 )
-from cs336_kernels.rms_norm import rms_norm, rms_norm_reference
+from cs336_kernels.rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
 from cs336_kernels.rope import rope, rope_reference
 from cs336_kernels.swiglu import silu_mul, silu_mul_reference
 from triton.testing import do_bench
@@ -68,7 +72,7 @@ from cs336_harness.analysis.tables import markdown_table
 from cs336_harness.device import H200_BF16_MATMUL_FLOPS, H200_COPY_BYTES_PER_S
 from cs336_harness.progress import progress_bar
 
-BENCHES: tuple[str, ...] = ("adamw", "linear-ce", "rms-norm", "rope", "swiglu")
+BENCHES: tuple[str, ...] = ("adamw", "linear-ce", "rms-norm", "add-rms-norm", "rope", "swiglu")
 ADAMW_BYTES_PER_PARAM = 28  # fp32: read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq
 _IGNORE_INDEX = -100
 
@@ -290,7 +294,7 @@ def _linear_ce_parts(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
 
 # ---------------------------------------------------------------------------------------- block glue (c)
 
-GLUE_OPS = {"rms-norm": "rms_norm", "rope": "rope", "swiglu": "silu_mul"}
+GLUE_OPS = {"rms-norm": "rms_norm", "add-rms-norm": "add_rms_norm", "rope": "rope", "swiglu": "silu_mul"}
 
 
 @dataclass(frozen=True)
@@ -347,6 +351,39 @@ def rms_norm_case(n: int, d: int, liger: Any, device: str = "cuda") -> GlueCase:
         impls["liger"] = GlueImpl(lambda: (liger.liger_rms_norm(x, w, 1e-5, casting_mode="gemma"),), (dy.clone(),),
                                   (x, w), note="casting_mode='gemma'; backward writes dx into dy")
     nbytes = 5 * n * d * x.element_size() + 8 * n + 3 * d * w.element_size()
+    return f"{n}x{d}", nbytes, impls
+
+
+def add_rms_norm_case(n: int, d: int, liger: Any, device: str = "cuda") -> GlueCase:
+    """The residual stream x (n, d), the attention's output delta added to it, and a bf16 weight. Outputs are
+    (y, h), so the row's forward difference is the norm's."""
+    gen = torch.Generator(device=device).manual_seed(4)
+    x, delta = _leaf((n, d), gen), _leaf((n, d), gen)
+    w = (1 + 0.1 * torch.randn(d, device=device, generator=gen)).bfloat16().requires_grad_()
+    dy, dh = (torch.randn(n, d, device=device, generator=gen).bfloat16() for _ in range(2))
+    module = RMSNorm(d, device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        module.weight.copy_(w)
+    compiled = torch.compile(add_rms_norm_reference)
+
+    def eager() -> tuple[torch.Tensor, ...]:
+        h = x + delta  # the block's add, then its ln2
+        return module(h), h
+
+    impls: dict[str, GlueImpl | str] = {
+        "ours": GlueImpl(lambda: add_rms_norm(x, delta, w)[::-1], (dy, dh), (x, delta, w)),
+        "torch_compile": GlueImpl(lambda: compiled(x, delta, w)[::-1], (dy, dh), (x, delta, w)),
+        "eager": GlueImpl(eager, (dy, dh), (x, delta, module.weight)),
+    }
+    if liger is None:
+        impls["liger"] = "skipped"
+    else:
+        # Its (y, residual sum) with the "gemma" casting (fp32 throughout); its backward adds dh to the norm's
+        # gradient before the one rounding (autograd rounds each) and writes dx into dy.
+        impls["liger"] = GlueImpl(lambda: liger.liger_fused_add_rms_norm(x, delta, w, 1e-5, casting_mode="gemma"),
+                                  (dy.clone(), dh), (x, delta, w),
+                                  note="casting_mode='gemma'; dx + dh rounded once; backward writes dx into dy")
+    nbytes = 8 * n * d * x.element_size() + 8 * n + 3 * d * w.element_size()
     return f"{n}x{d}", nbytes, impls
 
 
@@ -412,6 +449,7 @@ def swiglu_case(n: int, d_ff: int, liger: Any, device: str = "cuda") -> GlueCase
 
 _GLUE_CASES: dict[str, Callable[[FusedBenchConfig, Any], GlueCase]] = {
     "rms-norm": lambda c, liger: rms_norm_case(c.tokens, c.d_model, liger),
+    "add-rms-norm": lambda c, liger: add_rms_norm_case(c.tokens, c.d_model, liger),
     "rope": lambda c, liger: rope_case(c.tokens, c.d_model, c.num_heads, liger),
     "swiglu": lambda c, liger: swiglu_case(c.tokens, c.d_ff, liger),
 }
@@ -444,7 +482,8 @@ def _measure_glue(impl: GlueImpl, config: FusedBenchConfig) -> dict[str, Any]:
 
 
 def bench_glue(op: str, config: FusedBenchConfig) -> list[dict[str, Any]]:
-    """Rows of one glue op (``rms-norm``, ``rope`` or ``swiglu``): every implementation, forward + backward."""
+    """Rows of one glue op (``rms-norm``, ``add-rms-norm``, ``rope`` or ``swiglu``): every implementation, forward +
+    backward."""
     liger, why_not = _liger()
     shape, nbytes, impls = _GLUE_CASES[op](config, liger)
     base = {"bench": "glue", "op": GLUE_OPS[op], "shape": shape, "dtype": "bf16", "bytes_moved": nbytes}
