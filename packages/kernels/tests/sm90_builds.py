@@ -75,12 +75,14 @@ def rows() -> list[dict]:
                          {"stride_cf": 1, "stride_ps": 1, "D": head_dim, "INVERSE": inverse, **settings},
                          rope_warps))
     out.append(build("silu_mul_fwd", swiglu._silu_mul_fwd_kernel,
-                     {"A": "*bf16", "B": "*bf16", "OUT": "*bf16", "stride_a": "i32", "stride_b": "i32", "N": "i32"},
-                     {"BLOCK_N": swiglu._BLOCK_N}, swiglu._NUM_WARPS))
+                     {"A": "*bf16", "B": "*bf16", "OUT": "*bf16", "stride_a": "i32", "stride_b": "i32", "N": "i32",
+                      "numel": "i32"},
+                     {"BLOCK": swiglu._BLOCK, "ROW_STRIDED": False}, swiglu._NUM_WARPS))
     out.append(build("silu_mul_bwd", swiglu._silu_mul_bwd_kernel,
                      {"DOUT": "*bf16", "A": "*bf16", "B": "*bf16", "DA": "*bf16", "DB": "*bf16", "stride_dout": "i32",
-                      "stride_a": "i32", "stride_b": "i32", "N": "i32"},
-                     {"BLOCK_N": swiglu._BLOCK_N}, swiglu._NUM_WARPS))
+                      "stride_a": "i32", "stride_b": "i32", "N": "i32",
+                      "numel": "i32"},
+                     {"BLOCK": swiglu._BLOCK, "ROW_STRIDED": False}, swiglu._NUM_WARPS))
     return out
 
 
