@@ -434,6 +434,15 @@ def test_proxy_rows_are_held_to_their_own_calls_baselines() -> None:
     tables = leaderboard.writeup_tables(rows)
     assert set(tables) == {"leaderboard_proxy", "leaderboard_breakdown"}  # no two-GPU rows: that table is left out
     assert "| ours (triton, triton, attention:7) |" in tables["leaderboard_breakdown"].splitlines()[0] + " |"
+    # A later call's profile of the same configuration replaces it; another configuration's older profile stays,
+    # after the latest call's, labelled with its call.
+    later = _proxy_row("ours", 1.9, "c", breakdown={**breakdown, "glue_share": 0.05})
+    before = dict(_proxy_row("ours", 2.6, "a", breakdown=breakdown), glue="model", checkpoint="attention")
+    header = leaderboard.writeup_tables([*rows, before, later,
+                                         _proxy_row("torch_native_compiled", 2.4, "c")])["leaderboard_breakdown"]
+    assert header.splitlines()[0] == ("| kind (ms, share of kernel time) | ours (triton, triton, attention:7) | "
+                                      "ours (triton, model, attention), call a |")
+    assert "| glue share | 5.0% | 10.0% |" in header
 
 
 @pytest.mark.slow

@@ -613,16 +613,19 @@ def _label(row: dict[str, Any]) -> str:
 def writeup_tables(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
     """The writeup's tables by marker name: ``leaderboard``, our rows of the leaderboard configuration (8B, context
     32768, batch 2, two ranks, bf16) fastest first; ``leaderboard_proxy``, the one-GPU proxy rows against their
-    call's baselines (:func:`proxy_rows`); ``leaderboard_breakdown``, the GPU time by kind of the profiled proxy
-    rows of the latest call that has any. A table without rows is left out (its marker keeps what it has)."""
+    call's baselines (:func:`proxy_rows`); ``leaderboard_breakdown``, the GPU time by kind of the latest profiled
+    proxy row of each configuration: the latest call's first, then older ones (so a "before" stays in the table),
+    each of those labelled with its call. A table without rows is left out (its marker keeps what it has)."""
     chosen = [r for r in rows if (r["size"], r["context_length"], r["global_batch"], r["world_size"],
                                   r["compute_dtype"]) == ("8B", 32768, 2, 2, "bf16") and r.get("status") == "ok"
               and r.get("impl", "ours") == "ours"]
     chosen.sort(key=lambda r: r["step_s"])
     proxy = proxy_rows(rows)
-    profiled = [r for r in proxy if r.get("breakdown")]
-    latest = max((str(r.get("call_id")) for r in profiled), default=None)
-    profiled = [r for r in profiled if str(r.get("call_id")) == latest]
+    by_label: dict[str, dict[str, Any]] = {}
+    for r in sorted((r for r in proxy if r.get("breakdown")), key=lambda r: str(r.get("call_id"))):
+        by_label[_label(r)] = r
+    latest = max((str(r.get("call_id")) for r in by_label.values()), default=None)
+    profiled = sorted(by_label.items(), key=lambda item: str(item[1].get("call_id")) != latest)
     tables = {}
     if chosen:
         tables["leaderboard"] = markdown_table(chosen, list(zip(_WRITEUP_COLUMNS, _WRITEUP_HEADERS, strict=True)),
@@ -632,5 +635,7 @@ def writeup_tables(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
         shown = [{**r, "impl": r["impl"].replace("_", " ")} for r in proxy]
         tables["leaderboard_proxy"] = markdown_table(shown, _PROXY_COLUMNS, floatfmt=".4g")
     if profiled:
-        tables["leaderboard_breakdown"] = kernel_kinds.breakdown_markdown(profiled, [_label(r) for r in profiled])
+        labels = [label if str(r.get("call_id")) == latest else f"{label}, call {r.get('call_id')}"
+                  for label, r in profiled]
+        tables["leaderboard_breakdown"] = kernel_kinds.breakdown_markdown([r for _, r in profiled], labels)
     return tables
