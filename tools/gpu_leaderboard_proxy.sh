@@ -2,7 +2,7 @@
 # The one-GPU proxy of a leaderboard rank (issue 19) on one H200, in one call of under 9 minutes: the proxy step
 # (8B blocks, 14 layers, one sequence of 32768 tokens, bf16, world size 1, memory cap 92 GiB) ours and the two
 # PyTorch-only baselines, as rows of one call (one CS336_CALL_ID), most important first:
-#   1. ours after: Triton attention, our glue kernels, the budget checkpointing policy, profiled (breakdown);
+#   1. ours after: our attention (the Gluon kernels on sm_90), our glue kernels, the budget policy, profiled;
 #   2. the strong baseline (compiled blocks, as many not checkpointed as fit the cap), profiled;
 #   3. the plain baseline (every block checkpointed, eager);
 #   4. ours before: the model's own glue, the attention policy (the 2026-12-01 configuration), profiled;

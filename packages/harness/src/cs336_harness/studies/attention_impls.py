@@ -7,8 +7,8 @@ tensors, as ``BasicsTransformerLM`` takes at build time or through ``set_attenti
 
 Names: ``eager`` (the model's own), ``annotated`` (the model's math with NVTX and profiler ranges around scores,
 softmax and the final matmul), ``compiled`` (``torch.compile`` of the model's own), ``sdpa``
-(``torch.nn.functional.scaled_dot_product_attention``) and ``triton`` (our FlashAttention-2 kernel from
-``cs336_kernels``, imported only when asked for).
+(``torch.nn.functional.scaled_dot_product_attention``) and ``triton`` (our kernels, ``cs336_kernels.flash_attention``
+as it runs by default: Triton, or the Gluon kernels on sm_90; imported only when asked for).
 """
 
 from __future__ import annotations
