@@ -12,14 +12,14 @@ import torch
 
 def get_flashattention_autograd_function_pytorch() -> type[torch.autograd.Function]:
     """The tiled pure-PyTorch FlashAttention-2 ``autograd.Function`` (``apply(Q, K, V, is_causal)``)."""
-    from cs336_kernels.flash_attention import FlashAttentionPytorch
+    from cs336_kernels import FlashAttentionPytorch
 
     return FlashAttentionPytorch
 
 
 def get_flashattention_autograd_function_triton() -> type[torch.autograd.Function]:
     """The Triton FlashAttention-2 ``autograd.Function`` (``apply(Q, K, V, is_causal)``)."""
-    from cs336_kernels.flash_attention import FlashAttentionTriton
+    from cs336_kernels import FlashAttentionTriton
 
     return FlashAttentionTriton
 

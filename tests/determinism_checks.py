@@ -35,7 +35,7 @@ from cs336_basics.nn_utils import cross_entropy
 from cs336_basics.optimizer import AdamW
 from cs336_comms.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlappedDDP
 from cs336_comms.reduce import tree_all_reduce, tree_reduce_scatter
-from cs336_kernels.fused_adamw import FusedAdamW
+from cs336_kernels import FusedAdamW
 from cs336_sharding.optimizer import ShardedOptimizer
 
 STEPS = 3

@@ -17,8 +17,8 @@ import re
 import torch
 import triton
 from cs336_harness.results import append_rows, provenance
-from cs336_kernels.flash_attention import gluon_backward as backward
-from cs336_kernels.flash_attention import gluon_forward as forward
+from cs336_kernels.ops.flash_attention import gluon_backward as backward
+from cs336_kernels.ops.flash_attention import gluon_forward as forward
 from cs336_kernels.sass import loop_spills, read_build
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource

@@ -13,9 +13,7 @@ import torch
 from cs336_basics.model import RMSNorm, RotaryEmbedding, SwiGLU
 from cs336_harness.studies import fused as fused_study
 from cs336_harness.studies.fused import FusedBenchConfig, fused_markdown
-from cs336_kernels.rms_norm import add_rms_norm_reference, rms_norm_reference
-from cs336_kernels.rope import rope_reference
-from cs336_kernels.swiglu import silu_mul_reference
+from cs336_kernels import add_rms_norm_reference, rms_norm_reference, rope_reference, silu_mul_reference
 
 # ||ours - eager module|| / ||eager module||: bf16 outputs differ only by rare one-ulp flips on the GPU; the
 # gradients by one rounding of differently ordered fp32 sums (RMSNorm, RoPE) or by rounding once where the module

@@ -285,9 +285,9 @@ class _CountedLaunches:
 @pytest.mark.parametrize(("checkpoint", "recomputed"), [("none", 0), ("attention", 2), ("selective", 2)])
 def test_checkpointing_recomputes_the_folded_add(checkpoint: str, recomputed: int,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    # Neither policy saves an RMSNorm op's output, so the fold (an autograd.Function running Triton kernels, no
-    # registered op) is recomputed with the rest of each checkpointed block, as ln2 was: one launch per block.
-    from cs336_kernels import rms_norm as rms_norm_module
+    # Neither policy saves an RMSNorm op's output, so the fold (the operator cs336::add_rms_norm_forward) is
+    # recomputed with the rest of each checkpointed block, as ln2 was: one launch per block.
+    from cs336_kernels.ops import rms_norm as rms_norm_module
 
     forward = _CountedLaunches(rms_norm_module._rms_norm_fwd_kernel)
     monkeypatch.setattr(rms_norm_module, "_rms_norm_fwd_kernel", forward)

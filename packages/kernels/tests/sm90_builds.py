@@ -20,7 +20,7 @@ from typing import Any
 
 import triton
 import triton.backends.nvidia
-from cs336_kernels import rms_norm, rope, swiglu
+from cs336_kernels.ops import rms_norm, rope, swiglu
 from cs336_kernels.sass import read_build
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cs336_kernels.fused_adamw import FusedAdamW
+from cs336_kernels.ops.fused_adamw import FusedAdamW
 
 # The interpreter turns the kernel's size-1 loop bounds into ints the way NumPy 1.25 deprecated.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")

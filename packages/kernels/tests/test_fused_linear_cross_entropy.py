@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cs336_kernels.fused_linear_cross_entropy import (
-    FusedLinearCrossEntropy,
+from cs336_kernels.nn import FusedLinearCrossEntropyLoss
+from cs336_kernels.ops.fused_linear_cross_entropy import (
     chunk_rows,
     fused_linear_cross_entropy,
     linear_cross_entropy_reference,
@@ -114,7 +114,7 @@ def test_loss_is_float32_for_half_inputs():
 def test_single_token_and_module_form():
     hidden, weight, targets = _inputs((1,), 8, 13, torch.float64, "cpu", seed=3, ignore_every=2)
     targets[0] = 4
-    module = FusedLinearCrossEntropy(reduction="sum", ignore_index=IGNORE)
+    module = FusedLinearCrossEntropyLoss(reduction="sum", ignore_index=IGNORE)
     expected = linear_cross_entropy_reference(hidden, weight, targets, "sum", IGNORE)
     torch.testing.assert_close(module(hidden, weight, targets), expected, rtol=1e-12, atol=0)
 

@@ -9,11 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 from attention_tolerances import LSE_TOL, REL_TOL
-from cs336_kernels.flash_attention import attention_reference, flash_attention
-from cs336_kernels.flash_attention.api import backward_impl
-from cs336_kernels.flash_attention.forward import gluon_forward_applies
-from cs336_kernels.flash_attention.gluon_backward import gluon_attention_backward
-from cs336_kernels.flash_attention.gluon_forward import gluon_attention_forward
+from cs336_kernels.ops.flash_attention import attention_reference, backward_impl, flash_attention
+from cs336_kernels.ops.flash_attention.gluon_backward import gluon_attention_backward
+from cs336_kernels.ops.flash_attention.gluon_common import gluon_applies
+from cs336_kernels.ops.flash_attention.gluon_forward import gluon_attention_forward
 
 pytestmark = pytest.mark.gpu
 
@@ -121,10 +120,10 @@ def test_gpu_input_checks():
 @pytest.mark.parametrize(("forward", "backward"),
                          [("auto", "auto"), ("auto", "triton"), ("gluon", "gluon"), ("triton", "gluon")])
 def test_gpu_flash_attention_runs_each_path(forward, backward):
-    # Through the public function: the custom op's dispatch, the autograd Function and the backward choice.
+    # Through the public function: the operators' dispatch, their autograd formula and the backward choice.
     q, k, v, do = _inputs((2, 4, 777, 128), (2, 2, 777, 128), torch.bfloat16, seed=11)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    assert gluon_forward_applies(q)
+    assert gluon_applies(q)
     out = flash_attention(q, k, v, is_causal=True, forward=forward, backward=backward)
     out.backward(do)
     grads = [t.grad for t in (q, k, v)]
@@ -133,7 +132,7 @@ def test_gpu_flash_attention_runs_each_path(forward, backward):
     assert _rel_err(out, o_ref) < REL_TOL[torch.bfloat16]
     for name, got, ref in zip(("dQ", "dK", "dV"), grads, ref_grads, strict=True):
         assert _rel_err(got, ref.double()) < REL_TOL[torch.bfloat16], name
-    assert not gluon_forward_applies(q.float()) and not gluon_forward_applies(q[..., :96])
+    assert not gluon_applies(q.float()) and not gluon_applies(q[..., :96])
 
 
 def test_gpu_auto_backward_is_gluon_unless_deterministic():

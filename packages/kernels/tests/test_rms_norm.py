@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cs336_kernels.rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
+from cs336_kernels.ops.rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # ||ours - float64|| / ||float64|| allowed, by the dtype the result is rounded to (one rounding of an fp32 value,

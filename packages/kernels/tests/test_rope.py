@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from cs336_kernels.rope import rope, rope_reference
+from cs336_kernels.ops.rope import rope, rope_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # ||ours - float64|| / ||float64|| allowed, by dtype: one rounding of an fp32 rotation. Against the module's

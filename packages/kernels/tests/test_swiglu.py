@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cs336_kernels import swiglu
-from cs336_kernels.swiglu import MAX_N, MAX_NUMEL, silu_mul, silu_mul_backward, silu_mul_forward, silu_mul_reference
+from cs336_kernels.ops import swiglu
+from cs336_kernels.ops.swiglu import MAX_N, MAX_NUMEL, silu_mul, silu_mul_backward, silu_mul_forward, silu_mul_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # ||ours - float64|| / ||float64|| allowed, by dtype: three roundings in the forward (as the module), one per

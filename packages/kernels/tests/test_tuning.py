@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import triton
-from cs336_kernels.flash_attention import flash_attention, tuning
+from cs336_kernels.ops.flash_attention import flash_attention, tuning
 
 
 def test_listed_configs_are_copies_that_obey_the_divisibility_rules():

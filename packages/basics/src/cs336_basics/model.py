@@ -295,7 +295,7 @@ class TransformerBlock(nn.Module):
 
     ``add_norm`` is a plain attribute: None (the default) runs the add and ``ln2`` as written; or
     ``fn(x, delta, weight, eps) -> (h, y)`` with ``delta = attn(ln1(x))`` and ``ln2``'s own ``weight`` and ``eps``,
-    returning ``h = x + delta`` and ``y = ln2(h)`` (the signature of ``cs336_kernels.rms_norm.add_rms_norm``), for a
+    returning ``h = x + delta`` and ``y = ln2(h)`` (the signature of ``cs336_kernels.add_rms_norm``), for a
     kernel that computes both in one pass. ``ln2`` keeps its weight either way, so parameter names do not change.
     """
 

@@ -1,27 +1,44 @@
 """cs336_kernels: Triton kernels for Transformer training, each with a PyTorch reference.
 
-- :func:`flash_attention` (FlashAttention-2, forward and backward), :class:`FlashAttentionTriton`,
-  :class:`FlashAttentionPytorch`, :func:`attention_reference`;
-- :class:`FusedAdamW`, AdamW in one launch per parameter group and dtype;
-- :func:`fused_linear_cross_entropy` (LM head + cross-entropy without the logits),
-  :class:`FusedLinearCrossEntropy`, :func:`linear_cross_entropy_reference`;
-- the glue of a Transformer block: :func:`rms_norm` (and ``rms_norm.add_rms_norm``, the residual add before a
-  norm folded into it), :func:`rope` (queries and keys in the projections' layout) and :func:`silu_mul` (SwiGLU's
-  ``silu(a) * b``), forward and backward.
+The functions here are the public API, each a registered operator (``torch.ops.cs336.*``) with a fake
+implementation and an autograd formula, so they run eagerly, inside ``torch.compile(fullgraph=True)`` (no graph
+break, dynamic shapes) and under FSDP2:
+
+- :func:`flash_attention` (FlashAttention-2 in Triton, FlashAttention-3-style Gluon kernels on sm_90), with
+  :class:`FlashAttentionTriton` / :class:`FlashAttentionPytorch` (its autograd Functions) and
+  :func:`attention_reference`;
+- the glue of a Transformer block: :func:`rms_norm`, :func:`add_rms_norm` (the residual add before a norm folded
+  into it), :func:`rope` (queries and keys in the projections' layout) and :func:`silu_mul` (SwiGLU's
+  ``silu(a) * b``), each with its ``*_reference``;
+- :func:`fused_linear_cross_entropy` (LM head + cross-entropy without the logits) and
+  :func:`linear_cross_entropy_reference`;
+- :class:`FusedAdamW`, AdamW in one launch per parameter group and dtype.
+
+:mod:`cs336_kernels.nn` wraps them as ``nn.Module`` layers with ``torch.nn`` / ``cs336_basics`` parameter names;
+:mod:`cs336_kernels.ops` holds the kernels, one module each.
 
 The kernels run on CUDA tensors, or on CPU tensors in Triton's interpreter when ``TRITON_INTERPRET=1`` is
 set before this package is imported (install ``cs336-kernels[cpu]`` for the interpreter's numpy).
-``flash_attention``, ``fused_linear_cross_entropy``, ``rms_norm`` and ``rope`` are both the submodules and,
-called, their functions.
 """
 
 from importlib.metadata import PackageNotFoundError, version
 
-from cs336_kernels import flash_attention, fused_linear_cross_entropy, rms_norm, rope
-from cs336_kernels.flash_attention import FlashAttentionPytorch, FlashAttentionTriton, attention_reference
-from cs336_kernels.fused_adamw import FusedAdamW
-from cs336_kernels.fused_linear_cross_entropy import FusedLinearCrossEntropy, linear_cross_entropy_reference
-from cs336_kernels.swiglu import silu_mul
+from cs336_kernels import nn  # noqa: E402  (the module layer imports the functions above)
+from cs336_kernels.ops.flash_attention import (
+    FlashAttentionPytorch,
+    FlashAttentionTriton,
+    attention_reference,
+    flash_attention,
+)
+from cs336_kernels.ops.fused_adamw import FusedAdamW
+from cs336_kernels.ops.fused_linear_cross_entropy import (
+    CHUNK_BYTES,
+    fused_linear_cross_entropy,
+    linear_cross_entropy_reference,
+)
+from cs336_kernels.ops.rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
+from cs336_kernels.ops.rope import rope, rope_reference
+from cs336_kernels.ops.swiglu import silu_mul, silu_mul_reference
 
 try:
     __version__ = version("cs336-kernels")
@@ -29,16 +46,22 @@ except PackageNotFoundError:  # imported from a source tree on PYTHONPATH, not i
     __version__ = "unknown"
 
 __all__ = [
+    "CHUNK_BYTES",
     "FlashAttentionPytorch",
     "FlashAttentionTriton",
     "FusedAdamW",
-    "FusedLinearCrossEntropy",
     "__version__",
+    "add_rms_norm",
+    "add_rms_norm_reference",
     "attention_reference",
     "flash_attention",
     "fused_linear_cross_entropy",
     "linear_cross_entropy_reference",
+    "nn",
     "rms_norm",
+    "rms_norm_reference",
     "rope",
+    "rope_reference",
     "silu_mul",
+    "silu_mul_reference",
 ]

@@ -14,6 +14,13 @@ import torch
 
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1"
 
+if INTERPRET:
+    try:
+        import numpy  # noqa: F401  (Triton's interpreter runs every program in numpy)
+    except ImportError as error:
+        raise ImportError("TRITON_INTERPRET=1 runs the kernels in Triton's interpreter, which needs numpy < 2.4: "
+                          "install cs336-kernels[cpu] (or numpy<2.4)") from error
+
 
 def check_device(device: torch.device, caller: str) -> None:
     """Raise ValueError unless the kernels can run on ``device`` in this process.

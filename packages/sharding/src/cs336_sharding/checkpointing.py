@@ -98,7 +98,7 @@ def parse_policy(text: str | CheckpointPolicySpec) -> CheckpointPolicySpec:
 
 def attention_ops() -> frozenset[torch._ops.OpOverload]:
     """The fused attention operators whose outputs the ``attention`` policy keeps: those SDPA dispatches to and,
-    once ``cs336_kernels.flash_attention`` has registered it (a model using our kernel has imported it), our
+    once ``cs336_kernels`` has registered it (a model using our kernel has imported it), our
     Triton FlashAttention-2 forward ``torch.ops.cs336.flash_attention_forward``."""
     aten = torch.ops.aten
     ops = {

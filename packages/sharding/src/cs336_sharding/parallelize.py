@@ -62,7 +62,7 @@ class FusedLossHead(nn.Module):
             raise ValueError(f"weight must be a (vocab, d_model) nn.Parameter, got {type(weight).__name__} of shape "
                              f"{tuple(getattr(weight, 'shape', ()))}")
         # Imported here, not at module level: on CPU the Triton interpreter must be chosen before the kernels load.
-        from cs336_kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+        from cs336_kernels import fused_linear_cross_entropy
 
         self.weight = weight
         self._loss = fused_linear_cross_entropy
@@ -115,9 +115,16 @@ def glue_functions(glue: str) -> tuple[NormFn, AddNormFn, Callable, Callable]:
     if glue not in GLUES or glue == "model":
         raise ValueError(f"glue functions exist for {', '.join(g for g in GLUES if g != 'model')}, got {glue!r}")
     # Imported here: on CPU the Triton interpreter must be chosen before the kernels load.
-    from cs336_kernels.rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
-    from cs336_kernels.rope import rope, rope_reference
-    from cs336_kernels.swiglu import silu_mul, silu_mul_reference
+    from cs336_kernels import (
+        add_rms_norm,
+        add_rms_norm_reference,
+        rms_norm,
+        rms_norm_reference,
+        rope,
+        rope_reference,
+        silu_mul,
+        silu_mul_reference,
+    )
 
     if glue == "triton":
         return rms_norm, add_rms_norm, rope, silu_mul

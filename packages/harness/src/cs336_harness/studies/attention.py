@@ -40,7 +40,7 @@ import torch
 import torch._functorch.config as functorch_config
 import torch.nn.functional as F
 from cs336_basics.model import scaled_dot_product_attention
-from cs336_kernels.flash_attention import flash_attention
+from cs336_kernels import flash_attention
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 

@@ -38,7 +38,7 @@ def annotated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_ca
 
 
 def _triton_attention() -> AttentionFn:
-    from cs336_kernels.flash_attention import flash_attention
+    from cs336_kernels import flash_attention
 
     def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> torch.Tensor:
         return flash_attention(q, k, v, is_causal=is_causal)

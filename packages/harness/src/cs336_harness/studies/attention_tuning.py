@@ -1,9 +1,9 @@
 """Wide autotuning sweep for our FlashAttention-2 kernels, then ours vs SDPA.
 
-The kernels in :mod:`cs336_kernels.flash_attention` autotune over a short pruned list of
+The kernels in :mod:`cs336_kernels.ops.flash_attention` autotune over a short pruned list of
 (BLOCK_M, BLOCK_N, num_warps, num_stages) per regime (dtype width, padded head dim), so that a cold
 start stays fast. This sweep widens those lists with :data:`CANDIDATES` (bf16/fp16 at d = 64 and 128,
-through :func:`cs336_kernels.flash_attention.tuning.extra_configs`), lets the autotuner time every
+through :func:`cs336_kernels.ops.flash_attention.tuning.extra_configs`), lets the autotuner time every
 candidate at the real shapes and records:
 
 - one ``bench = "tune"`` row per (shape, kernel, candidate) with the autotuner's median (a short
@@ -11,7 +11,7 @@ candidate at the real shapes and records:
 - ``bench = "variants"`` rows: ``do_bench`` medians of forward, backward and forward+backward of SDPA
   and ours (``triton``) in one process, with the winning config of each kernel.
 
-The short lists in ``cs336_kernels/flash_attention/tuning.py`` are then edited from the ``tune`` rows,
+The short lists in ``cs336_kernels/ops/flash_attention/tuning.py`` are then edited from the ``tune`` rows,
 and the final numbers come from ``cs336 attention --part anchors`` on the committed lists. Run on the
 GPU machine::
 
@@ -34,8 +34,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from cs336_kernels.flash_attention import flash_attention
-from cs336_kernels.flash_attention.tuning import (
+from cs336_kernels import flash_attention
+from cs336_kernels.ops.flash_attention.tuning import (
     KERNELS,
     TMA_FLAGS,
     Entry,

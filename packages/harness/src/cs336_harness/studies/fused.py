@@ -56,16 +56,20 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from cs336_basics.model import RMSNorm, RotaryEmbedding
-from cs336_kernels.fused_adamw import FusedAdamW
-from cs336_kernels.fused_linear_cross_entropy import (
-    chunk_rows,
+from cs336_kernels import (
+    FusedAdamW,
+    add_rms_norm,
+    add_rms_norm_reference,
     fused_linear_cross_entropy,
     linear_cross_entropy_reference,
-    softmax_grad_inplace,
+    rms_norm,
+    rms_norm_reference,
+    rope,
+    rope_reference,
+    silu_mul,
+    silu_mul_reference,
 )
-from cs336_kernels.rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
-from cs336_kernels.rope import rope, rope_reference
-from cs336_kernels.swiglu import silu_mul, silu_mul_reference
+from cs336_kernels.ops.fused_linear_cross_entropy import chunk_rows, softmax_grad_inplace
 from triton.testing import do_bench
 
 from cs336_harness.analysis.tables import markdown_table

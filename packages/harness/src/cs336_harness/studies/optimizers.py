@@ -2,7 +2,7 @@
 
 - ``adamw``: ours, :class:`cs336_basics.optimizer.AdamW` (plain PyTorch, one tensor at a time);
 - ``torch-adamw``: ``torch.optim.AdamW``, with ``fused=True`` on CUDA (what a PyTorch user picks);
-- ``fused-adamw``: our Triton :class:`cs336_kernels.fused_adamw.FusedAdamW` (one launch per group and dtype).
+- ``fused-adamw``: our Triton :class:`cs336_kernels.FusedAdamW` (one launch per group and dtype).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def build_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float,
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=on_cuda)
     if name == "fused-adamw":
         # Imported here: on CPU the Triton interpreter must be chosen before the kernels load.
-        from cs336_kernels.fused_adamw import FusedAdamW
+        from cs336_kernels import FusedAdamW
 
         return FusedAdamW(params, lr=lr, weight_decay=weight_decay)
     raise ValueError(f"unknown optimizer {name!r}; expected one of {', '.join(OPTIMIZERS)}")

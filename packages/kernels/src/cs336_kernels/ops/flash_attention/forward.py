@@ -1,4 +1,4 @@
-"""FlashAttention-2 forward (Dao, 2023) in Triton: the kernel, its launcher and the custom op.
+"""FlashAttention-2 forward (Dao, 2023) in Triton: the kernel and its launcher.
 
 One program per (query tile, batch * query head) folds the key tiles into an fp32 accumulator with an
 online softmax (a running row maximum ``m`` and denominator ``l``), in log2 units so that every
@@ -6,11 +6,9 @@ exponential is an ``exp2``, and writes the output ``O`` and the natural-log logs
 backward pass reads. Causal: key tiles above the diagonal are never loaded, tiles that straddle it are
 masked element-wise, all others run unmasked; heavier query tiles are launched first.
 
-:func:`flash_forward_op` is the forward registered as ``torch.ops.cs336.flash_attention_forward``. It runs this
-kernel or the warp-specialised Gluon kernel of :mod:`~cs336_kernels.flash_attention.gluon_forward`; with
-``impl="auto"`` it follows :func:`gluon_forward_applies`: the Gluon kernel on an sm_90 GPU (H100/H200) for fp16 and
-bf16 at head dims 64 and 128, where it is the faster of the two; this kernel everywhere else (other GPUs and head
-dims, fp32, the CPU interpreter).
+The operator ``torch.ops.cs336.flash_attention_forward`` (:mod:`~cs336_kernels.ops.flash_attention.api`) runs
+this kernel or the warp-specialised Gluon one; its ``auto`` choice follows
+:func:`~cs336_kernels.ops.flash_attention.gluon_common.gluon_applies`.
 """
 
 from __future__ import annotations
@@ -21,9 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from cs336_kernels.flash_attention import gluon_forward
-from cs336_kernels.flash_attention.tiles import (
-    LOG2E,
+from cs336_kernels.ops._common import LOG2E
+from cs336_kernels.ops.flash_attention.tiles import (
     kernel_constants,
     key_mask,
     key_tile_ranges,
@@ -33,7 +30,7 @@ from cs336_kernels.flash_attention.tiles import (
     tma_descriptors,
     with_tma_scratch,
 )
-from cs336_kernels.flash_attention.tuning import autotune
+from cs336_kernels.ops.flash_attention.tuning import autotune
 
 
 @triton.jit
@@ -154,32 +151,3 @@ def flash_forward_triton(
 
     with_tma_scratch(launch)
     return o, lse
-
-
-FORWARD_IMPLS: tuple[str, ...] = ("auto", "triton", "gluon")
-
-
-def gluon_forward_applies(q: torch.Tensor) -> bool:
-    """The ``auto`` rule: whether the Gluon forward runs for queries like ``q`` (keys and values match them)."""
-    return (q.is_cuda and q.dtype in gluon_forward.SUPPORTED_DTYPES and q.shape[-1] in gluon_forward.SUPPORTED_HEAD_DIMS
-            and torch.cuda.get_device_capability(q.device)[0] == 9)
-
-
-@torch.library.custom_op("cs336::flash_attention_forward", mutates_args=())
-def flash_forward_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, impl: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output and logsumexp of (B, H, T, d) inputs from ``impl`` (one of :data:`FORWARD_IMPLS`), as the operator
-    ``torch.ops.cs336.flash_attention_forward``, so that tools working at the operator level see it: selective
-    activation checkpointing can keep its outputs instead of running it again in the backward, and
-    ``torch.compile`` treats it as one opaque op."""
-    if impl == "gluon" or (impl == "auto" and gluon_forward_applies(q)):
-        return gluon_forward.gluon_attention_forward(q, k, v, is_causal)
-    return flash_forward_triton(q, k, v, is_causal)
-
-
-@flash_forward_op.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-      impl: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
-

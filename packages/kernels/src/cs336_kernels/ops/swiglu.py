@@ -26,13 +26,12 @@ block is masked. Contiguous rows (every operand's rows n apart) are indexed base
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
 from cs336_kernels.interpreter import check_device
+from cs336_kernels.ops._common import as_rows, device_context
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Elements per program: 16 per thread at 8 warps, two 16-byte loads of bf16 per tensor in flight.
@@ -98,12 +97,6 @@ def _silu_mul_bwd_kernel(
     tl.store(DA + start + idx, (g * b * s * (1.0 + a * (1.0 - s))).to(dtype), mask=mask)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """t as (rows, n) with unit stride on n: a view where the layout allows, else a copy."""
-    t = t.reshape(-1, t.shape[-1])
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _row_strided(*ts: torch.Tensor) -> bool:
     """Whether the kernels must step rows by their strides: some (rows, n) operand's rows are not n apart."""
     rows, n = ts[0].shape
@@ -114,16 +107,12 @@ def _grid(numel: int) -> tuple[int]:
     return (triton.cdiv(numel, _BLOCK),)
 
 
-def _device_context(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
 def silu_mul_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Launch the forward kernel on (rows, n) a and b with unit column strides; out (rows, n) contiguous."""
     rows, n = a.shape
     out = torch.empty((rows, n), dtype=a.dtype, device=a.device)
     if out.numel():
-        with _device_context(a):
+        with device_context(a):
             _silu_mul_fwd_kernel[_grid(out.numel())](a, b, out, a.stride(0), b.stride(0), n, out.numel(),
                                                      BLOCK=_BLOCK, ROW_STRIDED=_row_strided(a, b),
                                                      num_warps=_NUM_WARPS)
@@ -136,27 +125,45 @@ def silu_mul_backward(dout: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> t
     da = torch.empty((rows, n), dtype=a.dtype, device=a.device)
     db = torch.empty_like(da)
     if da.numel():
-        with _device_context(a):
+        with device_context(a):
             _silu_mul_bwd_kernel[_grid(da.numel())](dout, a, b, da, db, dout.stride(0), a.stride(0), b.stride(0), n,
                                                     da.numel(), BLOCK=_BLOCK, ROW_STRIDED=_row_strided(dout, a, b),
                                                     num_warps=_NUM_WARPS)
     return da, db
 
 
-class SiLUMulFunction(torch.autograd.Function):
-    """out = silu(a) * b for a, b (..., n); saves a and b (sigmoid is recomputed in the backward)."""
+@torch.library.custom_op("cs336::silu_mul_forward", mutates_args=())
+def silu_mul_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``silu(a) * b`` for a, b (..., n), contiguous, as ``torch.ops.cs336.silu_mul_forward``."""
+    return silu_mul_forward(as_rows(a), as_rows(b)).view(a.shape)
 
-    @staticmethod
-    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        a2, b2 = _rows(a), _rows(b)
-        ctx.save_for_backward(a2, b2)
-        return silu_mul_forward(a2, b2).view(a.shape)
 
-    @staticmethod
-    def backward(ctx, dout: torch.Tensor):
-        a2, b2 = ctx.saved_tensors
-        da, db = silu_mul_backward(_rows(dout), a2, b2)
-        return da.view(dout.shape), db.view(dout.shape)
+@silu_mul_op.register_fake
+def _(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(a.shape)
+
+
+@torch.library.custom_op("cs336::silu_mul_backward", mutates_args=())
+def silu_mul_backward_op(dout: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(da, db) of ``silu(a) * b`` from the output's gradient, as ``torch.ops.cs336.silu_mul_backward``."""
+    da, db = silu_mul_backward(as_rows(dout), as_rows(a), as_rows(b))
+    return da.view(a.shape), db.view(a.shape)
+
+
+@silu_mul_backward_op.register_fake
+def _(dout: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return a.new_empty(a.shape), a.new_empty(a.shape)
+
+
+def _setup(ctx, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs)  # a and b only: sigmoid is recomputed in the backward
+
+
+def _backward(ctx, dout: torch.Tensor):
+    return silu_mul_backward_op(dout, *ctx.saved_tensors)
+
+
+silu_mul_op.register_autograd(_backward, setup_context=_setup)
 
 
 def _check_inputs(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -188,7 +195,7 @@ def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """
     _check_inputs(a, b)
     check_device(a.device, "silu_mul")
-    return SiLUMulFunction.apply(a, b)
+    return silu_mul_op(a, b)
 
 
 def silu_mul_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-
 
 @triton.jit
 def tile_ptr(BASE, N_ROWS, stride_t, stride_d, start, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,

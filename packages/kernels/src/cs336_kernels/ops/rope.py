@@ -21,15 +21,12 @@ loads the token's table rows once and rotates every head of q and of k. The back
 
 from __future__ import annotations
 
-import contextlib
-import sys
-
 import torch
 import triton
 import triton.language as tl
 
-from cs336_kernels._callable_module import CallableModule
 from cs336_kernels.interpreter import check_device
+from cs336_kernels.ops._common import device_context, unit_stride
 
 X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 POSITION_DTYPES = (torch.int32, torch.int64)
@@ -91,13 +88,9 @@ def launch_settings(head_dim: int, heads_q: int, heads_k: int) -> dict[str, int]
             "num_warps": 4 if max(block_hq, block_hk) * block_d <= 2048 else 8}
 
 
-def _unit_stride(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def _rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
             inverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    q, k = _unit_stride(q), _unit_stride(k)
+    q, k = unit_stride(q), unit_stride(k)
     batch, seq, heads_q, head_dim = q.shape
     heads_k = k.shape[2]
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -105,7 +98,7 @@ def _rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     if q.numel() == 0 and k.numel() == 0:
         return q_out, k_out
     stride_pb = positions.stride(0) if positions.dim() == 2 else 0
-    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+    with device_context(q):
         _rope_kernel[(seq, batch)](
             q, k, q_out, k_out, cos, sin, positions,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -115,32 +108,33 @@ def _rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return q_out, k_out
 
 
-def rope_forward(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the kernel: q, k rotated by the angles of ``positions``, contiguous (batch, seq, heads, d)."""
-    return _rotate(q, k, cos, sin, positions, inverse=False)
+@torch.library.custom_op("cs336::rope", mutates_args=())
+def rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+            inverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k rotated by the angles of ``positions`` (by minus them with ``inverse``: the backward), contiguous
+    (batch, seq, heads, d), as ``torch.ops.cs336.rope``."""
+    return _rotate(q, k, cos, sin, positions, inverse)
 
 
-def rope_backward(dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the kernel with the inverse rotation: the gradients of q and k from those of the outputs."""
-    return _rotate(dq, dk, cos, sin, positions, inverse=True)
+@rope_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+      inverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
-class RoPEFunction(torch.autograd.Function):
-    """(q_rot, k_rot) = rope(q, k, cos, sin, positions); saves only the tables and positions."""
+def _setup(ctx, inputs: tuple, output: tuple) -> None:
+    _, _, cos, sin, positions, inverse = inputs
+    ctx.save_for_backward(cos, sin, positions)  # only the tables and positions: a rotation's transpose is its inverse
+    ctx.inverse = inverse
 
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        ctx.save_for_backward(cos, sin, positions)
-        return rope_forward(q, k, cos, sin, positions)
 
-    @staticmethod
-    def backward(ctx, dq_out: torch.Tensor, dk_out: torch.Tensor):
-        cos, sin, positions = ctx.saved_tensors
-        dq, dk = rope_backward(dq_out, dk_out, cos, sin, positions)
-        return dq, dk, None, None, None
+def _backward(ctx, dq_out: torch.Tensor, dk_out: torch.Tensor):
+    cos, sin, positions = ctx.saved_tensors
+    dq, dk = rope_op(dq_out, dk_out, cos, sin, positions, not ctx.inverse)
+    return dq, dk, None, None, None, None
+
+
+rope_op.register_autograd(_backward, setup_context=_setup)
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -174,8 +168,10 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
                          f"{cos.device}, {sin.device}, {positions.device}")
     check_device(q.device, "rope")
     # An index outside the tables would read another tensor's memory. The check reads the positions: free on
-    # CPU, a host sync on a GPU, so it runs on CPU only (the model's positions are an arange).
-    if positions.device.type == "cpu" and positions.numel() and ((positions < 0) | (positions >= cos.shape[0])).any():
+    # CPU, a host sync on a GPU, so it runs on CPU only (the model's positions are an arange), and not while
+    # torch.compile traces (a value read from a tensor would break the graph).
+    if (positions.device.type == "cpu" and positions.numel() and not torch.compiler.is_compiling()
+            and ((positions < 0) | (positions >= cos.shape[0])).any()):
         raise ValueError(f"positions must lie in [0, {cos.shape[0]}) (the tables' context length), got values in "
                          f"[{positions.min().item()}, {positions.max().item()}]")
 
@@ -194,7 +190,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         (q_rot, k_rot), contiguous (batch, seq, heads, head_dim) in the input dtype.
     """
     _check_inputs(q, k, cos, sin, positions)
-    return RoPEFunction.apply(q, k, cos, sin, positions)
+    return rope_op(q, k, cos, sin, positions, False)
 
 
 def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -213,4 +209,3 @@ def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
     return rotate(q), rotate(k)
 
 
-sys.modules[__name__].__class__ = CallableModule

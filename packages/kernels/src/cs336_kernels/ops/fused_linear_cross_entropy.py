@@ -32,28 +32,25 @@ bytes add to a training step's peak; 2,048-token chunks keep the GEMMs' inner di
     loss.backward()
 
 ``linear_cross_entropy_reference`` is the plain PyTorch computation that tests and benchmarks compare against.
-The module is also callable as :func:`fused_linear_cross_entropy` (see ``cs336_kernels._callable_module``).
 """
 
 from __future__ import annotations
-
-import contextlib
-import sys
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch._subclasses.functional_tensor import FunctionalTensor
 
-from cs336_kernels._callable_module import CallableModule
 from cs336_kernels.interpreter import check_device
+from cs336_kernels.ops._common import device_context
 
 # Bytes of one chunk of logits: bounds the memory above inputs and gradients (2,048 x 151,936 bf16 fits).
-_CHUNK_BYTES = 5 * 2**27
+CHUNK_BYTES = 5 * 2**27
 # Chunk rows are a multiple of this when the budget allows (whole GEMM tiles).
 _ROW_MULTIPLE = 128
 _MAX_BLOCK_V = 8192
-_REDUCTIONS = ("mean", "sum", "none")
+REDUCTIONS = ("mean", "sum", "none")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -107,7 +104,7 @@ def softmax_grad_inplace(logits: torch.Tensor, targets: torch.Tensor, losses: to
     rows, vocab = logits.shape
     block_v = min(_MAX_BLOCK_V, triton.next_power_of_2(vocab))
     acc = tl.float64 if logits.dtype == torch.float64 else tl.float32
-    with torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext():
+    with device_context(logits):
         _softmax_grad_kernel[(rows,)](
             logits, targets, losses, scale, logits.stride(0), scale_stride, vocab, ignore_index,
             WRITE_GRAD=write_grad, ACC=acc, BLOCK_V=block_v, num_warps=8 if block_v >= 4096 else 4,
@@ -119,7 +116,7 @@ def chunk_rows(num_tokens: int, vocab: int, element_size: int, chunk_size: int |
     stays within the budget, itself rounded down to a multiple of 128 first)."""
     if chunk_size is not None:
         return max(1, min(chunk_size, num_tokens))
-    budget_rows = max(1, _CHUNK_BYTES // (vocab * element_size))
+    budget_rows = max(1, CHUNK_BYTES // (vocab * element_size))
     multiple = _ROW_MULTIPLE if budget_rows >= _ROW_MULTIPLE else 1
     max_rows = budget_rows // multiple * multiple
     num_chunks = max(1, -(-num_tokens // max_rows))
@@ -164,56 +161,105 @@ def _loss_and_grads(
     return losses, grad_hidden, grad_weight
 
 
-class _FusedLinearCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str,
-                ignore_index: int, chunk_size: int | None, grad_enabled: bool) -> torch.Tensor:
-        # needs_input_grad says True under torch.no_grad() too; skip the gradient work there.
-        need_h, need_w = (grad_enabled and needed for needed in ctx.needs_input_grad[:2])
-        ctx.reduction, ctx.ignore_index, ctx.chunk_size = reduction, ignore_index, chunk_size
-        if reduction == "none":
-            losses, _, _ = _loss_and_grads(hidden, weight, targets, ignore_index, None, 0, False, False,
-                                           chunk_size)
-            ctx.save_for_backward(hidden, weight, targets)
-            return losses
-        acc_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-        if reduction == "mean":
-            # 0/0 = nan when every target is ignored, as F.cross_entropy gives.
-            scale = 1.0 / (targets != ignore_index).sum().to(acc_dtype)
-        else:
-            scale = torch.ones((), dtype=acc_dtype, device=hidden.device)
-        losses, grad_hidden, grad_weight = _loss_and_grads(hidden, weight, targets, ignore_index, scale, 0,
-                                                           need_h, need_w, chunk_size)
-        ctx.grads = (grad_hidden, grad_weight)
-        return losses.sum() * scale
+def _scale(reduction: str, targets: torch.Tensor, ignore_index: int, acc_dtype: torch.dtype) -> torch.Tensor:
+    """The gradient scale of every token's loss: 1 / (tokens not ignored) for the mean, 1 for the sum."""
+    if reduction == "mean":
+        # 0/0 = nan when every target is ignored, as F.cross_entropy gives.
+        return 1.0 / (targets != ignore_index).sum().to(acc_dtype)
+    return torch.ones((), dtype=acc_dtype, device=targets.device)
 
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
-        if ctx.reduction == "none":
-            hidden, weight, targets = ctx.saved_tensors
-            weights = grad_output.reshape(-1)
-            _, grad_hidden, grad_weight = _loss_and_grads(
-                hidden, weight, targets, ctx.ignore_index, weights, weights.stride(0), ctx.needs_input_grad[0],
-                ctx.needs_input_grad[1], ctx.chunk_size,
-            )
-            return grad_hidden, grad_weight, None, None, None, None, None
-        if ctx.grads is None:
+
+def _acc_dtype(hidden: torch.Tensor) -> torch.dtype:
+    return torch.float64 if hidden.dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op("cs336::linear_cross_entropy", mutates_args=())
+def linear_cross_entropy_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str,
+                            ignore_index: int, chunk_size: int | None, need_grad_hidden: bool,
+                            need_grad_weight: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, grad_hidden, grad_weight) for hidden (N, d), weight (V, d), targets (N,), as
+    ``torch.ops.cs336.linear_cross_entropy``. For "mean" and "sum" the gradients of the loss are computed here,
+    chunk by chunk, those not asked for coming back empty; for "none" both are empty (the backward recomputes)."""
+    if reduction == "none":
+        losses, _, _ = _loss_and_grads(hidden, weight, targets, ignore_index, None, 0, False, False, chunk_size)
+        return losses, hidden.new_empty(0), weight.new_empty(0)
+    scale = _scale(reduction, targets, ignore_index, _acc_dtype(hidden))
+    losses, grad_hidden, grad_weight = _loss_and_grads(hidden, weight, targets, ignore_index, scale, 0,
+                                                       need_grad_hidden, need_grad_weight, chunk_size)
+    return (losses.sum() * scale, hidden.new_empty(0) if grad_hidden is None else grad_hidden,
+            weight.new_empty(0) if grad_weight is None else grad_weight)
+
+
+@linear_cross_entropy_op.register_fake
+def _(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str, ignore_index: int,
+      chunk_size: int | None, need_grad_hidden: bool,
+      need_grad_weight: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    loss = hidden.new_empty(targets.shape if reduction == "none" else (), dtype=_acc_dtype(hidden))
+    in_forward = reduction != "none"
+    grad_hidden = hidden.new_empty(hidden.shape if in_forward and need_grad_hidden else (0,))
+    grad_weight = weight.new_empty(weight.shape if in_forward and need_grad_weight else (0,))
+    return loss, grad_hidden, grad_weight
+
+
+@torch.library.custom_op("cs336::linear_cross_entropy_backward", mutates_args=())
+def linear_cross_entropy_backward_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                                     grad_losses: torch.Tensor, ignore_index: int, chunk_size: int | None,
+                                     need_grad_hidden: bool,
+                                     need_grad_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of ``sum(grad_losses * losses)`` for reduction "none", recomputing the logits chunk by chunk
+    (those not asked for come back empty), as ``torch.ops.cs336.linear_cross_entropy_backward``."""
+    weights = grad_losses.reshape(-1)
+    _, grad_hidden, grad_weight = _loss_and_grads(hidden, weight, targets, ignore_index, weights, weights.stride(0),
+                                                  need_grad_hidden, need_grad_weight, chunk_size)
+    return (hidden.new_empty(0) if grad_hidden is None else grad_hidden,
+            weight.new_empty(0) if grad_weight is None else grad_weight)
+
+
+@linear_cross_entropy_backward_op.register_fake
+def _(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grad_losses: torch.Tensor,
+      ignore_index: int, chunk_size: int | None, need_grad_hidden: bool,
+      need_grad_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return (hidden.new_empty(hidden.shape if need_grad_hidden else (0,)),
+            weight.new_empty(weight.shape if need_grad_weight else (0,)))
+
+
+def _setup(ctx, inputs: tuple, output: tuple) -> None:
+    hidden, weight, targets, reduction, ignore_index, chunk_size, need_h, need_w = inputs
+    ctx.reduction, ctx.ignore_index, ctx.chunk_size, ctx.needs = reduction, ignore_index, chunk_size, (need_h, need_w)
+    if reduction == "none":
+        ctx.save_for_backward(hidden, weight, targets)
+    else:
+        ctx.save_for_backward(output[1], output[2])
+        ctx.used = False
+
+
+def _backward(ctx, grad_loss: torch.Tensor, _grad_h: torch.Tensor, _grad_w: torch.Tensor):
+    need_h, need_w = ctx.needs
+    if ctx.reduction == "none":
+        hidden, weight, targets = ctx.saved_tensors
+        grad_hidden, grad_weight = linear_cross_entropy_backward_op(hidden, weight, targets, grad_loss,
+                                                                    ctx.ignore_index, ctx.chunk_size, need_h, need_w)
+    else:
+        if ctx.used:
             raise RuntimeError("fused_linear_cross_entropy computes its gradients in the forward and supports "
                                "one backward per forward (retain_graph=True cannot be used with it)")
-        grad_hidden, grad_weight = ctx.grads
-        # Dropping ctx's references lets autograd take these tensors as .grad without a copy.
-        ctx.grads = None
-        if grad_hidden is not None:
-            grad_hidden.mul_(grad_output)
-        if grad_weight is not None:
-            grad_weight.mul_(grad_output)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        ctx.used = True
+        # Eagerly the forward's buffers are scaled in place and become the gradients, with no copy (1.4 GiB at
+        # 32,768 tokens x a 151,936 x 4,096 bf16 head, at the moment the saved activations peak). Traced by
+        # functionalization (torch.compile's AOTAutograd, opcheck), an op's outputs must not change, so the
+        # product is a new tensor there.
+        scale = torch.mul if isinstance(grad_loss, FunctionalTensor) else torch.Tensor.mul_
+        grad_hidden, grad_weight = (scale(g, grad_loss) for g in ctx.saved_tensors)
+    return (grad_hidden if need_h else None, grad_weight if need_w else None, None, None, None, None, None, None)
+
+
+linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup)
 
 
 def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str,
                   chunk_size: int | None) -> None:
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if weight.dim() != 2:
         raise ValueError(f"weight must be (vocab, d_model), got shape {tuple(weight.shape)}")
     if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
@@ -261,35 +307,19 @@ def fused_linear_cross_entropy(
     vocab = weight.shape[0]
     flat_targets = targets.reshape(-1).contiguous()
     # The range check reads the targets: free on CPU, a host sync per call on a GPU, so there it is not made
-    # (a target outside the vocabulary then gives a meaningless loss for its token, not an error).
-    if flat_targets.device.type == "cpu":
+    # (a target outside the vocabulary then gives a meaningless loss for its token, not an error), nor while
+    # torch.compile traces (a value read from a tensor would break the graph).
+    if flat_targets.device.type == "cpu" and not torch.compiler.is_compiling():
         out_of_range = ((flat_targets < 0) | (flat_targets >= vocab)) & (flat_targets != ignore_index)
         if out_of_range.any():
             bad = flat_targets[out_of_range]
             raise ValueError(f"targets must lie in [0, {vocab}) or equal ignore_index={ignore_index}; got "
                              f"{bad.numel()} outside, e.g. {bad[:5].tolist()}")
-    loss = _FusedLinearCrossEntropy.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, flat_targets, reduction, ignore_index, chunk_size,
-        torch.is_grad_enabled(),
-    )
+    grad_enabled = torch.is_grad_enabled()
+    loss, _, _ = linear_cross_entropy_op(hidden.reshape(-1, hidden.shape[-1]), weight, flat_targets, reduction,
+                                         ignore_index, chunk_size, grad_enabled and hidden.requires_grad,
+                                         grad_enabled and weight.requires_grad)
     return loss.reshape(targets.shape) if reduction == "none" else loss
-
-
-class FusedLinearCrossEntropy(torch.nn.Module):
-    """Module form of :func:`fused_linear_cross_entropy`: ``loss = module(hidden, weight, targets)``."""
-
-    def __init__(self, reduction: str = "mean", ignore_index: int = -100, chunk_size: int | None = None) -> None:
-        super().__init__()
-        if reduction not in _REDUCTIONS:
-            raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-        self.reduction, self.ignore_index, self.chunk_size = reduction, ignore_index, chunk_size
-
-    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return fused_linear_cross_entropy(hidden, weight, targets, self.reduction, self.ignore_index,
-                                          chunk_size=self.chunk_size)
-
-    def extra_repr(self) -> str:
-        return f"reduction={self.reduction!r}, ignore_index={self.ignore_index}, chunk_size={self.chunk_size}"
 
 
 def linear_cross_entropy_reference(
@@ -306,4 +336,3 @@ def linear_cross_entropy_reference(
     return loss.reshape(targets.shape) if reduction == "none" else loss
 
 
-sys.modules[__name__].__class__ = CallableModule

@@ -8,11 +8,11 @@ probabilities ``P = exp(S - L)`` tile by tile and uses ``D = rowsum(dO * O)`` in
 Jacobian.
 
 Modules, bottom up: ``checks`` (the input checks every path shares), ``tuning`` (tile tables, config lists,
-pruning, the autotune key), ``tiles`` (tile loads and ranges both directions share), ``gluon_forward`` and
-``gluon_backward`` (warp-specialised sm_90 kernels in Gluon, FlashAttention-3 style), ``forward`` (Triton forward
-kernel, launcher, and the custom op that picks Triton or Gluon), ``backward`` (D pre-pass, dK/dV and dQ kernels,
-launcher), ``reference`` (PyTorch reference, tiled forward, compiled backward) and ``api`` (the autograd
-Functions, :func:`flash_attention`).
+pruning, the autotune key), ``tiles`` (tile loads and ranges both Triton directions share), ``forward`` and
+``backward`` (the Triton kernels and their launchers: forward; D pre-pass, dK/dV and dQ), ``gluon_common``,
+``gluon_forward`` and ``gluon_backward`` (warp-specialised sm_90 kernels in Gluon, FlashAttention-3 style),
+``reference`` (PyTorch reference, tiled forward, compiled backward) and ``api`` (the registered operators, the
+autograd Functions, :func:`flash_attention`).
 
 Conventions:
 - Shapes are (batch, seq, d) or (batch, heads, seq, d). Keys and values may have fewer heads than
@@ -25,45 +25,42 @@ Conventions:
   runs it off sm_90 and under ``torch.use_deterministic_algorithms(True)``, the faster Gluon one elsewhere.
 - fp32 inputs use true fp32 products (``input_precision="ieee"``), not TF32.
 
-This package is also callable: ``cs336_kernels.flash_attention(q, k, v)`` is :func:`flash_attention`, so
-``from cs336_kernels import flash_attention`` gives a callable whatever was imported before.
-
 Run the tests with ``uv run pytest packages/kernels/tests/test_flash_attention.py`` (on CPU they use
 the Triton interpreter) and the benchmarks with ``cs336 attention --help``.
 """
 
 from __future__ import annotations
 
-import sys
-
-from cs336_kernels._callable_module import CallableModule
-from cs336_kernels.flash_attention.api import (
+from cs336_kernels.ops.flash_attention.api import (
+    BACKWARD_IMPLS,
+    FORWARD_IMPLS,
     BackwardImpl,
     FlashAttentionPytorch,
     FlashAttentionTriton,
     ForwardImpl,
+    backward_impl,
     flash_attention,
+    flash_attention_backward_op,
+    flash_attention_op,
+    forward_impl,
 )
-from cs336_kernels.flash_attention.backward import flash_backward_triton
-from cs336_kernels.flash_attention.checks import MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES
-from cs336_kernels.flash_attention.forward import flash_forward_op, flash_forward_triton
-from cs336_kernels.flash_attention.reference import attention_reference, flash_backward_pytorch, flash_forward_pytorch
+from cs336_kernels.ops.flash_attention.checks import MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES
+from cs336_kernels.ops.flash_attention.reference import attention_reference
 
 __all__ = [
+    "BACKWARD_IMPLS",
+    "FORWARD_IMPLS",
     "MAX_HEAD_DIM",
     "MIN_HEAD_DIM",
     "SUPPORTED_DTYPES",
     "BackwardImpl",
-    "ForwardImpl",
     "FlashAttentionPytorch",
     "FlashAttentionTriton",
+    "ForwardImpl",
     "attention_reference",
+    "backward_impl",
     "flash_attention",
-    "flash_backward_pytorch",
-    "flash_backward_triton",
-    "flash_forward_op",
-    "flash_forward_pytorch",
-    "flash_forward_triton",
+    "flash_attention_backward_op",
+    "flash_attention_op",
+    "forward_impl",
 ]
-
-sys.modules[__name__].__class__ = CallableModule

@@ -38,16 +38,14 @@ float64 for the tests' oracle); tests and benchmarks import them.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import sys
 
 import torch
 import triton
 import triton.language as tl
 
-from cs336_kernels._callable_module import CallableModule
 from cs336_kernels.interpreter import check_device
+from cs336_kernels.ops._common import as_rows, device_context
 
 X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -125,10 +123,6 @@ def _num_programs(device: torch.device) -> int:
     return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _device_context(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float,
                      delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch the forward kernel on x (rows, d) with unit column stride, or with ``delta`` (the same shape, dtype
@@ -141,9 +135,9 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if rows:
         block_d, num_warps = launch_settings(d)
         stride_delta = 0 if delta is None else delta.stride(0)
-        with _device_context(x):
+        with device_context(x):
             _rms_norm_fwd_kernel[(rows,)](x, delta, weight, h, y, rstd, x.stride(0), stride_delta, d, eps,
-                                          BLOCK_D=block_d, ADD=delta is not None, num_warps=num_warps)
+                                           BLOCK_D=block_d, ADD=delta is not None, num_warps=num_warps)
     return y, rstd, h
 
 
@@ -159,55 +153,83 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     if rows:
         block_d, num_warps = launch_settings(d)
         stride_dh = 0 if dh is None else dh.stride(0)
-        with _device_context(x):
+        with device_context(x):
             _rms_norm_bwd_kernel[(programs,)](dy, dh, x, weight, rstd, dx, partial, dy.stride(0), stride_dh,
                                               x.stride(0), rows, triton.cdiv(rows, programs), d, BLOCK_D=block_d,
                                               ADD=dh is not None, num_warps=num_warps)
     return dx, partial.sum(0).to(weight.dtype)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """t as (rows, d) with unit stride on d: a view where the layout allows, else a copy."""
-    t = t.reshape(-1, t.shape[-1])
-    return t if t.stride(-1) == 1 else t.contiguous()
+# The operators. Each takes and returns tensors of the caller's shapes (x (..., d), rstd (...)); outputs are new
+# tensors, never views of inputs, as torch.library requires.
+@torch.library.custom_op("cs336::rms_norm_forward", mutates_args=())
+def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """y = rms_norm(x, weight, eps) and the rows' rstd (fp32), as ``torch.ops.cs336.rms_norm_forward``."""
+    y, rstd, _ = rms_norm_forward(as_rows(x), weight, eps)
+    return y.view(x.shape), rstd.view(x.shape[:-1])
 
 
-class RMSNormFunction(torch.autograd.Function):
-    """y = rms_norm(x, weight, eps) for x (..., d) and weight (d,); saves x, weight and rstd (rows,) fp32."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        x2 = _rows(x)
-        y, rstd, _ = rms_norm_forward(x2, weight, eps)
-        ctx.save_for_backward(x2, weight, rstd)
-        return y.view(x.shape)
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        x2, weight, rstd = ctx.saved_tensors
-        dx, dw = rms_norm_backward(_rows(dy), x2, weight, rstd)
-        return dx.view(dy.shape), dw if ctx.needs_input_grad[1] else None, None
+@rms_norm_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
-class AddRMSNormFunction(torch.autograd.Function):
-    """(h, y) = (x + delta, rms_norm(x + delta, weight, eps)) for x and delta (..., d) of one dtype and weight
-    (d,); saves h (rows, d), weight and rstd (rows,) fp32. The backward takes (dh, dy) and gives x and delta the
-    same gradient, as the add does."""
+@torch.library.custom_op("cs336::add_rms_norm_forward", mutates_args=())
+def add_rms_norm_op(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h = x + delta, y = rms_norm(h, weight, eps) and the rows' rstd, as ``torch.ops.cs336.add_rms_norm_forward``."""
+    y, rstd, h = rms_norm_forward(as_rows(x), weight, eps, delta=as_rows(delta))
+    return h.view(x.shape), y.view(x.shape), rstd.view(x.shape[:-1])
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        y, rstd, h = rms_norm_forward(_rows(x), weight, eps, delta=_rows(delta))
-        ctx.save_for_backward(h, weight, rstd)
-        return h.view(x.shape), y.view(x.shape)
 
-    @staticmethod
-    def backward(ctx, dh: torch.Tensor, dy: torch.Tensor):
-        h, weight, rstd = ctx.saved_tensors
-        dx, dw = rms_norm_backward(_rows(dy), h, weight, rstd, dh=_rows(dh))
-        dx = dx.view(dy.shape)
-        needs = ctx.needs_input_grad
-        return dx if needs[0] else None, dx if needs[1] else None, dw if needs[2] else None, None
+@add_rms_norm_op.register_fake
+def _(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+      eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return x.new_empty(x.shape), x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("cs336::rms_norm_backward", mutates_args=())
+def rms_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                         dh: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dw) of the norm of x (h when ``dh``, the residual's gradient of h, is given: dx is then the gradient of
+    both x and delta), as ``torch.ops.cs336.rms_norm_backward``."""
+    dh_rows = None if dh is None else as_rows(dh)
+    dx, dw = rms_norm_backward(as_rows(dy), as_rows(x), weight, rstd.reshape(-1), dh=dh_rows)
+    return dx.view(x.shape), dw
+
+
+@rms_norm_backward_op.register_fake
+def _(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+      dh: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+def _setup_norm(ctx, inputs: tuple, output: tuple) -> None:
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight, output[1])
+
+
+def _norm_backward(ctx, dy: torch.Tensor, _drstd: torch.Tensor):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = rms_norm_backward_op(dy, x, weight, rstd, None)
+    return dx, dw if ctx.needs_input_grad[1] else None, None
+
+
+def _setup_add_norm(ctx, inputs: tuple, output: tuple) -> None:
+    weight = inputs[2]
+    h, _, rstd = output
+    ctx.save_for_backward(h, weight, rstd)
+
+
+def _add_norm_backward(ctx, dh: torch.Tensor, dy: torch.Tensor, _drstd: torch.Tensor):
+    h, weight, rstd = ctx.saved_tensors
+    dx, dw = rms_norm_backward_op(dy, h, weight, rstd, dh)
+    needs = ctx.needs_input_grad
+    return dx if needs[0] else None, dx if needs[1] else None, dw if needs[2] else None, None
+
+
+rms_norm_op.register_autograd(_norm_backward, setup_context=_setup_norm)
+add_rms_norm_op.register_autograd(_add_norm_backward, setup_context=_setup_add_norm)
 
 
 def _check_inputs(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
@@ -243,7 +265,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.
     """
     _check_inputs(x, weight, eps)
     check_device(x.device, "rms_norm")
-    return RMSNormFunction.apply(x, weight, float(eps))
+    return rms_norm_op(x, weight, float(eps))[0]
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
@@ -282,7 +304,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     """
     _check_add_inputs(x, delta, weight, eps)
     check_device(x.device, "add_rms_norm")
-    return AddRMSNormFunction.apply(x, delta, weight, float(eps))
+    h, y, _ = add_rms_norm_op(x, delta, weight, float(eps))
+    return h, y
 
 
 def add_rms_norm_reference(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
@@ -292,4 +315,3 @@ def add_rms_norm_reference(x: torch.Tensor, delta: torch.Tensor, weight: torch.T
     return h, rms_norm_reference(h, weight, eps)
 
 
-sys.modules[__name__].__class__ = CallableModule

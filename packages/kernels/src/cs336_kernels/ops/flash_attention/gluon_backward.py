@@ -43,10 +43,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from cs336_kernels.flash_attention.backward import bwd_preprocess_kernel
-from cs336_kernels.flash_attention.gluon_forward import (
+from cs336_kernels.ops._common import LOG2E
+from cs336_kernels.ops.flash_attention.backward import bwd_preprocess_kernel
+from cs336_kernels.ops.flash_attention.gluon_common import (
     CONSUMER_REGISTERS,
-    LOG2E,
     MAX_REGISTERS,
     PRODUCER_REGISTERS,
     check_inputs,

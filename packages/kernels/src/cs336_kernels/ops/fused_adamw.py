@@ -23,8 +23,8 @@ parameters; the update is computed in float32 and rounded once to the parameter 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable
+import collections
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from cs336_kernels.interpreter import check_device
+from cs336_kernels.ops._common import device_context
 
 # Elements per loop iteration: 8 values per thread at 8 warps, two 16-byte fp32 loads per array. At 16 per thread
 # the compiler needs over 200 registers and one program fills an SM; at 8 it needs 64 (ptxas -v, sm_90a), so four
@@ -132,6 +133,73 @@ def _fused_adamw_kernel(
             tl.store(V + offs, v, mask=mask)
 
 
+# Device tables by the tensors' addresses and sizes (and the launch granularity), and hyperparameter tensors by
+# their values: a step that sees the same tensors as an earlier one reuses its table. The least recently used
+# entry goes first, so tables of re-allocated gradients do not pile up.
+_CACHE_SIZE = 16
+_tables: collections.OrderedDict[tuple, torch.Tensor] = collections.OrderedDict()
+_hypers: collections.OrderedDict[tuple, torch.Tensor] = collections.OrderedDict()
+
+
+def _cached(cache: collections.OrderedDict, key: tuple, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+    if key in cache:
+        cache.move_to_end(key)
+        return cache[key]
+    cache[key] = value = build()
+    if len(cache) > _CACHE_SIZE:
+        cache.popitem(last=False)
+    return value
+
+
+def _device_table(rows: list[tuple[int, ...]], blocks_per_program: int, device: torch.device) -> torch.Tensor:
+    """The int64 table (num_tensors, 7) followed by the program map, on ``device``."""
+    numels = torch.tensor([r[5] for r in rows], dtype=torch.int64)
+    chunk = _BLOCK * blocks_per_program
+    num_programs = (numels + chunk - 1) // chunk
+    first_program = torch.cumsum(num_programs, 0) - num_programs
+    table = torch.tensor([r[:6] for r in rows], dtype=torch.int64)
+    table = torch.cat([table, first_program[:, None]], dim=1)  # (num_tensors, 7)
+    program_map = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int64), num_programs)
+    # One host-to-device copy; from pageable memory it is staged, so the host does not wait for the GPU.
+    return torch.cat([table.reshape(-1), program_map]).to(device, non_blocking=True)
+
+
+@torch.library.custom_op("cs336::fused_adamw_step",
+                         mutates_args=("params", "exp_avgs", "exp_avg_sqs", "steps"))
+def fused_adamw_step_op(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                        exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], lr: float, beta1: float,
+                        beta2: float, eps: float, weight_decay: float, blocks_per_program: int) -> None:
+    """One AdamW step, in place, for contiguous ``params`` of one dtype and device with their contiguous ``grads``
+    (that dtype), fp32 moments and fp32 0-d ``steps`` (each incremented first), in one launch, as
+    ``torch.ops.cs336.fused_adamw_step``."""
+    if not params:
+        return
+    device, dtype = params[0].device, params[0].dtype
+    torch._foreach_add_(steps, 1.0)
+    rows = [(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), t.data_ptr(), p.numel())
+            for p, g, m, v, t in zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True)]
+    packed = _cached(_tables, (device, blocks_per_program, *rows),
+                     lambda: _device_table(rows, blocks_per_program, device))
+    table = packed[: len(rows) * _TABLE_COLUMNS]
+    program_map = packed[len(rows) * _TABLE_COLUMNS :]
+    aligned = all(addr % 16 == 0 for r in rows for addr in r[:4])
+    values = (lr, beta1, beta2, eps, weight_decay)
+    hyper = _cached(_hypers, (device, *values),
+                    lambda: torch.tensor(values, dtype=torch.float64).to(device, non_blocking=True))
+    with device_context(params[0]):
+        _fused_adamw_kernel[(program_map.numel(),)](
+            table, program_map, hyper, PARAM_DTYPE=_PARAM_DTYPES[dtype], ALIGNED=aligned, BLOCK=_BLOCK,
+            BLOCKS_PER_PROGRAM=blocks_per_program, num_warps=_NUM_WARPS,
+        )
+
+
+@fused_adamw_step_op.register_fake
+def _(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+      exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], lr: float, beta1: float, beta2: float, eps: float,
+      weight_decay: float, blocks_per_program: int) -> None:
+    return None
+
+
 def _check_hyperparameters(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
     if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr >= 0.0:
         raise ValueError(f"lr must be a non-negative Python number, got {lr!r}")
@@ -172,9 +240,6 @@ class FusedAdamW(torch.optim.Optimizer):
             raise ValueError(f"elements_per_program must be a positive multiple of {_BLOCK}, "
                              f"got {elements_per_program!r}")
         self._blocks_per_program = elements_per_program // _BLOCK
-        # Device tables keyed by (group index, dtype); each holds the addresses it was built from.
-        self._tables: dict[tuple[int, torch.dtype], tuple[tuple[int, ...], torch.Tensor]] = {}
-        self._hypers: dict[tuple[int, torch.device], tuple[tuple[float, ...], torch.Tensor]] = {}
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -203,35 +268,6 @@ class FusedAdamW(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
         return state
 
-    def _device_table(self, key: tuple[int, torch.dtype], rows: list[tuple[int, ...]],
-                      device: torch.device) -> torch.Tensor:
-        """The int64 table and program map for these tensors, rebuilt only when an address or size changed."""
-        flat = tuple(x for r in rows for x in r)
-        cached = self._tables.get(key)
-        if cached is not None and cached[0] == flat and cached[1].device == device:
-            return cached[1]
-        numels = torch.tensor([r[5] for r in rows], dtype=torch.int64)
-        chunk = _BLOCK * self._blocks_per_program
-        num_programs = (numels + chunk - 1) // chunk
-        first_program = torch.cumsum(num_programs, 0) - num_programs
-        table = torch.tensor([r[:6] for r in rows], dtype=torch.int64)
-        table = torch.cat([table, first_program[:, None]], dim=1)  # (num_tensors, 7)
-        program_map = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int64), num_programs)
-        # One host-to-device copy; from pageable memory it is staged, so the host does not wait for the GPU.
-        packed = torch.cat([table.reshape(-1), program_map]).to(device, non_blocking=True)
-        self._tables[key] = (flat, packed)
-        return packed
-
-    def _device_hyperparameters(self, index: int, group: dict[str, Any], device: torch.device) -> torch.Tensor:
-        values = (float(group["lr"]), float(group["betas"][0]), float(group["betas"][1]), float(group["eps"]),
-                  float(group["weight_decay"]))
-        cached = self._hypers.get((index, device))
-        if cached is not None and cached[0] == values:
-            return cached[1]
-        hyper = torch.tensor(values, dtype=torch.float64).to(device, non_blocking=True)
-        self._hypers[(index, device)] = (values, hyper)
-        return hyper
-
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """One AdamW step for every parameter that has a gradient."""
@@ -239,7 +275,7 @@ class FusedAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for index, group in enumerate(self.param_groups):
+        for group in self.param_groups:
             _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
             buckets: dict[torch.dtype, list[torch.Tensor]] = {}
             for p in group["params"]:
@@ -251,34 +287,18 @@ class FusedAdamW(torch.optim.Optimizer):
                     raise TypeError(f"gradient must match its parameter's dtype and device: parameter "
                                     f"{p.dtype} on {p.device}, gradient {p.grad.dtype} on {p.grad.device}")
                 buckets.setdefault(p.dtype, []).append(p)
-            for dtype, params in buckets.items():
-                self._step_bucket(index, group, dtype, params)
+            for params in buckets.values():
+                self._step_bucket(group, params)
         return loss
 
-    def _step_bucket(self, index: int, group: dict[str, Any], dtype: torch.dtype,
-                     params: list[torch.Tensor]) -> None:
-        device = params[0].device
-        # Kept alive until the launch is queued: non-contiguous grads are copied.
+    def _step_bucket(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        # Non-contiguous grads are copied for the launch.
         grads = [p.grad if p.grad.is_contiguous() else p.grad.contiguous() for p in params]
         states = [self._state_for(p) for p in params]
-        steps = [s["step"] for s in states]
-        torch._foreach_add_(steps, 1.0)
-        rows = [
-            (p.data_ptr(), g.data_ptr(), s["exp_avg"].data_ptr(), s["exp_avg_sq"].data_ptr(), s["step"].data_ptr(),
-             p.numel())
-            for p, g, s in zip(params, grads, states, strict=True)
-        ]
-        packed = self._device_table((index, dtype), rows, device)
-        num_tensors = len(rows)
-        table = packed[: num_tensors * _TABLE_COLUMNS]
-        program_map = packed[num_tensors * _TABLE_COLUMNS :]
-        aligned = all(addr % 16 == 0 for r in rows for addr in r[:4])
-        hyper = self._device_hyperparameters(index, group, device)
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            _fused_adamw_kernel[(program_map.numel(),)](
-                table, program_map, hyper, PARAM_DTYPE=_PARAM_DTYPES[dtype], ALIGNED=aligned, BLOCK=_BLOCK,
-                BLOCKS_PER_PROGRAM=self._blocks_per_program, num_warps=_NUM_WARPS,
-            )
+        fused_adamw_step_op(params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                            [s["step"] for s in states], float(group["lr"]), float(group["betas"][0]),
+                            float(group["betas"][1]), float(group["eps"]), float(group["weight_decay"]),
+                            self._blocks_per_program)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a FusedAdamW or torch.optim.AdamW state dict, keeping moments in float32 on each param's device.
@@ -305,5 +325,3 @@ class FusedAdamW(torch.optim.Optimizer):
                 "exp_avg": saved["exp_avg"].to(p.device, torch.float32, copy=True).contiguous(),
                 "exp_avg_sq": saved["exp_avg_sq"].to(p.device, torch.float32, copy=True).contiguous(),
             }
-        self._tables.clear()
-        self._hypers.clear()

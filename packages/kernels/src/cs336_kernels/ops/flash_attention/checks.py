@@ -9,11 +9,6 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def unit_stride(x: torch.Tensor) -> torch.Tensor:
-    # The kernels take any strides, but a unit stride on d keeps their loads coalesced.
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):

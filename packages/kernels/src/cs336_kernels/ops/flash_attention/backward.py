@@ -15,8 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from cs336_kernels.flash_attention.tiles import (
-    LOG2E,
+from cs336_kernels.interpreter import INTERPRET
+from cs336_kernels.ops._common import LOG2E
+from cs336_kernels.ops.flash_attention.tiles import (
     kernel_constants,
     key_mask,
     key_tile_ranges,
@@ -26,8 +27,7 @@ from cs336_kernels.flash_attention.tiles import (
     tma_descriptors,
     with_tma_scratch,
 )
-from cs336_kernels.flash_attention.tuning import autotune
-from cs336_kernels.interpreter import INTERPRET
+from cs336_kernels.ops.flash_attention.tuning import autotune
 
 
 @triton.jit
