@@ -276,3 +276,10 @@ def rank_one_killed(rank: int, world_size: int) -> None:
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     dist.barrier()
+
+
+def rank_one_stops(rank: int, world_size: int) -> None:
+    """Rank 1 stops (SIGSTOP), as a hung or swapped-out process would; rank 0 waits for it at a barrier."""
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    dist.barrier()

@@ -1,11 +1,24 @@
-"""Mistakes and failures a user meets first: a wrapper given something that is not a module, a rank the OS kills."""
+"""Mistakes and failures a user meets first: a wrapper given something that is not a module, a rank the OS kills, a
+rank that stops answering, torchrun started with another world size."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import time
+from pathlib import Path
+
 import pytest
-from comms_spawn_checks import rank_one_killed
+from comms_spawn_checks import rank_one_killed, rank_one_stops
 from cs336_comms.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlappedDDP
-from cs336_comms.process_group import RankDiedError, spawn
+from cs336_comms.process_group import (
+    RankDiedError,
+    RankStalledError,
+    check_world_size,
+    run_ranks,
+    spawn,
+    stalled_rank,
+)
 
 
 @pytest.mark.parametrize("wrapper", [NaiveDDP, FlatDDP, OverlappedDDP, BucketedDDP])
@@ -25,3 +38,45 @@ def test_a_killed_rank_is_reported_as_likely_out_of_memory() -> None:
     with pytest.raises(RankDiedError, match=r"rank 1 died \(signal SIGKILL\), most likely out of host memory") as e:
         spawn(rank_one_killed, 2, backend="gloo", timeout_s=60)
     assert (e.value.rank, e.value.signal_name) == (1, "SIGKILL")
+
+
+def test_a_stalled_rank_is_the_first_whose_heartbeat_is_too_old(tmp_path: Path) -> None:
+    now = time.time()
+    for rank, age in ((0, 1.0), (1, 30.0), (2, 50.0)):
+        (tmp_path / f"heartbeat{rank}").touch()
+        os.utime(tmp_path / f"heartbeat{rank}", (now - age, now - age))
+    assert stalled_rank(tmp_path, 3, since=now - 100, now=now, stall_s=60, first_beat_s=600) is None
+    assert stalled_rank(tmp_path, 3, since=now - 100, now=now, stall_s=20, first_beat_s=600) == (1, 20)
+    # The watch resumed 10 s ago (its own process had been stopped): no heartbeat counts as older than that.
+    assert stalled_rank(tmp_path, 3, since=now - 10, now=now, stall_s=20, first_beat_s=600) is None
+    # Rank 3 has not beaten yet: it has until first_beat_s from the start of the watch.
+    assert stalled_rank(tmp_path, 4, since=now - 100, now=now, stall_s=60, first_beat_s=120) is None
+    assert stalled_rank(tmp_path, 4, since=now - 100, now=now, stall_s=60, first_beat_s=90) == (3, 90)
+
+
+def test_a_stalled_rank_message_names_it_and_says_the_run_ended() -> None:
+    error = RankStalledError(1, 60.0)
+    assert isinstance(error, RankDiedError) and error.rank == 1
+    assert str(error) == ("rank 1 stopped answering (no heartbeat for 60 s: stopped, hung or swapped out); every "
+                          "rank was ended")
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_ends_the_run_within_half_the_timeout() -> None:
+    with pytest.raises(RankStalledError, match="rank 1 stopped answering") as e:
+        spawn(rank_one_stops, 2, backend="gloo", timeout_s=20)
+    # Ended by the watch (10 s without a heartbeat), not by rank 0's barrier timing out after 20 s.
+    assert e.value.rank == 1 and e.value.stalled_s == 10
+    assert multiprocessing.active_children() == []
+
+
+def test_torchrun_with_another_world_size_is_one_clear_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    check_world_size(2)
+    message = "asked for world size 3, but torchrun started 2 ranks"
+    with pytest.raises(ValueError, match=message):
+        check_world_size(3)
+    with pytest.raises(ValueError, match=message):
+        run_ranks(rank_one_stops, 3, backend="gloo")

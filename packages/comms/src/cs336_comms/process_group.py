@@ -1,13 +1,21 @@
-"""Process-group helpers: start ranks locally with ``torch.multiprocessing.spawn`` or join from
+"""Process-group helpers: start ranks locally with ``torch.multiprocessing`` or join from
 ``torchrun``'s environment (``env://``), always with a timeout so a mismatched collective raises
 instead of hanging, and always torn down.
 
     from cs336_comms.process_group import spawn
     result = spawn(train, world_size=2)   # train(rank, world_size, *args) runs in each rank; rank 0's return
 
+A spawned rank that stops running (stopped by a signal, hung in the kernel, swapped out) cannot answer, and its
+peers would wait in their next collective for the whole timeout, which gloo counts from the collective's start.
+So each spawned rank beats a heartbeat (a file touched every second by a thread of its own, which runs whatever
+the rank's main thread is doing) and the parent ends the run, every rank killed, once one has not beaten for half
+the timeout or :data:`STALL_TIMEOUT_S`, whichever is shorter (so before a peer's collective times out and hides the
+cause): :class:`RankStalledError` names it.
+
 Under torchrun (any number of nodes) call :func:`init_from_env` at the top of the script instead, or
 use :func:`run_ranks`, which spawns when run as a plain script and joins torchrun's group otherwise,
-so one command works both ways. Inside a group, :func:`rank_and_world` says where this process stands.
+so one command works both ways (there torchrun watches its workers). Inside a group, :func:`rank_and_world`
+says where this process stands.
 """
 
 from __future__ import annotations
@@ -15,9 +23,12 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import signal
 import socket
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +38,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = 120.0
+# A rank whose heartbeat thread has not run for this long is not running at all: a busy rank's thread still gets
+# the GIL within milliseconds, since torch's ops and collectives release it.
+STALL_TIMEOUT_S = 60.0
+_HEARTBEAT_S = 1.0
 
 
 class RankDiedError(RuntimeError):
@@ -45,6 +60,17 @@ class RankDiedError(RuntimeError):
         else:
             message = f"rank {rank} exited with code {exit_code} without raising an exception"
         super().__init__(message)
+
+
+class RankStalledError(RankDiedError):
+    """A spawned rank stopped answering (no heartbeat for ``stalled_s`` seconds), so the parent killed every rank
+    (SIGKILL, the one signal a stopped process acts on)."""
+
+    def __init__(self, rank: int, stalled_s: float):
+        super().__init__(rank, "SIGKILL", -signal.SIGKILL)
+        self.stalled_s = stalled_s
+        self.args = (f"rank {rank} stopped answering (no heartbeat for {stalled_s:g} s: stopped, hung or swapped "
+                     "out); every rank was ended",)
 
 
 def default_backend() -> str:
@@ -112,10 +138,17 @@ def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT
     return device
 
 
+def _beat(path: Path) -> None:
+    while True:
+        path.touch()
+        time.sleep(_HEARTBEAT_S)
+
+
 def _spawned(
-    rank: int, fn: Callable[..., Any], world_size: int, port: int, backend: str, timeout_s: float, result_path: str,
+    rank: int, fn: Callable[..., Any], world_size: int, port: int, backend: str, timeout_s: float, run_dir: str,
     args: tuple,
 ) -> None:
+    threading.Thread(target=_beat, args=(Path(run_dir) / f"heartbeat{rank}",), daemon=True).start()
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     device_for_rank(backend, rank, world_size)
@@ -127,13 +160,51 @@ def _spawned(
     finally:
         dist.destroy_process_group()
     if rank == 0:
-        Path(result_path).write_bytes(pickle.dumps(result))
+        (Path(run_dir) / "rank0.pickle").write_bytes(pickle.dumps(result))
     # A rank whose work succeeded leaves without running C++ static destructors: after FSDP2
     # (fully_shard) on gloo, one of them aborts the process at exit in about one run in five
     # ("terminate called without an active exception", no Python frame), failing a finished run.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def stalled_rank(run_dir: Path, world_size: int, since: float, now: float, stall_s: float,
+                 first_beat_s: float) -> tuple[int, float] | None:
+    """The first rank that stopped answering and the limit it passed: its heartbeat file in ``run_dir`` is older than
+    ``stall_s``, or, before its first beat, ``since`` (when the watch started or resumed) is older than
+    ``first_beat_s``; None while every rank answers. Times are ``time.time()`` seconds, as file times are."""
+    for rank in range(world_size):
+        try:
+            last, limit = max((run_dir / f"heartbeat{rank}").stat().st_mtime, since), stall_s
+        except FileNotFoundError:
+            last, limit = since, first_beat_s
+        if now - last > limit:
+            return rank, limit
+    return None
+
+
+def _watch(context: mp.ProcessContext, run_dir: Path, world_size: int, stall_s: float, first_beat_s: float) -> None:
+    """Join the ranks of ``context``; kill them all and raise :class:`RankStalledError` when one stops answering."""
+    since = last_poll = time.time()
+    try:
+        while not context.join(timeout=_HEARTBEAT_S):
+            now = time.time()
+            if now - last_poll > 5 * _HEARTBEAT_S:
+                # This process did not run either (the whole job was stopped, as ^Z does, or the machine slept): the
+                # ranks' silence says nothing about them, so their clocks start again.
+                since = now
+            last_poll = now
+            stalled = stalled_rank(run_dir, world_size, since, now, stall_s, first_beat_s)
+            if stalled is not None:
+                raise RankStalledError(*stalled)
+    except BaseException:
+        # A stalled rank, a failed one (torch has then ended the others) or ^C: no rank may outlive the run.
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
+        raise
 
 
 def spawn(
@@ -146,13 +217,16 @@ def spawn(
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes joined in one process group.
 
     ``fn`` must be importable (a module-level function) and its result on rank 0 picklable. A failing rank
-    raises in the caller.
+    raises in the caller. ``timeout_s`` bounds a collective's wait for its peers; a rank that stops answering ends
+    the run after ``min(timeout_s / 2, STALL_TIMEOUT_S)`` (``timeout_s`` before its first heartbeat: it may still
+    be importing torch).
 
     Returns:
         What ``fn`` returned on rank 0.
 
     Raises:
         RankDiedError: if a rank was killed (SIGKILL: most likely out of host memory) or exited without raising.
+        RankStalledError: if a rank stopped answering (a :class:`RankDiedError` too).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -161,18 +235,31 @@ def spawn(
     if backend == "nccl" and world_size > torch.cuda.device_count():
         raise ValueError(f"world_size {world_size} exceeds the {torch.cuda.device_count()} visible GPUs")
     with tempfile.TemporaryDirectory() as tmp:
-        result_path = Path(tmp) / "rank0.pickle"
+        run_dir = Path(tmp)
+        context = mp.start_processes(_spawned, args=(fn, world_size, free_port(), backend, timeout_s, tmp, args),
+                                     nprocs=world_size, join=False, start_method="spawn")
         try:
-            mp.spawn(_spawned, args=(fn, world_size, free_port(), backend, timeout_s, str(result_path), args),
-                     nprocs=world_size, join=True)
+            _watch(context, run_dir, world_size, min(timeout_s / 2, STALL_TIMEOUT_S), timeout_s)
         except mp.ProcessExitedException as e:
             raise RankDiedError(e.error_index, e.signal_name, e.exit_code) from None
-        return pickle.loads(result_path.read_bytes())
+        return pickle.loads((run_dir / "rank0.pickle").read_bytes())
 
 
 def launched_by_torchrun() -> bool:
     """Whether this process is one of torchrun's ranks (its environment names a rank and a world size)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def check_world_size(world_size: int) -> None:
+    """That torchrun, if it started this process, started ``world_size`` ranks (a spawned run starts as many as it
+    is asked for).
+
+    Raises:
+        ValueError: naming both counts.
+    """
+    if launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) != world_size:
+        raise ValueError(f"asked for world size {world_size}, but torchrun started {os.environ['WORLD_SIZE']} ranks; "
+                         f"give --nproc-per-node and the world size the same number")
 
 
 def run_ranks(
@@ -190,8 +277,7 @@ def run_ranks(
     """
     if not launched_by_torchrun():
         return spawn(fn, world_size, *args, backend=backend, timeout_s=timeout_s)
-    if int(os.environ["WORLD_SIZE"]) != world_size:
-        raise ValueError(f"asked for world size {world_size}, but torchrun started {os.environ['WORLD_SIZE']} ranks")
+    check_world_size(world_size)
     init_from_env(backend, timeout_s)
     rank = dist.get_rank()
     try:
