@@ -13,8 +13,8 @@ import warnings
 
 import pytest
 import torch
-from cs336_comms.process_group import RankDiedError
-from cs336_harness import cli, instrument
+from cs336_comms.process_group import RankDiedError, RankStalledError
+from cs336_harness import cli, instrument, resources
 from cs336_harness.analysis import trace
 from cs336_harness.commands import COMMANDS
 from cs336_harness.commands._shared import print_measured_table
@@ -82,11 +82,9 @@ def test_progress_goes_to_stderr_unless_quiet(capsys: pytest.CaptureFixture[str]
     assert err == "" and "forward_ms_mean" in out
 
 
-@pytest.mark.parametrize("argv", [
-    ["bench", "--device", "cpu"], ["residuals", "--device", "cpu"], ["precision"], ["ddp", "--backend", "gloo"],
-    ["shard", "--backend", "gloo"], ["collectives", "--backends", "gloo"],
-])
-def test_an_unwritable_out_fails_before_the_run(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def no_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The studies' run functions fail the test if a command calls them."""
     def never(*args: object, **kwargs: object) -> None:
         raise AssertionError("the run started")
 
@@ -94,6 +92,13 @@ def test_an_unwritable_out_fails_before_the_run(argv: list[str], monkeypatch: py
         monkeypatch.setattr(study, fn, never)
     monkeypatch.setattr("cs336_harness.commands.collectives.run_collectives_study", never)
     monkeypatch.setattr("cs336_harness.studies.step_timing.run_configs", never)
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "--device", "cpu"], ["residuals", "--device", "cpu"], ["precision"], ["ddp", "--backend", "gloo"],
+    ["shard", "--backend", "gloo"], ["collectives", "--backends", "gloo"],
+])
+def test_an_unwritable_out_fails_before_the_run(argv: list[str], no_run: None) -> None:
     with pytest.raises(SystemExit, match=f"cs336 {argv[0]}: cannot write to '{UNWRITABLE}': No such file"):
         cli.main([*argv, "--out", UNWRITABLE])
 
@@ -127,17 +132,21 @@ def test_an_unknown_device_is_one_clear_message(name: str) -> None:
     ("shard", "the run asked for size tiny (1M parameters"),
     ("collectives", "the run asked for float32 tensors of up to 100 MiB on up to 6 ranks"),
 ])
-def test_a_rank_killed_by_the_os_names_memory_and_the_asked_size(name: str, asked: str,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    def killed(*args: object, **kwargs: object) -> None:
-        raise RankDiedError(1, "SIGKILL", -9)
+@pytest.mark.parametrize(("error", "said"), [
+    (RankDiedError(1, "SIGKILL", -9), "rank 1 died (signal SIGKILL), most likely out of host memory"),
+    (RankStalledError(1, 60), "rank 1 stopped answering (no heartbeat for 60 s: stopped, hung or swapped out); every "
+                              "rank was ended"),
+], ids=["killed", "stalled"])
+def test_a_rank_killed_or_stalled_is_one_line_with_the_asked_size(name: str, asked: str, error: RankDiedError,
+                                                                  said: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    def fails(*args: object, **kwargs: object) -> None:
+        raise error
 
-    monkeypatch.setattr(ddp_study, "run_ddp_bench", killed)
-    monkeypatch.setattr(shard_study, "run_shard_bench", killed)
-    monkeypatch.setattr("cs336_harness.commands.collectives.run_collectives_study", killed)
+    monkeypatch.setattr(ddp_study, "run_ddp_bench", fails)
+    monkeypatch.setattr(shard_study, "run_shard_bench", fails)
+    monkeypatch.setattr("cs336_harness.commands.collectives.run_collectives_study", fails)
     argv = [name, "--backends", "gloo"] if name == "collectives" else [name, "--size", "tiny", "--backend", "gloo"]
-    message = f"cs336 {name}: rank 1 died (signal SIGKILL), most likely out of host memory; {asked}"
-    with pytest.raises(SystemExit, match=re.escape(message)):
+    with pytest.raises(SystemExit, match=re.escape(f"cs336 {name}: {said}; {asked}")):
         cli.main(argv)
 
 
@@ -227,9 +236,167 @@ def test_markdown_from_a_missing_or_broken_rows_file_is_one_clear_message(name: 
         cli.main([name, "--markdown", str(broken)])
 
 
-@pytest.mark.parametrize("name", ["attention", "leaderboard", "shard"])
+# One row that each command's --markdown reads.
+MARKDOWN_ROWS = {
+    "attention": {"bench": "flash", "impl": "triton", "dtype": "bf16", "d": 64, "seq": 128, "device": "H200",
+                  "fwd_ms": 1.5},
+    "collectives": {"op": "all_reduce", "backend": "gloo", "world_size": 2, "bytes": 2**20, "time_ms": 1.5,
+                    "busbw_gbps": 0.7},
+    "ddp": {"variant": "naive", "dtype": "fp32", "step_ms": 1.5},
+    "fused": {"bench": "glue", "impl": "eager", "op": "rms_norm", "shape": "(8, 16)", "dtype": "bf16",
+              "device": "H200", "bytes_moved": 1e9, "median_ms": 1.5},
+    "shard": {"variant": "fsdp", "dtype": "fp32", "step_ms": 1.5},
+}
+FILL_COMMANDS = ["attention", "shard"]
+
+
+def _rows_file(tmp_path, *rows: object) -> str:
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.mark.parametrize("name", FILL_COMMANDS)
 def test_fill_of_a_missing_section_is_one_clear_message(name: str, tmp_path) -> None:
-    rows = tmp_path / "rows.jsonl"
-    rows.write_text("")
+    rows = _rows_file(tmp_path, MARKDOWN_ROWS[name])
     with pytest.raises(SystemExit, match=f"cs336 {name}: cannot read the section '/nonexistent.md'"):
-        cli.main([name, "--markdown", str(rows), "--fill", "/nonexistent.md"])
+        cli.main([name, "--markdown", rows, "--fill", "/nonexistent.md"])
+
+
+@pytest.mark.parametrize("name", FILL_COMMANDS)
+def test_fill_without_markdown_is_refused_before_anything_runs(name: str, tmp_path, no_run: None) -> None:
+    section = tmp_path / "section.md"
+    with pytest.raises(SystemExit, match=f"cs336 {name}: --fill SECTION needs --markdown ROWS"):
+        cli.main([name, "--fill", str(section)])
+
+
+@pytest.mark.parametrize("name", list(MARKDOWN_ROWS))
+def test_markdown_of_its_own_rows_prints_a_table(name: str, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([name, "--markdown", _rows_file(tmp_path, MARKDOWN_ROWS[name])]) == 0
+    out, err = capsys.readouterr()
+    assert "| 1.5" in out or "1.5 ms" in out, out
+    assert err == ""
+
+
+@pytest.mark.parametrize("name", list(MARKDOWN_ROWS))
+def test_markdown_of_another_commands_rows_names_the_line_and_fails(name: str, tmp_path) -> None:
+    other = MARKDOWN_ROWS["shard" if name == "ddp" else "ddp"]
+    rows = _rows_file(tmp_path, other)
+    with pytest.raises(SystemExit, match=f"cs336 {name}: no {name} rows in '{rows}': line 1 has "):
+        cli.main([name, "--markdown", rows])
+
+
+@pytest.mark.parametrize("name", list(MARKDOWN_ROWS))
+@pytest.mark.parametrize(("line", "what"), [("[1, 2]", "list"), ("3", "int"), ('"row"', "str")])
+def test_markdown_of_a_line_that_is_not_an_object_names_it(name: str, line: str, what: str, tmp_path) -> None:
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(MARKDOWN_ROWS[name]) + "\n" + line + "\n")
+    with pytest.raises(SystemExit, match=re.escape(f"cs336 {name}: '{path}' line 2 is not a row: expected a JSON "
+                                                   f"object, got {what}")):
+        cli.main([name, "--markdown", str(path)])
+
+
+@pytest.mark.parametrize("name", list(MARKDOWN_ROWS))
+def test_markdown_of_an_empty_file_fails(name: str, tmp_path) -> None:
+    rows = _rows_file(tmp_path)
+    with pytest.raises(SystemExit, match=f"cs336 {name}: no {name} rows in '{rows}': no rows at all"):
+        cli.main([name, "--markdown", rows])
+
+
+def test_markdown_leaves_out_other_rows_and_says_which(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    build = {"bench": "build", "impl": "triton"}  # a kind of row the attention files hold and no table reads
+    mixed = _rows_file(tmp_path, build, MARKDOWN_ROWS["attention"], build)
+    assert cli.main(["attention", "--markdown", mixed]) == 0
+    out, err = capsys.readouterr()
+    assert "| 64 | 128 | 1.5 |" in out
+    assert err.splitlines() == [f"cs336 attention: left out 2 rows of '{mixed}' that are not attention rows (line 1 "
+                                "has bench 'build', not one of pytorch, compiled, anchors, flash, gluon_attention; and "
+                                "1 more)"]
+
+
+def test_markdown_rows_that_lack_a_field_their_table_reads_are_not_rows(tmp_path) -> None:
+    rows = _rows_file(tmp_path, {"op": "all_reduce", "backend": "gloo", "world_size": 2})
+    with pytest.raises(SystemExit, match="line 1 has op 'all_reduce' but no 'bytes', 'time_ms', 'busbw_gbps'"):
+        cli.main(["collectives", "--markdown", rows])
+
+
+def test_collectives_markdown_without_all_reduce_rows_fails(tmp_path) -> None:
+    rows = _rows_file(tmp_path, {**MARKDOWN_ROWS["collectives"], "op": "all_gather"})
+    with pytest.raises(SystemExit, match="cs336 collectives: the rows given have no all_reduce rows"):
+        cli.main(["collectives", "--markdown", rows])
+
+
+def test_markdown_reads_several_files(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text(json.dumps(MARKDOWN_ROWS["ddp"]) + "\n")
+    second.write_text(json.dumps({**MARKDOWN_ROWS["ddp"], "variant": "flat"}) + "\n")
+    assert cli.main(["ddp", "--markdown", str(first), str(second)]) == 0
+    table = capsys.readouterr().out
+    assert "| naive |" in table and "| flat |" in table
+
+
+def test_a_comma_list_of_the_wrong_type_says_what_it_expected(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["collectives", "--world-sizes", "2,four"])
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err == ("cs336 collectives: error: argument --world-sizes: expected a comma-separated list of int values, "
+                   "got '2,four'")
+
+
+@pytest.mark.parametrize("argv", [["residuals"], ["ddp"], ["shard"]])
+def test_a_context_length_of_zero_is_refused_not_replaced_by_the_default(argv: list[str]) -> None:
+    with pytest.raises(SystemExit, match=f"cs336 {argv[0]}: .*context.length must be positive.*0"):
+        cli.main([*argv, "--context-length", "0"])
+
+
+def test_ddp_shows_a_bucket_size_only_for_the_variants_with_buckets(monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    rows = [{"variant": v, "dtype": "fp32", "bucket_size_mb": 25.0, "step_ms": 1.0, "backend": "gloo"}
+            for v in ("naive", "bucketed")]
+    monkeypatch.setattr(ddp_study, "run_ddp_bench", lambda *args, **kwargs: [dict(r) for r in rows])
+    assert cli.main(["ddp", "--backend", "gloo", "--variants", "naive,bucketed"]) == 0
+    table = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert table[0][:3] == ["dtype", "variant", "bucket_size_mb"]
+    assert table[2][:3] == ["fp32", "naive", "-"] and table[3][:3] == ["fp32", "bucketed", "25.00"]
+
+
+@pytest.mark.parametrize("argv", [["ddp", "--world-size", "3", "--global-batch", "3"], ["shard", "--world-size", "3",
+                                  "--global-batch", "3"], ["collectives", "--world-sizes", "2,3"]])
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_torchrun_with_another_world_size_is_one_line_from_rank_0(argv: list[str], rank: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in (("RANK", rank), ("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2"),
+                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as e:
+        cli.main([*argv, "--backend" if argv[0] != "collectives" else "--backends", "gloo"])
+    if rank == "0":
+        assert e.value.code == f"cs336 {argv[0]}: asked for world size 3, but torchrun started 2 ranks; give " \
+                               "--nproc-per-node and the world size the same number"
+    else:
+        assert e.value.code == 1  # said once, by rank 0
+
+
+@pytest.mark.parametrize(("argv", "what"), [
+    (["bench", "--size", "8B", "--device", "cpu"], "8B_ctx512_train_fp32 (batch 4) needs at least"),
+    (["ddp", "--size", "xl", "--backend", "gloo"], "ddp of size xl, context 128, global batch 4 on 2 ranks needs "
+                                                   "at least"),
+    (["shard", "--size", "xl", "--backend", "gloo"], "shard of size xl, context 128, global batch 4 on 2 ranks "
+                                                     "needs at least"),
+    (["collectives", "--world-sizes", "1000"], "collectives on 1000 ranks with float32 tensors of up to 100 MiB "
+                                               "needs at least 348 GiB of host memory (1000 ranks of 0.348 GiB: the "
+                                               "process 0.25, tensors 0.0978), and 16 GiB is available: at most 46 "
+                                               "of these ranks fit"),
+])
+def test_a_cpu_run_too_big_for_host_memory_is_refused_before_it_starts(
+        argv: list[str], what: str, no_run: None, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(resources, "available_host_bytes", lambda: 16 * 2**30)
+    if argv[0] == "bench":  # a row with status oom, as on CUDA, and the reason on stderr
+        assert cli.main([*argv, "--quiet"]) == 0
+        out, err = capsys.readouterr()
+        assert out.splitlines()[-1].split() == ["8B", "512", "train", "fp32", "oom"]
+        assert err.startswith(f"cs336 bench: not run (its row says oom): {what}") and "16 GiB is available" in err
+    else:
+        with pytest.raises(SystemExit, match=re.escape(f"cs336 {argv[0]}: {what}")):
+            cli.main(argv)

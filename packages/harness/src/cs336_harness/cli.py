@@ -8,6 +8,8 @@ is imported only when it runs or its own ``--help`` is asked for.
 Without CUDA the Triton kernels run in the Triton interpreter, which must be chosen before any kernel module is
 imported: the CLI sets ``TRITON_INTERPRET=1`` then, before it imports the command, and silences what torch prints
 about the missing GPU (see :func:`_prepare_cpu`).
+
+Under ``torchrun`` every rank runs the command; a command's one-line error is printed by rank 0 alone.
 """
 
 from __future__ import annotations
@@ -64,7 +66,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    return args._run(args)
+    try:
+        return args._run(args)
+    except SystemExit as e:
+        # Under torchrun every rank runs the command and meets the same mistake: rank 0 says it, the others only
+        # fail.
+        if isinstance(e.code, str) and os.environ.get("RANK", "0") != "0" and "WORLD_SIZE" in os.environ:
+            raise SystemExit(1) from None
+        raise
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 Every measured number in the repo lives in a row that says what was run (command), where (device),
 with what (torch and triton versions), from which commit and when. Tables and figures are made
-from these rows.
+from these rows: :func:`read_rows_of` reads the rows of one command's kind (:class:`RowKind`) from files that may
+hold others.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import platform
 import shlex
 import subprocess
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -108,12 +110,7 @@ def append_rows(path: str | Path, rows: Iterable[dict[str, Any]], meta: dict[str
     return path
 
 
-def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of a JSON-lines file.
-
-    Raises:
-        ValueError: if the file cannot be read or a line is not JSON (naming the file and the line).
-    """
+def _numbered_rows(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as e:
@@ -122,7 +119,69 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     for number, line in enumerate(lines, 1):
         if line.strip():
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{str(path)!r} line {number} is not JSON: {e.msg}") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{str(path)!r} line {number} is not a row: expected a JSON object, got "
+                                 f"{type(row).__name__} {line.strip()[:40]}")
+            rows.append((number, row))
     return rows
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a JSON-lines file.
+
+    Raises:
+        ValueError: if the file cannot be read or a line is not a JSON object (naming the file and the line).
+    """
+    return [row for _, row in _numbered_rows(path)]
+
+
+@dataclass(frozen=True)
+class RowKind:
+    """What makes a row one that a command's tables read: its ``key`` holds one of the values of ``needs``, and
+    the row has every field that value needs (so the tables never meet a row without a field they read)."""
+
+    name: str  # the command's, for messages: "ddp rows"
+    key: str
+    needs: Mapping[str, tuple[str, ...]]
+
+    def mismatch(self, row: Mapping[str, Any]) -> str | None:
+        """Why ``row`` is not of this kind (as in "line 3 has no 'op'"), or None if it is."""
+        if self.key not in row:
+            return f"has no {self.key!r}"
+        value = row[self.key]
+        if value not in self.needs:
+            return f"has {self.key} {value!r}, not one of {', '.join(map(str, self.needs))}"
+        missing = [k for k in self.needs[value] if k not in row]
+        return f"has {self.key} {value!r} but no {', '.join(map(repr, missing))}" if missing else None
+
+
+def read_rows_of(paths: Sequence[str | Path], kind: RowKind) -> tuple[list[dict[str, Any]], list[str]]:
+    """The rows of ``kind`` in the JSON-lines files ``paths``, and one note for each file with rows of another
+    kind, which are left out (a file may hold rows of several studies).
+
+    Raises:
+        ValueError: if a file cannot be read or a line is not a JSON object (:func:`read_rows`), or if no row of
+            any file is of ``kind`` (naming the first line that is not, and why).
+    """
+    rows, notes, first_other = [], [], None
+    for path in paths:
+        other = []
+        for number, row in _numbered_rows(path):
+            why = kind.mismatch(row)
+            if why is None:
+                rows.append(row)
+            else:
+                other.append(f"line {number} {why}")
+        if other:
+            first_other = first_other or (other[0] if len(paths) == 1 else f"{str(path)!r} {other[0]}")
+            more = f"; and {len(other) - 1} more" if len(other) > 1 else ""
+            rows_word = "rows" if len(other) > 1 else "row"
+            notes.append(f"left out {len(other)} {rows_word} of {str(path)!r} that are not {kind.name} rows "
+                         f"({other[0]}{more})")
+    if not rows:
+        files = ", ".join(repr(str(p)) for p in paths)
+        raise ValueError(f"no {kind.name} rows in {files}: " + (first_other or "no rows at all"))
+    return rows, notes

@@ -3,22 +3,28 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from cs336_basics.config import DEFAULT_CONTEXT_LENGTH, PRESETS
 
-from cs336_harness.analysis.tables import columns_with_values, format_table
+from cs336_harness.analysis.tables import columns_with_values, format_table, print_or_fill
 from cs336_harness.device import CPU_CONTEXT_LENGTH
+from cs336_harness.results import RowKind, read_rows_of
 
 
 def csv_of(convert: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
     """An argparse ``type`` for a non-empty comma-separated list, each item passed through ``convert``."""
 
     def parse(text: str) -> tuple[Any, ...]:
-        items = tuple(convert(v.strip()) for v in text.split(",") if v.strip())
+        try:
+            items = tuple(convert(v.strip()) for v in text.split(",") if v.strip())
+        except ValueError:
+            items = ()
         if not items:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {convert.__name__} values, "
+                                             f"got {text!r}")
         return items
 
     return parse
@@ -55,9 +61,10 @@ def distributed_run_fields(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     cuda = torch.cuda.is_available()
+    default_context = DEFAULT_CONTEXT_LENGTH if cuda else CPU_CONTEXT_LENGTH
     return dict(
         size=args.size or ("xl" if cuda else "tiny"),
-        context_length=args.context_length or (DEFAULT_CONTEXT_LENGTH if cuda else CPU_CONTEXT_LENGTH),
+        context_length=default_context if args.context_length is None else args.context_length,
         global_batch=args.global_batch, world_size=args.world_size, backend=args.backend, dtypes=args.compute_dtype,
         variants=args.variants, warmup=args.warmup, steps=args.steps,
     )
@@ -73,3 +80,43 @@ def print_measured_table(rows: Sequence[dict[str, Any]], columns: Sequence[str],
         print(f"left out, no value in any row: {', '.join(empty)}")
     if empty and cuda_only and rows[0].get("backend") == "gloo":
         print(f"on CPU (gloo) {cuda_only}")
+
+
+def add_markdown_arguments(parser: argparse.ArgumentParser, fill: bool) -> None:
+    """``--markdown ROWS...`` (tables from saved rows, nothing run) and, with ``fill``, ``--fill SECTION``."""
+    parser.add_argument("--markdown", metavar="ROWS", nargs="+", default=None,
+                        help="print the tables of these JSONL files' rows as markdown; run nothing")
+    if fill:
+        parser.add_argument("--fill", metavar="SECTION", default=None,
+                            help="with --markdown: rewrite the <!-- table:NAME --> blocks of this markdown file "
+                                 "instead of printing")
+
+
+def markdown_requested(args: argparse.Namespace) -> bool:
+    """Whether the command should make tables from saved rows (:func:`print_markdown`) instead of running."""
+    return args.markdown is not None or getattr(args, "fill", None) is not None
+
+
+def print_markdown(args: argparse.Namespace, kind: RowKind,
+                   tables: Callable[[list[dict[str, Any]]], Mapping[str, str]], empty: str | None = None) -> int:
+    """``--markdown`` / ``--fill`` of every command that has them: the rows of ``kind`` in the files given, made into
+    ``tables`` (marker name -> markdown), printed or filled into the section. Lines of other kinds are left out with
+    a note on stderr.
+
+    Raises:
+        SystemExit: with one line, if ``--fill`` comes without ``--markdown``, a file or section cannot be read, no
+            line is a row of ``kind``, or the rows make no table (``empty`` says why, if the command knows).
+    """
+    try:
+        if args.markdown is None:
+            raise ValueError("--fill SECTION needs --markdown ROWS, the rows to make its tables from")
+        rows, notes = read_rows_of(args.markdown, kind)
+        for note in notes:
+            print(f"cs336 {kind.name}: {note}", file=sys.stderr)
+        made = tables(rows)
+        if not made:
+            raise ValueError(empty or f"the {kind.name} rows given make no table")
+        print_or_fill(made, getattr(args, "fill", None))
+    except ValueError as e:
+        raise SystemExit(f"cs336 {kind.name}: {e}") from None
+    return 0

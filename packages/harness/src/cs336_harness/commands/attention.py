@@ -16,17 +16,28 @@ import sys
 
 import torch
 
-from cs336_harness.analysis.tables import print_or_fill
-from cs336_harness.commands._shared import add_quiet_argument, csv_of
+from cs336_harness.commands._shared import (
+    add_markdown_arguments,
+    add_quiet_argument,
+    csv_of,
+    markdown_requested,
+    print_markdown,
+)
 from cs336_harness.progress import progress_bar
-from cs336_harness.results import append_rows, check_writable, provenance, read_rows
+from cs336_harness.results import RowKind, append_rows, check_writable, provenance
 from cs336_harness.studies.attention import (
     PARTS,
     AttentionBenchConfig,
-    attention_markdown,
     attention_tables,
     run_attention_bench,
 )
+
+_SWEEP_FIELDS = ("d", "seq", "batch", "device", "passes")
+# What attention_tables reads of each part's rows (gluon_attention: the Gluon kernels' first timings).
+ROWS = RowKind("attention", "bench", {
+    "pytorch": _SWEEP_FIELDS, "compiled": _SWEEP_FIELDS, "anchors": ("impl", "batch", "heads", "seq", "d", "device"),
+    "flash": ("impl", "dtype", "d", "seq", "device"), "gluon_attention": ("impl", "shape", "pass", "ms", "device"),
+})
 
 # --quick: a handful of sizes from each sweep, enough to see the trends within minutes.
 _QUICK = {
@@ -60,24 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precompile-jobs", type=int, default=d.precompile_jobs,
                         help="compile our kernels' autotuning candidates in this many processes first")
     parser.add_argument("--out", default=None, help="append each row (with provenance) to this JSONL file")
-    parser.add_argument("--markdown", metavar="ROWS", nargs="+", default=None,
-                        help="print the tables of these JSONL files as markdown and exit")
-    parser.add_argument("--fill", metavar="SECTION", default=None,
-                        help="with --markdown: rewrite the <!-- table:NAME --> blocks of this file instead")
+    add_markdown_arguments(parser, fill=True)
     add_quiet_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.markdown:
-        try:
-            rows = [row for path in args.markdown for row in read_rows(path)]
-            if args.fill:
-                print_or_fill(attention_tables(rows), args.fill)
-            else:
-                print(attention_markdown(rows))
-        except ValueError as e:
-            raise SystemExit(f"cs336 attention: {e}") from None
-        return 0
+    if markdown_requested(args):
+        return print_markdown(args, ROWS, attention_tables)
     sizes = {
         "head_dims": args.head_dims, "seq_lens": args.seq_lens, "passes": args.passes,
         "flash_head_dims": args.flash_head_dims, "flash_seq_lens": args.flash_seq_lens,

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from cs336_basics.config import DEFAULT_CONTEXT_LENGTH, DEFAULT_VOCAB_SIZE, PRESETS
 
+from cs336_harness import resources
 from cs336_harness.analysis.tables import format_table
 from cs336_harness.commands._shared import add_quiet_argument, csv_of
+from cs336_harness.device import DTYPES, GIB
 from cs336_harness.results import append_rows, check_writable
 from cs336_harness.studies import step_timing
 from cs336_harness.studies.attention_impls import ATTENTION_IMPLS
@@ -77,6 +80,34 @@ def configs_from_args(args: argparse.Namespace) -> list[step_timing.BenchConfig]
     return step_timing.expand_configs(base, sizes, contexts, args.compute_dtype, args.attention, args.checkpoint)
 
 
+def host_need(config: step_timing.BenchConfig) -> resources.HostMemoryNeed:
+    """What ``config`` holds in host memory when it runs on the CPU (:mod:`cs336_harness.resources`)."""
+    model = config.model_config
+    backward = config.mode != "forward"
+    activations = resources.activation_bytes(
+        model, config.batch_size, dtype_bytes=DTYPES[config.dtype].itemsize, attention=config.attention,
+        checkpoint=config.checkpoint, backward=backward, fused_loss=config.loss == "fused")
+    peak = resources.step_peak(model.num_params, activations, backward=backward, adamw=config.mode == "train")
+    return resources.HostMemoryNeed(f"{config.tag} (batch {config.batch_size})", peak)
+
+
+def _run_what_fits(configs: list[step_timing.BenchConfig], progress: bool) -> list[dict]:
+    """Each config's row in order: CPU configs that cannot fit in host memory are not run, and their rows say
+    ``oom`` as a CUDA out-of-memory error would (with the estimate), each said on stderr."""
+    available = resources.available_host_bytes()
+    refused = {}
+    for i, config in enumerate(configs):
+        need = host_need(config) if config.device == "cpu" else None
+        reason = need.shortfall(available) if need else None
+        if reason:
+            print(f"cs336 bench: not run (its row says oom): {reason}", file=sys.stderr)
+            refused[i] = {**step_timing.config_fields(config), "status": "oom",
+                          "host_need_gib": need.total_bytes / GIB, "host_available_gib": available / GIB}
+    runnable = [c for i, c in enumerate(configs) if i not in refused]
+    ran = iter(step_timing.run_configs(runnable, progress=progress) if runnable else [])
+    return [refused[i] if i in refused else next(ran) for i in range(len(configs))]
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         configs = configs_from_args(args)
@@ -84,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
             check_writable(args.out)
     except ValueError as e:
         raise SystemExit(f"cs336 bench: {e}") from None
-    rows = step_timing.run_configs(configs, progress=not args.quiet)
+    rows = _run_what_fits(configs, progress=not args.quiet)
     print(format_table(rows, step_timing.table_columns(rows), floatfmt=".2f"))
     for row in rows:
         for key in ("profile", "memory"):

@@ -17,13 +17,23 @@ import os
 
 import torch
 from cs336_comms.collectives import OPS
-from cs336_comms.process_group import RankDiedError, launched_by_torchrun
+from cs336_comms.process_group import RankDiedError, check_world_size, launched_by_torchrun
 
+from cs336_harness import resources
 from cs336_harness.analysis.figures import plot_collectives
 from cs336_harness.analysis.tables import format_table
-from cs336_harness.commands._shared import add_quiet_argument, csv_of
-from cs336_harness.results import append_rows, check_writable, read_rows
+from cs336_harness.commands._shared import (
+    add_markdown_arguments,
+    add_quiet_argument,
+    csv_of,
+    markdown_requested,
+    print_markdown,
+)
+from cs336_harness.results import RowKind, append_rows, check_writable
 from cs336_harness.studies.collectives import CollectivesConfig, collectives_markdown, run_collectives_study
+
+ROWS = RowKind("collectives", "op",
+               {op: ("backend", "world_size", "bytes", "time_ms", "busbw_gbps") for op in OPS})
 
 _HANDOUT_WORLD_SIZES = (2, 4, 6)
 
@@ -43,21 +53,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=20, help="timed calls per size (default 20)")
     parser.add_argument("--out", default=None, help="append rows (with provenance) to this JSONL file")
     parser.add_argument("--plot", default=None, help="write bandwidth and time against size to this PNG")
-    parser.add_argument("--markdown", metavar="ROWS", default=None,
-                        help="print the all-reduce rows of this JSONL file as a markdown table and exit")
+    add_markdown_arguments(parser, fill=False)
     add_quiet_argument(parser)
 
 
+def _all_reduce_table(rows: list[dict]) -> dict[str, str]:
+    if not any(r["op"] == "all_reduce" for r in rows):
+        return {}
+    return {"collectives": collectives_markdown(rows)}
+
+
+def host_need(config: CollectivesConfig) -> resources.HostMemoryNeed:
+    """What the gloo ranks of ``config``'s largest world size hold in this machine's memory: each, the full tensor
+    of the largest size and its shard (the largest world size needs the most in all)."""
+    world_size = max(config.world_sizes)
+    ranks, spawned = resources.ranks_here(world_size)
+    size = max(config.sizes_mb) * 2**20
+    return resources.HostMemoryNeed(
+        f"collectives on {world_size} ranks with float32 tensors of up to {max(config.sizes_mb):g} MiB",
+        {"tensors": size * (1 + 1 / world_size)}, ranks, spawned)
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.markdown:
-        try:
-            print(collectives_markdown(read_rows(args.markdown)))
-        except ValueError as e:
-            raise SystemExit(f"cs336 collectives: {e}") from None
-        return 0
+    if markdown_requested(args):
+        return print_markdown(args, ROWS, _all_reduce_table,
+                              empty="the rows given have no all_reduce rows, which the table shows")
     backends = args.backends or (("nccl",) if torch.cuda.is_available() else ("gloo",))
     if launched_by_torchrun():
-        world_sizes = (int(os.environ["WORLD_SIZE"]),)
+        world_sizes = args.world_sizes or (int(os.environ["WORLD_SIZE"]),)  # checked against torchrun's below
     elif args.world_sizes:
         world_sizes = args.world_sizes
     elif "nccl" in backends:
@@ -66,6 +89,10 @@ def run(args: argparse.Namespace) -> int:
         world_sizes = _HANDOUT_WORLD_SIZES
     try:
         config = CollectivesConfig(backends, world_sizes, args.sizes_mb, args.ops, args.warmup, args.iters)
+        for world_size in config.world_sizes:
+            check_world_size(world_size)
+        if "gloo" in config.backends:
+            host_need(config).check()
         for path in (args.out, args.plot):
             if path:
                 check_writable(path)

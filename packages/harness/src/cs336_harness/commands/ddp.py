@@ -16,11 +16,28 @@ import dataclasses
 import tempfile
 from pathlib import Path
 
-from cs336_comms.process_group import RankDiedError
+from cs336_comms.process_group import RankDiedError, check_world_size
 
-from cs336_harness.commands._shared import add_distributed_run_arguments, distributed_run_fields, print_measured_table
-from cs336_harness.results import append_rows, check_writable, read_rows
+from cs336_harness import resources
+from cs336_harness.commands._shared import (
+    add_distributed_run_arguments,
+    add_markdown_arguments,
+    distributed_run_fields,
+    markdown_requested,
+    print_markdown,
+    print_measured_table,
+)
+from cs336_harness.device import DTYPES
+from cs336_harness.results import RowKind, append_rows, check_writable
 from cs336_harness.studies import ddp as ddp_study
+
+ROWS = RowKind("ddp", "variant", {v: ("dtype", "step_ms") for v in ddp_study.VARIANTS})
+# The variants that group gradients into buckets; the others ignore --bucket-size-mb.
+_BUCKETED = ("bucketed", "torch_ddp")
+
+
+def _bucket_where_used(row: dict) -> dict:
+    return row if row["variant"] in _BUCKETED else {**row, "bucket_size_mb": None}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,21 +46,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_distributed_run_arguments(parser, ddp_study.VARIANTS, default_dtypes=("fp32",))
     parser.add_argument("--bucket-size-mb", type=float, default=25.0, help="bucketed and torch_ddp (default 25 MiB)")
     parser.add_argument("--figure-dir", default=None, help="write ddp_timeline_<dtype>.png here")
-    parser.add_argument("--markdown", metavar="ROWS", default=None,
-                        help="print the rows of this JSONL file as a markdown table and exit")
+    add_markdown_arguments(parser, fill=False)
+
+
+def host_need(config: ddp_study.DDPBenchConfig) -> resources.HostMemoryNeed:
+    """What the gloo ranks of ``config`` hold in this machine's memory: each trains the whole model (the model's own
+    attention) on its share of the batch."""
+    ranks, spawned = resources.ranks_here(config.world_size)
+    model = config.model_config
+    activations = resources.activation_bytes(
+        model, config.global_batch // config.world_size, dtype_bytes=max(DTYPES[d].itemsize for d in config.dtypes),
+        attention="eager", checkpoint="none", backward=True, fused_loss=False)
+    return resources.HostMemoryNeed(
+        f"ddp of size {config.size}, context {config.context_length}, global batch {config.global_batch} on "
+        f"{config.world_size} ranks", resources.step_peak(model.num_params, activations, backward=True, adamw=True),
+        ranks, spawned)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.markdown:
-        try:
-            print(ddp_study.ddp_markdown(read_rows(args.markdown)))
-        except ValueError as e:
-            raise SystemExit(f"cs336 ddp: {e}") from None
-        return 0
+    if markdown_requested(args):
+        return print_markdown(args, ROWS, lambda rows: {"ddp": ddp_study.ddp_markdown(
+            [_bucket_where_used(r) for r in rows])})
     try:
         config = ddp_study.DDPBenchConfig(
             **distributed_run_fields(args), bucket_size_mb=args.bucket_size_mb, trace_dir=args.trace_dir
         )
+        check_world_size(config.world_size)
+        if config.resolved_backend == "gloo":
+            host_need(config).check()
         figures = {dtype: Path(args.figure_dir) / f"ddp_timeline_{dtype}.png"
                    for dtype in (config.dtypes if args.figure_dir else ())}
         for path in [*figures.values(), *([args.out] if args.out else [])]:
@@ -59,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"cs336 ddp: {e}; the run asked for {config.describe()}") from None
         if not rows:  # a torchrun rank other than 0
             return 0
+        rows = [_bucket_where_used(r) for r in rows]
         print_measured_table(rows, ddp_study.PRINTED_COLUMNS, floatfmt=".2f",
                              cuda_only="there are no NCCL kernels to time and no CUDA allocator to ask for peaks")
         for dtype, path in figures.items():

@@ -14,9 +14,24 @@ from __future__ import annotations
 import argparse
 
 from cs336_harness.analysis.tables import format_table
-from cs336_harness.commands._shared import add_quiet_argument
-from cs336_harness.results import append_rows, check_writable, read_rows
+from cs336_harness.commands._shared import (
+    add_markdown_arguments,
+    add_quiet_argument,
+    markdown_requested,
+    print_markdown,
+)
+from cs336_harness.results import RowKind, append_rows, check_writable
 from cs336_harness.studies.fused import BENCHES, FusedBenchConfig, fused_markdown, run_fused_bench
+
+# What fused_markdown reads of each benchmark's rows.
+ROWS = RowKind("fused", "bench", {
+    "adamw": ("impl", "num_params", "num_tensors", "device", "floor_ms", "copy_tbps"),
+    "linear_ce": ("impl", "tokens", "d_model", "vocab_size", "dtype", "device", "matmul_floor_ms"),
+    "linear_ce_parts": ("num_chunks", "chunk_rows", *(f"{stage}_ms" for stage in (
+        "logits_mm", "softmax_grad_kernel", "grad_hidden_mm", "grad_weight_addmm")), "logits_mm_tflops",
+        "grad_hidden_mm_tflops", "grad_weight_addmm_tflops", "softmax_grad_kernel_tbps"),
+    "glue": ("impl", "op", "shape", "dtype", "device", "bytes_moved"),
+})
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,18 +50,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-ms", type=int, default=d.warmup_ms, help="do_bench warm-up (default 200)")
     parser.add_argument("--rep-ms", type=int, default=d.rep_ms, help="do_bench repetition time (default 1000)")
     parser.add_argument("--out", default=None, help="append rows (with provenance) to this JSONL file")
-    parser.add_argument("--markdown", metavar="ROWS", default=None,
-                        help="print the tables of this JSONL file as markdown and exit")
+    add_markdown_arguments(parser, fill=False)
     add_quiet_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.markdown:
-        try:
-            print(fused_markdown(read_rows(args.markdown)))
-        except ValueError as e:
-            raise SystemExit(f"cs336 fused: {e}") from None
-        return 0
+    if markdown_requested(args):
+        return print_markdown(args, ROWS, lambda rows: {"fused": fused_markdown(rows)})
     try:
         config = FusedBenchConfig(
             benches=tuple(args.bench or FusedBenchConfig.benches), adamw_params=args.adamw_params,

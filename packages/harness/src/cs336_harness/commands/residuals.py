@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.context_length is not None and args.context_length < 1:
+            # ResidualsConfig reads 0 as "the device's default".
+            raise ValueError(f"--context-length must be positive, got {args.context_length}")
         config = ResidualsConfig(
             experiments=tuple(args.experiment or EXPERIMENTS), size=args.size, d_model=args.d_model, d_ff=args.d_ff,
             num_heads=args.num_heads, batch_size=args.batch_size, context_length=args.context_length,
