@@ -197,6 +197,7 @@ def _chunked_fp32_reference(hidden, weight, targets, chunk):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_exclusive
 def test_leaderboard_shape_bf16_on_gpu():
     tokens, d, vocab = 32768, 4096, 151936
     hidden, weight, targets = _inputs((tokens,), d, vocab, torch.bfloat16, "cuda", seed=7, ignore_every=97)

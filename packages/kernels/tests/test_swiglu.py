@@ -190,6 +190,7 @@ def test_leaderboard_shape_bf16_on_gpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_exclusive
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
 def test_past_2_31_elements_bf16_on_gpu(strided):
     # Offsets past 2^31 elements (program starts, the strided rows' first row) must not wrap in int32.
