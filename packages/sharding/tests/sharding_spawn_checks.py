@@ -27,8 +27,9 @@ import torch.nn as nn
 from cs336_basics.model import BasicsTransformerLM, Embedding, Linear, RMSNorm
 from cs336_basics.nn_utils import cross_entropy
 from cs336_basics.optimizer import AdamW
-from cs336_sharding.fsdp import FSDP, gather_full_params, load_checkpoint, save_checkpoint
+from cs336_sharding.fsdp import FSDP, gather_full_params
 from cs336_sharding.optimizer import ShardedOptimizer
+from cs336_sharding.state import load_state, save_state
 
 WORLD_SIZE = 2
 VOCAB = 37  # odd, and 37 x 15 is odd too, so the embedding and head shards need padding
@@ -210,7 +211,7 @@ def fsdp_collectives(rank: int) -> dict[str, Any]:
     return {"phases": phases, "units": [(u.name, [s.name for s in u.slots]) for u in model._units]}
 
 
-def fsdp_checkpoint(rank: int, out_dir: str, optimizer: str) -> dict[str, Any]:
+def fsdp_save_load(rank: int, out_dir: str, optimizer: str) -> dict[str, Any]:
     """Train 2 steps, save, train 2 more; a fresh model and optimizer load the save and train the same 2."""
     data = batches(4, seed=7)
     model = FSDP(new_model("transformer", seed=0))
@@ -218,12 +219,12 @@ def fsdp_checkpoint(rank: int, out_dir: str, optimizer: str) -> dict[str, Any]:
     for step in data[:2]:
         fsdp_step(model, opt, step, rank)
     path = f"{out_dir}/ckpt_{optimizer}"
-    save_checkpoint(path, model, opt)
+    save_state(path, model, opt)
     for step in data[2:]:
         fsdp_step(model, opt, step, rank)
     resumed = FSDP(new_model("transformer", seed=99))
     resumed_opt = OPTIMIZERS[optimizer](resumed.parameters())
-    load_checkpoint(path, resumed, resumed_opt)
+    load_state(path, resumed, resumed_opt)
     for step in data[2:]:
         fsdp_step(resumed, resumed_opt, step, rank)
     return {"uninterrupted": gather_full_params(model), "resumed": gather_full_params(resumed)}
@@ -343,7 +344,7 @@ FP16_RUNS = (("toy", "sgd"), ("transformer", "sgd"), ("transformer", "basics_ada
 def all_checks(rank: int, world_size: int, out_dir: str) -> None:
     torch.set_num_threads(1)  # the same kernels and reduction order in the ranks and the references
     warnings.simplefilter("error")  # a wrapper that warns during ordinary training is a defect here
-    record: dict[str, Any] = {"fsdp": {}, "grads": {}, "checkpoint": {}, "sharded": {}, "resume": {}}
+    record: dict[str, Any] = {"fsdp": {}, "grads": {}, "state": {}, "sharded": {}, "resume": {}}
     for kind in ("toy", "transformer"):
         for optimizer in OPTIMIZERS:
             record["fsdp"][kind, optimizer, "fp32"] = fsdp_training(rank, kind, optimizer, None)
@@ -354,7 +355,7 @@ def all_checks(rank: int, world_size: int, out_dir: str) -> None:
     record["gathered"] = fsdp_gathered_weights(rank)
     record["collectives"] = fsdp_collectives(rank)
     for optimizer in ("torch_adamw", "basics_adamw"):
-        record["checkpoint"][optimizer] = fsdp_checkpoint(rank, out_dir, optimizer)
+        record["state"][optimizer] = fsdp_save_load(rank, out_dir, optimizer)
     for name in SHARDED_OPTIMIZERS:
         record["sharded"][name] = sharded_optimizer_training(rank, name)
         for consolidated in (False, True):

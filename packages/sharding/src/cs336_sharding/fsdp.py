@@ -47,8 +47,8 @@ Limitations: a weight must be used through its module's forward; a weight tied b
 to modules that each own it directly (embedding and LM head), not to the inside of a ``ModuleList`` child.
 
 :func:`gather_full_params` returns every parameter unsharded, by its name in the original module;
-:func:`save_checkpoint` / :func:`load_checkpoint` write and read sharded model and optimizer state with
-``torch.distributed.checkpoint``, each rank writing only its own shards.
+:meth:`FSDP.state_tensor` gives a rank's piece as the DTensor that :mod:`cs336_sharding.state` (``save_state`` /
+``load_state``) hands to ``torch.distributed.checkpoint``.
 """
 
 from __future__ import annotations
@@ -56,12 +56,10 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from cs336_comms.process_group import rank_and_world
 from cs336_comms.reduce import TreeReduction, tree_all_reduce, tree_reduce_scatter
 from torch import nn
@@ -257,6 +255,8 @@ class FSDP(nn.Module):
             root.register_forward_pre_hook(self._pre_forward)
             root.register_forward_hook(self._post_forward, always_call=True)
         self._replicated = [p for p in names if p not in by_param]
+        self._slot_of_name = {s.name: s for u in self._units for s in u.slots}
+        self._replicated_by_name = {names[p]: p for p in self._replicated}
         # Gradient hooks live in C++, out of the garbage collector's sight: a bound method there would keep
         # this wrapper (and every shard) alive forever, so the hook holds only a weak reference.
         owner = weakref.ref(self)
@@ -509,20 +509,36 @@ class FSDP(nn.Module):
 
     def sharded_parameters(self) -> dict[str, nn.Parameter]:
         """The sharded parameters by name; each holds this rank's padded flat piece."""
-        return {s.name: s.param for u in self._units for s in u.slots}
+        return {name: s.param for name, s in self._slot_of_name.items()}
 
-    def _slots(self) -> dict[str, _Slot]:
-        return {s.name: s for u in self._units for s in u.slots}
+    def state_tensor(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """``local``, shaped like this rank's piece of parameter ``name`` (the parameter's ``.data`` or optimizer
+        state of its shape), as ``torch.distributed.checkpoint`` saves and loads it: for a sharded weight a DTensor
+        of the unpadded piece over the flat (numel,) weight, so each rank writes and reads only its own part (a plain
+        flat tensor without a process group); for a replicated parameter ``local`` itself.
 
-    def _global(self, slot: _Slot, local_padded: torch.Tensor) -> torch.Tensor:
-        """This rank's unpadded piece as a DTensor over the flat (numel,) weight, for checkpointing."""
-        local = local_padded[: slot.valid]
-        if not dist.is_initialized():
+        Raises:
+            ValueError: if ``name`` is not a parameter of the wrapped module, or ``local`` is not shaped like it.
+        """
+        slot = self._slot_of_name.get(name)
+        if slot is None:
+            param = self._replicated_by_name.get(name)
+            if param is None:
+                raise ValueError(f"{name!r} is not a parameter of the wrapped module")
+            expected = param.shape
+        else:
+            expected = torch.Size([slot.shard_numel])
+        if local.shape != expected:
+            raise ValueError(f"state of {name} must have this rank's shape {tuple(expected)}, got {tuple(local.shape)}")
+        if slot is None:
             return local
+        piece = local[: slot.valid]
+        if not dist.is_initialized():
+            return piece
         if self._mesh is None:
-            self._mesh = DeviceMesh.from_group(self._group or dist.group.WORLD, local.device.type)
+            self._mesh = DeviceMesh.from_group(self._group or dist.group.WORLD, piece.device.type)
         return DTensor.from_local(
-            local, self._mesh, [Shard(0)], run_check=False, shape=torch.Size([slot.numel]), stride=(1,)
+            piece, self._mesh, [Shard(0)], run_check=False, shape=torch.Size([slot.numel]), stride=(1,)
         )
 
 
@@ -547,79 +563,3 @@ def gather_full_params(fsdp_model: FSDP) -> dict[str, torch.Tensor]:
             full[s.name] = gathered[start : start + s.numel].view(s.shape)
     return {name: full[name] if name in full else p.detach().clone()
             for name, p in fsdp_model.module.named_parameters()}
-
-
-# Checkpoints: flat dicts whose keys are "model.<param>", "optim.<param>.<state key>" and "optim.groups".
-# Sharded weights, and optimizer state of their shape, are saved as DTensors over the flat unpadded weight,
-# so each rank writes and reads only its own piece.
-
-
-def _param_names(optimizer: torch.optim.Optimizer, fsdp_model: FSDP) -> list[list[str]]:
-    names = {p: n for n, p in fsdp_model.module.named_parameters()}
-    try:
-        return [[names[p] for p in g["params"]] for g in optimizer.param_groups]
-    except KeyError:
-        raise ValueError("the optimizer must be built over the FSDP model's parameters") from None
-
-
-def _model_state(fsdp_model: FSDP) -> dict[str, torch.Tensor]:
-    units = fsdp_model._slots()
-    return {
-        f"model.{name}": fsdp_model._global(units[name], p.data) if name in units else p.data
-        for name, p in fsdp_model.module.named_parameters()
-    }
-
-
-def save_checkpoint(path: str | Path, fsdp_model: FSDP, optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Write the model's (and the optimizer's) sharded state under directory ``path``; collective."""
-    state: dict[str, Any] = _model_state(fsdp_model)
-    if optimizer is not None:
-        units = fsdp_model._slots()
-        groups = _param_names(optimizer, fsdp_model)
-        for group, names in zip(optimizer.param_groups, groups, strict=True):
-            for param, name in zip(group["params"], names, strict=True):
-                for key, value in optimizer.state.get(param, {}).items():
-                    if name in units and torch.is_tensor(value) and value.shape == param.shape:
-                        value = fsdp_model._global(units[name], value)
-                    state[f"optim.{name}.{key}"] = value
-        # A tuple, because torch.distributed.checkpoint would flatten a list into one entry per element.
-        state["optim.groups"] = tuple(
-            {**{k: v for k, v in g.items() if k != "params"}, "params": names}
-            for g, names in zip(optimizer.param_groups, groups, strict=True)
-        )
-    dcp.save(state, checkpoint_id=str(path))
-
-
-def load_checkpoint(path: str | Path, fsdp_model: FSDP, optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Restore what :func:`save_checkpoint` wrote into the same model (at any world size); collective."""
-    state: dict[str, Any] = _model_state(fsdp_model)  # loaded in place into the parameters
-    padded: dict[str, torch.Tensor] = {}  # optimizer state shaped like a shard, at full padded size
-    if optimizer is not None:
-        units = fsdp_model._slots()
-        params = dict(fsdp_model.module.named_parameters())
-        metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        for fqn, meta in metadata.items():
-            if not fqn.startswith("optim.") or fqn == "optim.groups":
-                continue
-            name, key = fqn[len("optim.") :].rsplit(".", 1)
-            param = params[name]
-            if not isinstance(meta, dcp.metadata.TensorStorageMetadata):
-                state[fqn] = None  # a Python value; loading replaces it
-            elif name in units and tuple(meta.size) == (units[name].numel,):
-                padded[fqn] = torch.zeros_like(param.data, dtype=meta.properties.dtype)
-                state[fqn] = fsdp_model._global(units[name], padded[fqn])
-            else:
-                state[fqn] = torch.empty(meta.size, dtype=meta.properties.dtype, device=param.device)
-        state["optim.groups"] = None
-    dcp.load(state, checkpoint_id=str(path))
-    if optimizer is None:
-        return
-    groups = _param_names(optimizer, fsdp_model)
-    index = {name: i for i, name in enumerate(n for names in groups for n in names)}
-    optim_state: dict[int, dict[str, Any]] = {}
-    for fqn, value in state.items():
-        if fqn.startswith("optim.") and fqn != "optim.groups":
-            name, key = fqn[len("optim.") :].rsplit(".", 1)
-            optim_state.setdefault(index[name], {})[key] = padded.get(fqn, value)
-    saved_groups = [{**g, "params": [index[n] for n in g["params"]]} for g in state["optim.groups"]]
-    optimizer.load_state_dict({"state": optim_state, "param_groups": saved_groups})
