@@ -112,27 +112,52 @@ def test_block_is_prenorm_residual():
     torch.testing.assert_close(block(x), h + block.ffn(block.ln2(h)))
 
 
-def test_add_norm_hook_gets_the_residual_and_ln2s_weight():
-    block = TransformerBlock(12, 3, 20, RotaryEmbedding(16, 4))
-    assert block.add_norm is None
+def _block_pair(**kwargs) -> tuple[TransformerBlock, TransformerBlock]:
+    """The same block (same weights, ln2's weight not all ones) without and with ``kwargs``, in float64."""
+    torch.manual_seed(0)
+    plain = TransformerBlock(12, 3, 20, RotaryEmbedding(16, 4))
     with torch.no_grad():
-        block.ln2.weight.copy_(1 + torch.randn(12))
-    x = torch.randn(2, 5, 12, dtype=torch.float64)
-    block = block.double()
+        plain.ln2.weight.copy_(1 + torch.randn(12))
+    other = TransformerBlock(12, 3, 20, RotaryEmbedding(16, 4), **kwargs)
+    other.load_state_dict(plain.state_dict())
+    return plain.double(), other.double()
+
+
+def test_add_norm_gets_the_residual_and_ln2s_weight():
     seen = []
 
     def add_norm(x, delta, weight, eps):  # the add and RMSNorm's formula, as the block writes them
         seen.append((delta.shape, weight is block.ln2.weight, eps))
         h = x + delta
-        return h, block.ln2(h)
+        return h, block.ln2(h)  # ln2 itself runs the model's code: the block calls add_norm instead of it
 
-    want, want_grads = _outputs_and_grads(block, x)
-    block.add_norm = add_norm
+    plain, block = _block_pair(add_norm=add_norm)
+    assert plain.add_norm is None
+    x = torch.randn(2, 5, 12, dtype=torch.float64)
+    want, want_grads = _outputs_and_grads(plain, x)
     out, grads = _outputs_and_grads(block, x)
     assert seen == [((2, 5, 12), True, block.ln2.eps)]  # one call per forward, with ln2's own weight and eps
+    assert [n for n, _ in block.named_parameters()] == [n for n, _ in plain.named_parameters()]
     assert torch.equal(out, want)
     for g, w in zip(grads, want_grads, strict=True):
         assert torch.equal(g, w)
+
+
+def test_norm_runs_every_rmsnorm_with_its_own_weight():
+    seen = []
+
+    def norm(x, weight, eps):  # RMSNorm's formula
+        seen.append(weight.shape)
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
+
+    torch.manual_seed(0)
+    plain = small_lm()
+    lm = small_lm(norm=norm)
+    lm.load_state_dict(plain.state_dict())
+    ids = torch.randint(0, 37, (2, 7))
+    torch.testing.assert_close(lm(ids), plain(ids), atol=ATOL, rtol=RTOL)
+    assert seen == [(24,)] * 5  # two per block and the final norm
+    assert [n for n, _ in lm.named_parameters()] == [n for n, _ in plain.named_parameters()]
 
 
 def test_lm_shapes_and_causality():
@@ -185,6 +210,9 @@ def test_attention_is_chosen_per_model():
 
 
 def test_bad_arguments_raise():
+    for name in ("norm", "add_norm", "rotary", "gate", "loss"):
+        with pytest.raises(TypeError, match=f"{name} must be"):
+            small_lm(**{name: 3})
     with pytest.raises(ValueError, match="divisible"):
         small_lm(d_model=25)
     with pytest.raises(ValueError, match="divisible"):
@@ -236,6 +264,24 @@ def test_forward_with_targets_is_the_mean_cross_entropy():
         lm(ids, targets[:, :5])
 
 
+def test_loss_gets_the_flat_hidden_states_and_the_heads_weight():
+    seen = []
+
+    def loss(hidden, weight, targets):  # the logits' cross-entropy, as a fused kernel computes it
+        seen.append((hidden.shape, weight is lm.lm_head.weight, targets.shape))
+        return F.cross_entropy(hidden @ weight.T, targets)
+
+    torch.manual_seed(0)
+    plain = small_lm()
+    lm = small_lm(loss=loss)
+    lm.load_state_dict(plain.state_dict())
+    ids, targets = torch.randint(0, 37, (3, 11)), torch.randint(0, 37, (3, 11))
+    torch.testing.assert_close(lm(ids, targets), plain(ids, targets), atol=ATOL, rtol=RTOL)
+    assert seen == [((33, 24), True, (33,))]
+    torch.testing.assert_close(lm(ids), plain(ids))  # without targets: the logits, the loss not called
+    assert len(seen) == 1
+
+
 def _attention_pair(**kwargs) -> tuple[CausalMultiHeadSelfAttention, CausalMultiHeadSelfAttention]:
     """The same attention (same weights) without and with ``kwargs``, in float64."""
     torch.manual_seed(0)
@@ -265,8 +311,7 @@ def test_fused_qkv_matches_three_projections():
         CausalMultiHeadSelfAttention(12, 3, None, fused_qkv=1)
 
 
-def test_rotary_hook_gets_the_projections_layout():
-    plain, hooked = _attention_pair()
+def test_rotary_gets_the_projections_layout():
     seen = []
 
     def rotary(q, k, cos, sin, positions):  # RotaryEmbedding's formula (fp32 inside) on (B, T, H, Dh)
@@ -279,7 +324,7 @@ def test_rotary_hook_gets_the_projections_layout():
 
         return rotate(q), rotate(k)
 
-    hooked.rotary = rotary
+    plain, hooked = _attention_pair(rotary=rotary)
     x = torch.randn(2, 7, 12, dtype=torch.float64)
     out, grads = _outputs_and_grads(hooked, x)
     want, want_grads = _outputs_and_grads(plain, x)
@@ -303,16 +348,17 @@ def test_attention_reads_strided_views_of_the_projections():
     assert shapes == [((2, 3, 7, 4), True)]  # v is the (B, T, H, Dh) projection output, transposed in place
 
 
-def test_swiglu_gate_is_replaceable():
-    ffn = SwiGLU(6, 10)
-    x = torch.randn(2, 3, 6)
+def test_swiglu_gate_is_an_argument():
     calls = []
 
     def gate(a, b):
         calls.append(a.shape)
         return F.silu(a) * b
 
-    expected = ffn(x)
-    ffn.gate = gate
-    torch.testing.assert_close(ffn(x), expected, atol=ATOL, rtol=RTOL)
+    torch.manual_seed(0)
+    plain = SwiGLU(6, 10)
+    ffn = SwiGLU(6, 10, gate=gate)
+    ffn.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 3, 6)
+    torch.testing.assert_close(ffn(x), plain(x), atol=ATOL, rtol=RTOL)
     assert calls == [(2, 3, 10)]

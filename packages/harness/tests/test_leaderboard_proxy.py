@@ -9,7 +9,6 @@ fp32: they differ by fp32 rounding (operation order inside the kernels), hence t
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -25,18 +24,18 @@ from cs336_harness.commands import leaderboard as leaderboard_command
 from cs336_harness.device import GIB
 from cs336_harness.studies import leaderboard
 from cs336_harness.studies.attention_impls import get_attention
-from cs336_harness.studies.leaderboard import LeaderboardConfig
-from cs336_harness.studies.leaderboard_baselines import ChunkedLossHead
+from cs336_harness.studies.glue import GLUES, glue_kernels
+from cs336_harness.studies.leaderboard import LeaderboardConfig, block_memory
+from cs336_harness.studies.leaderboard_baselines import chunked_cross_entropy
 from cs336_sharding.checkpointing import (
     BlockMemory,
     CheckpointPolicySpec,
     activation_peak_bytes,
     apply_checkpointing,
-    block_memory,
     plan_segments,
     policy_for_budget,
 )
-from cs336_sharding.parallelize import GlueRMSNorm, apply_compile, apply_glue
+from cs336_sharding.parallelize import apply_compile
 
 # fp32 rounding of differently ordered sums inside a kernel against the model's ops, over two blocks.
 OUT_ATOL, OUT_RTOL = 1e-5, 1e-5
@@ -120,13 +119,17 @@ def _kept_bytes(block: torch.nn.Module, x: torch.Tensor) -> int:
 _SHAPE = ModelConfig(d_model=64, d_ff=96, num_layers=1, num_heads=4, context_length=32)
 
 
-def _block(dtype: torch.dtype, glue: str, fused_qkv: bool) -> TransformerBlock:
+def _block(dtype: torch.dtype, glue: str, fused_qkv: bool, attention: str | None = None,
+           **overrides) -> TransformerBlock:
+    """A seeded block with ``glue``'s kernels (``overrides`` replacing some) and, by default, the Triton attention
+    with the kernels and SDPA with the model's glue."""
     torch.manual_seed(0)
-    attention = get_attention("triton") if glue != "model" else "sdpa"
-    block = TransformerBlock(64, 4, 96, RotaryEmbedding(32, 16), attention=attention, fused_qkv=fused_qkv).to(dtype)
+    attention = attention or ("triton" if glue != "model" else "sdpa")
+    block = TransformerBlock(64, 4, 96, RotaryEmbedding(32, 16), attention=get_attention(attention),
+                             fused_qkv=fused_qkv, **{**glue_kernels(glue), **overrides}).to(dtype)
     encoder = block.attn.positional_encoder
     encoder.cos, encoder.sin = encoder.cos.float(), encoder.sin.float()  # FSDP keeps the tables fp32
-    return apply_glue(block, glue)
+    return block
 
 
 @pytest.mark.parametrize(("dtype", "glue", "fused_qkv"), [
@@ -146,8 +149,7 @@ def test_block_memory_is_what_autograd_keeps(dtype: torch.dtype, glue: str, fuse
 @pytest.mark.slow
 def test_compiled_glue_keeps_no_more_than_the_estimate() -> None:
     x = torch.randn(2, 23, 64, dtype=torch.bfloat16, requires_grad=True)
-    block = _block(torch.bfloat16, "compiled", False)
-    block.attn.attention = get_attention("sdpa")
+    block = _block(torch.bfloat16, "compiled", False, attention="sdpa")
     assert _kept_bytes(block, x) <= block_memory(_SHAPE, 2, 23, glue="compiled").kept
 
 
@@ -232,9 +234,13 @@ def _loss_and_grads(model: BasicsTransformerLM) -> tuple[torch.Tensor, dict[str,
 ])
 def test_triton_glue_matches_the_models_code(attention: str, fused_qkv: bool, checkpoint: str) -> None:
     plain = _lm(attention)
-    glued = apply_checkpointing(apply_glue(_lm(attention, fused_qkv=fused_qkv), "triton"), checkpoint)
+    kernels = glue_kernels("triton")
+    glued = apply_checkpointing(_lm(attention, fused_qkv=fused_qkv, **kernels), checkpoint)
     assert [n for n, _ in glued.named_parameters()] == [n for n, _ in plain.named_parameters()]
-    assert isinstance(glued.layers[0].ln1, GlueRMSNorm) and isinstance(glued.ln_final, GlueRMSNorm)
+    block = glued.layers[0]
+    assert (block.ln1.norm, block.ln2.norm, glued.ln_final.norm) == (kernels["norm"],) * 3
+    assert (block.add_norm, block.attn.rotary, block.ffn.gate) == (kernels["add_norm"], kernels["rotary"],
+                                                                    kernels["gate"])
     loss, grads = _loss_and_grads(glued)
     want_loss, want_grads = _loss_and_grads(plain)
     torch.testing.assert_close(loss, want_loss, atol=OUT_ATOL, rtol=OUT_RTOL)
@@ -255,9 +261,8 @@ def test_folded_residual_add_is_the_unfused_block_bit_for_bit(dtype: torch.dtype
     # block is the same computation with or without it: equal, not close. (bf16 is left to the GPU: the interpreter
     # truncates to bf16 where PyTorch rounds to nearest.)
     folded = _block(dtype, "triton", False)
-    unfused = copy.deepcopy(folded)
-    unfused.add_norm = None
-    assert folded.add_norm is not None and isinstance(unfused.ln2, GlueRMSNorm)
+    unfused = _block(dtype, "triton", False, add_norm=None)  # the same weights (seeded), ln2 the norm kernel
+    assert folded.add_norm is not None and unfused.ln2.norm is not None
     assert [n for n, _ in folded.named_parameters()] == [n for n, _ in unfused.named_parameters()]
     x = torch.randn(2, 23, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
     got, want = _block_outputs_and_grads(folded, x), _block_outputs_and_grads(unfused, x)
@@ -292,7 +297,7 @@ def test_checkpointing_recomputes_the_folded_add(checkpoint: str, recomputed: in
     forward = _CountedLaunches(rms_norm_module._rms_norm_fwd_kernel)
     monkeypatch.setattr(rms_norm_module, "_rms_norm_fwd_kernel", forward)
     plain = _lm()
-    glued = apply_checkpointing(apply_glue(_lm(), "triton"), checkpoint)
+    glued = apply_checkpointing(_lm(**glue_kernels("triton")), checkpoint)
     gen = torch.Generator().manual_seed(1)
     tokens, targets = torch.randint(0, 37, (3, 13), generator=gen), torch.randint(0, 37, (3, 13), generator=gen)
     loss = glued(tokens, targets)
@@ -306,21 +311,18 @@ def test_checkpointing_recomputes_the_folded_add(checkpoint: str, recomputed: in
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_glue_norms_own_the_models_weights() -> None:
-    model = _lm()
-    weights = [model.layers[0].ln1.weight, model.layers[1].ln2.weight, model.ln_final.weight]
-    apply_glue(model, "triton")
-    assert [model.layers[0].ln1.weight, model.layers[1].ln2.weight, model.ln_final.weight] == weights
-    assert all(a is b for a, b in zip(weights, [model.layers[0].ln1.weight, model.layers[1].ln2.weight,
-                                                model.ln_final.weight], strict=True))
-    assert all(block.add_norm is not None for block in model.layers)  # reads ln2.weight, which ln2 still owns
-    assert apply_glue(model, "model") is model  # the model's own code: nothing to do
+def test_glue_kernels_by_name() -> None:
+    assert glue_kernels("model") == {}  # the model's own code: its defaults
+    for glue in GLUES[1:]:
+        assert sorted(glue_kernels(glue)) == ["add_norm", "gate", "norm", "rotary"]
+    with pytest.raises(ValueError, match="glue must be one of model, triton, compiled"):
+        glue_kernels("cuda")
 
 
 @pytest.mark.slow
 def test_compiled_glue_and_blocks_match_the_models_code() -> None:
     plain = _lm()
-    model = apply_compile(apply_glue(copy.deepcopy(plain), "compiled"))
+    model = apply_compile(_lm(**glue_kernels("compiled")))
     loss, grads = _loss_and_grads(model)
     want_loss, want_grads = _loss_and_grads(plain)
     torch.testing.assert_close(loss, want_loss, atol=OUT_ATOL, rtol=OUT_RTOL)
@@ -328,36 +330,30 @@ def test_compiled_glue_and_blocks_match_the_models_code() -> None:
         torch.testing.assert_close(grads[name], want, atol=GRAD_ATOL, rtol=GRAD_RTOL)
 
 
-def test_glue_and_compile_reject_other_models() -> None:
-    with pytest.raises(TypeError, match="ln1, attn"):
-        apply_glue(torch.nn.Linear(2, 2), "triton")
-    with pytest.raises(ValueError, match="glue must be one of"):
-        apply_glue(_lm(), "cuda")
+def test_compile_rejects_other_models() -> None:
     with pytest.raises(TypeError, match="model.layers"):
         apply_compile(torch.nn.Linear(2, 2))
-    with pytest.raises(TypeError, match="1-D"):
-        GlueRMSNorm(torch.nn.Parameter(torch.ones(2, 2)), 1e-5, lambda x, w, e: x)
 
 
 # The baselines' loss head.
 
-def test_chunked_loss_head_is_the_cross_entropy_of_the_logits() -> None:
+def test_chunked_loss_is_the_cross_entropy_of_the_logits() -> None:
     gen = torch.Generator().manual_seed(2)
     weight = torch.nn.Parameter(torch.randn(37, 8, generator=gen))
-    hidden = torch.randn(3, 9, 8, generator=gen, requires_grad=True)
-    targets = torch.randint(0, 37, (3, 9), generator=gen)
-    head = ChunkedLossHead(weight, chunk_tokens=5)  # 27 tokens: five chunks of 5 and one of 2
-    loss = head(hidden, targets)
+    hidden = torch.randn(27, 8, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 37, (27,), generator=gen)
+    loss = chunked_cross_entropy(hidden, weight, targets, chunk_tokens=5)  # 27 tokens: five chunks of 5, one of 2
     loss.backward()
     got = (loss.detach(), hidden.grad.clone(), weight.grad.clone())
     hidden.grad, weight.grad = None, None
-    want = F.cross_entropy((hidden @ weight.T).flatten(0, 1), targets.flatten())
+    want = F.cross_entropy(hidden @ weight.T, targets)
     want.backward()
     for g, w in zip(got, (want.detach(), hidden.grad, weight.grad), strict=True):
         torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(head(hidden), hidden @ weight.T)
     with pytest.raises(ValueError, match="chunk_tokens must be a positive int"):
-        ChunkedLossHead(weight, chunk_tokens=0)
+        chunked_cross_entropy(hidden, weight, targets, chunk_tokens=0)
+    with pytest.raises(ValueError, match=r"need hidden \(N, d\) and targets \(N,\)"):
+        chunked_cross_entropy(hidden, weight, targets[:5])
 
 
 # The breakdown of a trace.
@@ -488,10 +484,10 @@ def test_gpu_block_memory_is_what_the_allocator_holds(glue: str) -> None:
     shape = ModelConfig(d_model=1024, d_ff=2816, num_layers=1, num_heads=8, context_length=seq)
     torch.manual_seed(0)
     block = TransformerBlock(1024, 8, 2816, RotaryEmbedding(seq, 128, device=torch.device("cuda")),
-                             attention=get_attention("triton"), device=torch.device("cuda")).to(torch.bfloat16)
+                             attention=get_attention("triton"), device=torch.device("cuda"),
+                             **glue_kernels(glue)).to(torch.bfloat16)
     encoder = block.attn.positional_encoder
     encoder.cos, encoder.sin = encoder.cos.float(), encoder.sin.float()
-    apply_glue(block, glue)
     x = torch.randn(batch, seq, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     block(x).sum().backward()  # compiles, autotunes, and makes cuBLAS's workspace outside the measurement
     torch.cuda.synchronize()
@@ -506,13 +502,15 @@ def test_gpu_block_memory_is_what_the_allocator_holds(glue: str) -> None:
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_glue_kernels_step_matches_the_models_code_in_bf16() -> None:
+    from cs336_kernels import fused_linear_cross_entropy
     from cs336_sharding.parallelize import parallelize
 
     def run(glue: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         torch.manual_seed(0)
         model = BasicsTransformerLM(vocab_size=32_000, context_length=1024, d_model=512, num_layers=4, num_heads=4,
-                                    d_ff=1408, attention=get_attention("triton"), device=torch.device("cuda"))
-        fsdp = parallelize(model, checkpoint="attention:2", compute_dtype=torch.bfloat16, fused_loss=True, glue=glue)
+                                    d_ff=1408, attention=get_attention("triton"), **glue_kernels(glue),
+                                    loss=fused_linear_cross_entropy, device=torch.device("cuda"))
+        fsdp = parallelize(model, checkpoint="attention:2", compute_dtype=torch.bfloat16)
         gen = torch.Generator(device="cuda").manual_seed(1)
         tokens, targets = (torch.randint(0, 32_000, (2, 1024), device="cuda", generator=gen) for _ in range(2))
         loss = fsdp(tokens, targets)

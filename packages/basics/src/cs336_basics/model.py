@@ -5,21 +5,30 @@ on queries and keys (Su et al., 2021), causal multi-head attention and a SwiGLU 
 (Shazeer, 2020), followed by a final RMSNorm and an untied LM head.
 
 The model is built from the course's positional arguments or from a :class:`~cs336_basics.config.ModelConfig`,
-and owns its attention implementation: a name from :data:`ATTENTION_IMPLS` or any callable
-``fn(q, k, v, is_causal) -> out`` over (batch, heads, seq, head_dim) tensors, chosen at build time or later with
-:meth:`BasicsTransformerLM.set_attention`::
+and owns the implementations of its pieces, each a constructor argument (the model's own PyTorch code by default),
+so kernels with the same numerics run them without touching the weights or their names:
+
+- ``attention``: a name from :data:`ATTENTION_IMPLS` or any callable ``fn(q, k, v, is_causal) -> out`` over
+  (batch, heads, seq, head_dim) tensors (also replaceable later with :meth:`BasicsTransformerLM.set_attention`);
+- ``norm``: ``fn(x, weight, eps) -> y``, every RMSNorm (the signature of ``cs336_kernels.rms_norm``);
+- ``add_norm``: ``fn(x, delta, weight, eps) -> (x + delta, norm(x + delta))``, each block's first residual add and
+  its second norm in one op (``cs336_kernels.add_rms_norm``);
+- ``rotary``: ``fn(q, k, cos, sin, token_positions) -> (q, k)``, RoPE on q and k in the projections' (batch, seq,
+  heads, head_dim) layout (``cs336_kernels.rope``);
+- ``gate``: ``fn(a, b) -> silu(a) * b``, SwiGLU's gate (``cs336_kernels.silu_mul``);
+- ``loss``: ``fn(hidden, weight, targets) -> mean loss`` over (tokens, d_model) hidden states, the (vocab, d_model)
+  head weight and (tokens,) targets: the LM head's loss without materialising the logits
+  (``cs336_kernels.fused_linear_cross_entropy``).
+
+::
 
     from cs336_basics.config import ModelConfig
     from cs336_basics.model import BasicsTransformerLM
     model = BasicsTransformerLM.from_config(ModelConfig.from_preset("small"), attention="sdpa")
     loss = model(token_ids, targets)            # mean cross-entropy; model(token_ids) gives the logits
 
-The LM head computes the loss itself (``lm_head(hidden, targets)``), so a fused linear + cross-entropy head that
-never materialises the logits can take its place. In the same way the attention's RoPE
-(``CausalMultiHeadSelfAttention.rotary``), SwiGLU's ``silu(a) * b`` (``SwiGLU.gate``) and a block's first residual
-add with its second norm (``TransformerBlock.add_norm``) are plain attributes that kernels with the same numerics can
-take over, and queries, keys and values stay in the projections' (batch, seq, heads, head_dim) layout so that such
-kernels read them without copies. Run ``uv run cs336 sizes`` to print the size presets.
+Queries, keys and values stay in the projections' (batch, seq, heads, head_dim) layout so that kernels read them
+without copies. Run ``uv run cs336 sizes`` to print the size presets.
 """
 
 from __future__ import annotations
@@ -79,17 +88,34 @@ class Embedding(nn.Module):
         return f"vocab_size={self.vocab_size}, d_model={self.d_model}"
 
 
+NormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def _check_optional_fn(name: str, fn: object, signature: str) -> None:
+    if fn is not None and not callable(fn):
+        raise TypeError(f"{name} must be None or a callable {signature}, got {type(fn).__name__}")
+
+
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm (Zhang and Sennrich, 2019), computed in fp32 for stability."""
+    """Root-mean-square layer norm (Zhang and Sennrich, 2019), computed in fp32 for stability.
+
+    ``norm``: None runs the code below; or ``fn(x, weight, eps) -> y`` with the same numerics (statistics in fp32,
+    the result rounded once to x's dtype), for a kernel.
+    """
 
     def __init__(
-        self, hidden_size: int, eps: float = 1e-5, device: torch.device | None = None, dtype: torch.dtype | None = None
+        self, hidden_size: int, eps: float = 1e-5, device: torch.device | None = None, dtype: torch.dtype | None = None,
+        *, norm: NormFn | None = None,
     ):
         super().__init__()
+        _check_optional_fn("norm", norm, "fn(x, weight, eps)")
         self.hidden_size, self.eps = hidden_size, eps
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.norm = norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.norm is not None:
+            return self.norm(x, self.weight, self.eps)
         if torch.are_deterministic_algorithms_enabled() and x.dim() > 1:
             return deterministic.rms_norm(x, self.weight, self.eps)
         in_dtype = x.dtype
@@ -137,16 +163,19 @@ def silu_gate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 class SwiGLU(nn.Module):
     """``w2(silu(w1 x) * w3 x)``.
 
-    ``gate`` computes ``silu(a) * b`` from ``a = w1 x`` and ``b = w3 x``; it is a plain attribute (default
-    :func:`silu_gate`), so a fused kernel with the same rounding can take its place without touching the weights.
+    ``gate`` computes ``silu(a) * b`` from ``a = w1 x`` and ``b = w3 x`` (default :func:`silu_gate`), so a fused
+    kernel with the same rounding can take its place without touching the weights.
     """
 
-    def __init__(self, d_model: int, d_ff: int, device: torch.device | None = None, dtype: torch.dtype | None = None):
+    def __init__(self, d_model: int, d_ff: int, device: torch.device | None = None, dtype: torch.dtype | None = None,
+                 *, gate: GateFn = silu_gate):
         super().__init__()
+        if not callable(gate):
+            raise TypeError(f"gate must be a callable fn(a, b) -> silu(a) * b, got {type(gate).__name__}")
         self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
         self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
         self.w3 = Linear(d_model, d_ff, device=device, dtype=dtype)
-        self.gate: GateFn = silu_gate
+        self.gate = gate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(self.gate(self.w1(x), self.w3(x)))
@@ -211,7 +240,7 @@ class CausalMultiHeadSelfAttention(nn.Module):
 
     Queries, keys and values stay in the (batch, seq, heads, head_dim) layout the projections produce (views, no
     copy); the attention sees (batch, heads, seq, head_dim) transposed views of them, so a kernel that takes strides
-    reads them in place. Three plain attributes choose how the pieces run:
+    reads them in place. Three arguments choose how the pieces run:
 
     - ``attention``: ``fn(q, k, v, is_causal) -> out`` over those (batch, heads, seq, head_dim) views, returning
       (batch, heads, seq, head_dim); replaced by :meth:`BasicsTransformerLM.set_attention`.
@@ -234,6 +263,7 @@ class CausalMultiHeadSelfAttention(nn.Module):
         dtype: torch.dtype | None = None,
         attention: str | AttentionFn = "eager",
         *,
+        rotary: RotaryFn | None = None,
         fused_qkv: bool = False,
     ):
         super().__init__()
@@ -241,6 +271,7 @@ class CausalMultiHeadSelfAttention(nn.Module):
             raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
         if not isinstance(fused_qkv, bool):
             raise TypeError(f"fused_qkv must be a bool, got {type(fused_qkv).__name__}")
+        _check_optional_fn("rotary", rotary, "fn(q, k, cos, sin, token_positions)")
         self.d_model, self.num_heads = d_model, num_heads
         self.head_dim = d_model // num_heads
         self.q_proj = Linear(d_model, d_model, device=device, dtype=dtype)
@@ -249,7 +280,7 @@ class CausalMultiHeadSelfAttention(nn.Module):
         self.output_proj = Linear(d_model, d_model, device=device, dtype=dtype)
         self.positional_encoder = positional_encoder
         self.attention = resolve_attention(attention)
-        self.rotary: RotaryFn | None = None
+        self.rotary = rotary
         self.fused_qkv = fused_qkv
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -293,10 +324,11 @@ AddNormFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[to
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``h = x + attn(ln1(x))``, then ``h + ffn(ln2(h))``.
 
-    ``add_norm`` is a plain attribute: None (the default) runs the add and ``ln2`` as written; or
-    ``fn(x, delta, weight, eps) -> (h, y)`` with ``delta = attn(ln1(x))`` and ``ln2``'s own ``weight`` and ``eps``,
-    returning ``h = x + delta`` and ``y = ln2(h)`` (the signature of ``cs336_kernels.add_rms_norm``), for a
-    kernel that computes both in one pass. ``ln2`` keeps its weight either way, so parameter names do not change.
+    ``norm`` goes to both RMSNorms, ``rotary`` to the attention, ``gate`` to the SwiGLU. ``add_norm``: None (the
+    default) runs the add and ``ln2`` as written; or ``fn(x, delta, weight, eps) -> (h, y)`` with
+    ``delta = attn(ln1(x))`` and ``ln2``'s own ``weight`` and ``eps``, returning ``h = x + delta`` and ``y = ln2(h)``
+    (the signature of ``cs336_kernels.add_rms_norm``), for a kernel that computes both in one pass. ``ln2`` keeps its
+    weight either way, so parameter names do not change.
     """
 
     def __init__(
@@ -309,15 +341,20 @@ class TransformerBlock(nn.Module):
         dtype: torch.dtype | None = None,
         attention: str | AttentionFn = "eager",
         *,
+        norm: NormFn | None = None,
+        add_norm: AddNormFn | None = None,
+        rotary: RotaryFn | None = None,
+        gate: GateFn = silu_gate,
         fused_qkv: bool = False,
     ):
         super().__init__()
-        self.ln1 = RMSNorm(d_model, device=device, dtype=dtype)
+        _check_optional_fn("add_norm", add_norm, "fn(x, delta, weight, eps)")
+        self.ln1 = RMSNorm(d_model, device=device, dtype=dtype, norm=norm)
         self.attn = CausalMultiHeadSelfAttention(d_model, num_heads, positional_encoder, device=device, dtype=dtype,
-                                                 attention=attention, fused_qkv=fused_qkv)
-        self.ln2 = RMSNorm(d_model, device=device, dtype=dtype)
-        self.ffn = SwiGLU(d_model, d_ff, device=device, dtype=dtype)
-        self.add_norm: AddNormFn | None = None
+                                                 attention=attention, rotary=rotary, fused_qkv=fused_qkv)
+        self.ln2 = RMSNorm(d_model, device=device, dtype=dtype, norm=norm)
+        self.ffn = SwiGLU(d_model, d_ff, device=device, dtype=dtype, gate=gate)
+        self.add_norm = add_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.add_norm is None:
@@ -337,20 +374,38 @@ class TransformerBlocks(nn.ModuleList):
         return x
 
 
+LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 class LMHead(Linear):
     """The output projection: logits (..., vocab), or with ``targets`` (...) their mean cross-entropy.
 
-    A head that returns the loss itself can be replaced by one that never materialises the logits (a fused
-    linear + cross-entropy) without changing the model's forward.
+    ``loss``: None computes the logits and :func:`~cs336_basics.nn_utils.cross_entropy`; or
+    ``fn(hidden, weight, targets) -> mean loss`` over (tokens, d_in) hidden states, this head's (vocab, d_in)
+    ``weight`` and (tokens,) targets, for a fused linear + cross-entropy that never materialises the logits. The
+    head keeps its weight either way: it stays the module that owns it (and that FSDP gathers it for).
     """
 
+    def __init__(self, d_in: int, d_out: int, device: torch.device | None = None, dtype: torch.dtype | None = None,
+                 *, loss: LossFn | None = None):
+        super().__init__(d_in, d_out, device=device, dtype=dtype)
+        _check_optional_fn("loss", loss, "fn(hidden, weight, targets)")
+        self.loss = loss
+
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if targets is not None and self.loss is not None:
+            return self.loss(x.flatten(0, -2), self.weight, targets.flatten())  # (N, d), (V, d), (N,) -> scalar
         logits = super().forward(x)
         return logits if targets is None else cross_entropy(logits, targets)
 
 
 class BasicsTransformerLM(nn.Module):
-    """Decoder-only LM: embeddings, ``num_layers`` blocks, final RMSNorm, untied LM head."""
+    """Decoder-only LM: embeddings, ``num_layers`` blocks, final RMSNorm, untied LM head.
+
+    ``attention``, ``norm`` (every RMSNorm, the final one included), ``add_norm``, ``rotary``, ``gate`` and ``loss``
+    (the LM head's) are the implementations of the module docstring; ``fused_qkv`` computes q, k and v with one
+    matmul (:class:`CausalMultiHeadSelfAttention`).
+    """
 
     def __init__(
         self,
@@ -365,6 +420,11 @@ class BasicsTransformerLM(nn.Module):
         dtype: torch.dtype | None = None,
         *,
         attention: str | AttentionFn = "eager",
+        norm: NormFn | None = None,
+        add_norm: AddNormFn | None = None,
+        rotary: RotaryFn | None = None,
+        gate: GateFn = silu_gate,
+        loss: LossFn | None = None,
         fused_qkv: bool = False,
     ):
         super().__init__()
@@ -377,21 +437,25 @@ class BasicsTransformerLM(nn.Module):
         rope = RotaryEmbedding(context_length, config.head_dim, rope_theta, device=device)
         self.layers = TransformerBlocks(
             TransformerBlock(d_model, num_heads, d_ff, rope, device=device, dtype=dtype, attention=attention,
-                             fused_qkv=fused_qkv)
+                             norm=norm, add_norm=add_norm, rotary=rotary, gate=gate, fused_qkv=fused_qkv)
             for _ in range(num_layers)
         )
-        self.ln_final = RMSNorm(d_model, device=device, dtype=dtype)
-        self.lm_head = LMHead(d_model, vocab_size, device=device, dtype=dtype)
+        self.ln_final = RMSNorm(d_model, device=device, dtype=dtype, norm=norm)
+        self.lm_head = LMHead(d_model, vocab_size, device=device, dtype=dtype, loss=loss)
 
     @classmethod
     def from_config(
-        cls, config: ModelConfig, *, attention: str | AttentionFn = "eager", fused_qkv: bool = False,
-        device: torch.device | None = None, dtype: torch.dtype | None = None,
+        cls, config: ModelConfig, *, attention: str | AttentionFn = "eager", norm: NormFn | None = None,
+        add_norm: AddNormFn | None = None, rotary: RotaryFn | None = None, gate: GateFn = silu_gate,
+        loss: LossFn | None = None, fused_qkv: bool = False, device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
     ) -> BasicsTransformerLM:
+        """The model of ``config``; every other argument as in the constructor."""
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
         return cls(config.vocab_size, config.context_length, config.d_model, config.num_layers, config.num_heads,
-                   config.d_ff, config.rope_theta, device=device, dtype=dtype, attention=attention, fused_qkv=fused_qkv)
+                   config.d_ff, config.rope_theta, device=device, dtype=dtype, attention=attention, norm=norm,
+                   add_norm=add_norm, rotary=rotary, gate=gate, loss=loss, fused_qkv=fused_qkv)
 
     def set_attention(self, impl: str | AttentionFn) -> None:
         """Use ``impl`` (a name of :data:`ATTENTION_IMPLS` or a callable ``fn(q, k, v, is_causal)``) in every block."""

@@ -28,12 +28,13 @@ Policies (strings, as given to ``cs336 bench --checkpoint``):
   ``attention:N``: the first N blocks so, the rest not checkpointed.
 
 Sized from a memory budget: :func:`policy_for_budget` picks the policy that recomputes least within a budget for
-activations, from what one block keeps in each mode (:class:`BlockMemory`, estimated for the ``cs336_basics``
-block by :func:`block_memory`). Memory per block is ``kept > attention > checkpointed``, and so is the time it
-saves: keeping a block's attention outputs costs ``b * T * d_model`` elements and saves the attention forward,
-keeping the whole block costs all its activations and saves its whole forward. So the rule is greedy in that
-order: first every block keeps its attention outputs (if there is room for that and the backward's working set),
-then as many blocks as fit are not checkpointed at all. Those are the *last* blocks: their backward runs first,
+activations, from what one block keeps in each mode (:class:`BlockMemory`: measured, or estimated by whoever knows
+the block and its kernels, as ``cs336_harness``'s leaderboard memory plan does for the ``cs336_basics`` block).
+Memory per block is ``kept > attention > checkpointed``, and so is the time it saves: keeping a block's attention
+outputs costs ``b * T * d_model`` elements and saves the attention forward, keeping the whole block costs all its
+activations and saves its whole forward. So the rule is greedy in that order: first every block keeps its
+attention outputs (if there is room for that and the backward's working set), then as many blocks as fit are not
+checkpointed at all. Those are the *last* blocks: their backward runs first,
 so their activations are freed before any checkpointed block is recomputed, and the peak (at the start of the
 backward) is ``sum of what every block keeps + one block's activations``, the working set of one block's
 backward (the recomputed block, or a kept block's gradient temporaries).
@@ -44,7 +45,6 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn as nn
@@ -212,19 +212,6 @@ def apply_checkpointing(model: nn.Module, policy: str | CheckpointPolicySpec) ->
     return model
 
 
-# How a block's RMSNorm, RoPE and silu(a) * b run (cs336_sharding.parallelize.apply_glue): named here, below
-# parallelize, because what a block keeps for its backward depends on it (block_memory).
-GLUES: tuple[str, ...] = ("model", "triton", "compiled")
-
-
-class BlockShape(Protocol):
-    """The dimensions :func:`block_memory` needs (a ``cs336_basics.config.ModelConfig`` has them)."""
-
-    d_model: int
-    d_ff: int
-    num_heads: int
-
-
 @dataclass(frozen=True)
 class BlockMemory:
     """Bytes one block adds to memory in the forward, by how it is checkpointed: its output plus what autograd keeps
@@ -242,54 +229,6 @@ class BlockMemory:
         if not self.kept >= self.attention >= self.checkpointed > 0:
             raise ValueError(f"need kept >= attention >= checkpointed > 0 bytes, got {self.kept}, {self.attention}, "
                              f"{self.checkpointed}")
-
-
-def block_memory(shape: BlockShape, batch: int, seq: int, *, dtype_bytes: int = 2, glue: str = "model",
-                 fused_qkv: bool = False) -> BlockMemory:
-    """:class:`BlockMemory` of one ``cs336_basics`` block (RMSNorm, RoPE attention with a fused attention op,
-    RMSNorm, SwiGLU) on ``batch`` sequences of ``seq`` tokens with 16-bit (``dtype_bytes=2``) or fp32 compute, its
-    weights gathered by FSDP (views whose memory is freed after the forward, so they count nothing).
-
-    With N = batch * seq tokens, d = d_model, f = d_ff, h = heads, e = dtype_bytes, what autograd keeps:
-
-    - both norms: ``glue="model"`` upcasts x and keeps it and ``x * rstd`` in fp32 (8 N d; the first norm's
-      upcast of an fp32 block input is the input itself) and rstd (4 N); the kernels keep their input (the block
-      input for the first, free here; the residual sum h for the second, which the residual add folded into it
-      writes and keeps: e N d) and rstd (4 N);
-    - the q / k / v projections keep the normed input (e N d); RoPE keeps its tables' rows (the model's own:
-      cos and sin gathered at the positions for q and for k, 4 * 4 * seq * d / (2 h)) or the positions (the
-      kernel: 8 seq, int64); the attention op keeps rotated q and k, v and its output (4 e N d) and the fp32
-      log-sum-exp (4 N h); with ``fused_qkv`` v is a view of the (N, 3 d) projection output, which it keeps
-      whole (2 e N d more), and the matmul keeps the concatenated (3 d, d) weight (3 e d^2);
-    - the output projection keeps the heads' outputs in (N, d) layout (e N d, a copy of the attention output);
-    - SwiGLU: w1 and w3 keep the normed input (e N d); the gate keeps a = w1 x, sigmoid(a), a * sigmoid(a) and
-      b = w3 x (4 e N f) in the model's code, a and b (2 e N f) in the kernel; w2 keeps the gate's output (e N f);
-    - the block's output (e N d).
-
-    ``attention`` is the output plus the attention op's output and log-sum-exp; ``checkpointed`` the output.
-    ``glue="compiled"`` (torch.compile of the kernels' PyTorch references) is counted as the kernels.
-    """
-    if glue not in GLUES:
-        raise ValueError(f"glue must be one of {', '.join(GLUES)}, got {glue!r}")
-    for name, value in (("batch", batch), ("seq", seq), ("dtype_bytes", dtype_bytes)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    d, f, h = shape.d_model, shape.d_ff, shape.num_heads
-    n, e = batch * seq, dtype_bytes
-    out, lse = e * n * d, 4 * n * h
-    if glue == "model":
-        upcast = 4 * n * d if e < 4 else 0  # the first norm's fp32 copy of the block input (fp32: the input itself)
-        norms = upcast + 3 * 4 * n * d + 2 * 4 * n
-        rope = 4 * 4 * seq * (d // h // 2)
-        gate = 4 * e * n * f
-    else:
-        norms = e * n * d + 2 * 4 * n
-        rope = 8 * seq
-        gate = 2 * e * n * f
-    # input, q k v o, the (N, d) copy; fused: q and k stay alive in the (N, 3d) output, and the (3d, d) weight
-    attention = (1 + 4 + 1) * e * n * d + lse + ((2 * n + 3 * d) * e * d if fused_qkv else 0)
-    ffn = e * n * d + gate + e * n * f
-    return BlockMemory(kept=norms + rope + attention + ffn + out, attention=out + e * n * d + lse, checkpointed=out)
 
 
 def activation_peak_bytes(memory: BlockMemory, num_blocks: int, policy: str | CheckpointPolicySpec) -> int:
@@ -317,7 +256,7 @@ def policy_for_budget(memory: BlockMemory, num_blocks: int, budget_bytes: float,
     ``first:n`` being every block checkpointed); ``all`` if nothing fits.
 
     Args:
-        memory: what one block keeps in each mode (:func:`block_memory`, or measured).
+        memory: what one block keeps in each mode.
         num_blocks: blocks in the model.
         budget_bytes: memory for the blocks' activations (the step's memory cap less what lives through the step:
             weights, optimizer state, the LM head's buffers).

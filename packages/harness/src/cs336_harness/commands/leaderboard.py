@@ -32,13 +32,13 @@ import sys
 import torch
 from cs336_basics.config import PRESETS
 from cs336_comms.process_group import RankDiedError
-from cs336_sharding.parallelize import GLUES
 
 from cs336_harness.analysis import kernel_kinds
 from cs336_harness.analysis.tables import format_table, print_or_fill
 from cs336_harness.commands._shared import add_quiet_argument, csv_of
 from cs336_harness.results import append_rows, check_writable, read_rows
 from cs336_harness.studies import leaderboard
+from cs336_harness.studies.glue import GLUES
 
 _SIZED = ("size", "vocab_size", "context_length", "global_batch", "world_size", "num_layers", "compute_dtype")
 

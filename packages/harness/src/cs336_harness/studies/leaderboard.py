@@ -5,14 +5,14 @@ on ``world_size`` ranks, each holding ``global_batch / world_size`` sequences. T
 configuration is the 8B preset at vocabulary 151,936, context 32,768, global batch 2, bf16 compute, causal,
 on two GPUs. For ``impl="ours"``, :func:`build_training` composes:
 
-1. ``BasicsTransformerLM`` with fp32 master weights on the rank's device, with its attention: ``triton``, our
-   FlashAttention-2 kernel, or ``sdpa``; with ``fused_qkv``, one (3d, d) matmul for q, k and v;
-2. :func:`cs336_sharding.parallelize.parallelize`: the glue (``glue``: the model's code, our Triton RMSNorm
-   (with the residual add before ``ln2`` folded in) / RoPE / SiLU-mul kernels, or torch.compile of their
-   references), activation checkpointing of the blocks
-   (``checkpoint``), optionally each block's forward compiled (``compile_blocks``), the LM head replaced by the
-   fused linear + cross-entropy loss (the (tokens, vocab) logits never exist), and our FSDP with
-   ``compute_dtype``; ``finish_gradient_synchronization()`` after each backward;
+1. ``BasicsTransformerLM`` with fp32 master weights on the rank's device, built with its pieces: its attention
+   (``triton``, our FlashAttention-2 kernel, or ``sdpa``), its glue (``glue``, :mod:`cs336_harness.studies.glue`:
+   the model's code, our Triton RMSNorm (with the residual add before ``ln2`` folded in) / RoPE / SiLU-mul kernels,
+   or torch.compile of their references), the LM head's loss ``cs336_kernels.fused_linear_cross_entropy`` (the
+   (tokens, vocab) logits never exist) and, with ``fused_qkv``, one (3d, d) matmul for q, k and v;
+2. :func:`cs336_sharding.parallelize.parallelize`: activation checkpointing of the blocks (``checkpoint``),
+   optionally each block's forward compiled (``compile_blocks``), and our FSDP with ``compute_dtype``;
+   ``finish_gradient_synchronization()`` after each backward;
 3. AdamW over the FSDP model's parameters (this rank's fp32 shards), by the names of
    :mod:`cs336_harness.studies.optimizers`: our Triton ``fused-adamw`` or ``torch-adamw`` (fused).
 
@@ -56,7 +56,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -68,11 +68,10 @@ from cs336_sharding.checkpointing import (
     BlockMemory,
     CheckpointPolicySpec,
     activation_peak_bytes,
-    block_memory,
     parse_policy,
     policy_for_budget,
 )
-from cs336_sharding.parallelize import GLUES, parallelize
+from cs336_sharding.parallelize import parallelize
 
 from cs336_harness import instrument
 from cs336_harness.analysis import kernel_kinds, trace
@@ -80,7 +79,8 @@ from cs336_harness.analysis.tables import markdown_table
 from cs336_harness.device import DTYPES, GIB, H200_BF16_MATMUL_FLOPS
 from cs336_harness.progress import progress_bar
 from cs336_harness.studies.attention_impls import get_attention
-from cs336_harness.studies.leaderboard_baselines import CHUNK_TOKENS, build_baseline
+from cs336_harness.studies.glue import GLUES, glue_kernels
+from cs336_harness.studies.leaderboard_baselines import CHUNK_TOKENS, build_baseline, chunked_cross_entropy
 from cs336_harness.studies.optimizers import build_optimizer
 
 ATTENTIONS: tuple[str, ...] = ("triton", "sdpa")
@@ -104,8 +104,6 @@ RECIPES: dict[str, dict[str, Any]] = {
 # moments alone are what lives at the start of the backward (the gradients of the previous step were freed).
 STATE_BYTES_PER_PARAM = 16
 STATE_AT_BACKWARD_BYTES_PER_PARAM = 12
-# Our fused LM head's chunk of logits (cs336_kernels.fused_linear_cross_entropy's budget).
-FUSED_LOSS_CHUNK_BYTES = 5 * 2**27
 
 
 class TimeLimitExceeded(RuntimeError):
@@ -252,22 +250,82 @@ def reserved_bytes(config: LeaderboardConfig) -> float:
       fp32 (the reduction's input), (2 e + e + 4) V d;
     - per token: the embedding output, the final norm's saved tensors (fp32 x and x * rstd) and the head's gradient
       for the hidden states, (e + 8 + e) N d;
-    - the loss head's logits: ours one fused chunk (640 MiB); the baselines one chunk of 4096 tokens recomputed in
-      the backward with its fp32 copy and that copy's gradient, (e + 4 + 4) * 4096 * V.
+    - the loss head's logits: ours one fused chunk (``cs336_kernels.CHUNK_BYTES``, 640 MiB); the baselines one chunk
+      of 4096 tokens recomputed in the backward with its fp32 copy and that copy's gradient, (e + 4 + 4) * 4096 * V.
     """
+    # Imported here: on CPU the Triton interpreter must be chosen before the kernels load.
+    from cs336_kernels import CHUNK_BYTES
+
     m = config.model_config
     e = DTYPES[config.compute_dtype].itemsize
     n, d, v = config.batch_per_rank * config.context_length, m.d_model, m.vocab_size
     block_params = (m.num_params - 2 * v * d - d) // m.num_layers  # all but the embeddings, head and final norm
-    head = FUSED_LOSS_CHUNK_BYTES if config.impl == "ours" else (e + 4 + 4) * min(CHUNK_TOKENS, n) * v
+    head = CHUNK_BYTES if config.impl == "ours" else (e + 4 + 4) * min(CHUNK_TOKENS, n) * v
     return (STATE_AT_BACKWARD_BYTES_PER_PARAM * m.num_params / config.world_size + 2 * e * block_params
             + (3 * e + 4) * v * d + (2 * e + 8) * n * d + head)
+
+
+class BlockShape(Protocol):
+    """The dimensions :func:`block_memory` needs (a ``cs336_basics.config.ModelConfig`` has them)."""
+
+    d_model: int
+    d_ff: int
+    num_heads: int
+
+
+def block_memory(shape: BlockShape, batch: int, seq: int, *, dtype_bytes: int = 2, glue: str = "model",
+                 fused_qkv: bool = False) -> BlockMemory:
+    """:class:`~cs336_sharding.checkpointing.BlockMemory` of one ``cs336_basics`` block (RMSNorm, RoPE attention
+    with a fused attention op, RMSNorm, SwiGLU) on ``batch`` sequences of ``seq`` tokens with 16-bit
+    (``dtype_bytes=2``) or fp32 compute, its glue ``glue`` (:data:`~cs336_harness.studies.glue.GLUES`), its weights
+    gathered by FSDP (views whose memory is freed after the forward, so they count nothing).
+
+    With N = batch * seq tokens, d = d_model, f = d_ff, h = heads, e = dtype_bytes, what autograd keeps:
+
+    - both norms: ``glue="model"`` upcasts x and keeps it and ``x * rstd`` in fp32 (8 N d; the first norm's
+      upcast of an fp32 block input is the input itself) and rstd (4 N); the kernels keep their input (the block
+      input for the first, free here; the residual sum h for the second, which the residual add folded into it
+      writes and keeps: e N d) and rstd (4 N);
+    - the q / k / v projections keep the normed input (e N d); RoPE keeps its tables' rows (the model's own:
+      cos and sin gathered at the positions for q and for k, 4 * 4 * seq * d / (2 h)) or the positions (the
+      kernel: 8 seq, int64); the attention op keeps rotated q and k, v and its output (4 e N d) and the fp32
+      log-sum-exp (4 N h); with ``fused_qkv`` v is a view of the (N, 3 d) projection output, which it keeps
+      whole (2 e N d more), and the matmul keeps the concatenated (3 d, d) weight (3 e d^2);
+    - the output projection keeps the heads' outputs in (N, d) layout (e N d, a copy of the attention output);
+    - SwiGLU: w1 and w3 keep the normed input (e N d); the gate keeps a = w1 x, sigmoid(a), a * sigmoid(a) and
+      b = w3 x (4 e N f) in the model's code, a and b (2 e N f) in the kernel; w2 keeps the gate's output (e N f);
+    - the block's output (e N d).
+
+    ``attention`` is the output plus the attention op's output and log-sum-exp; ``checkpointed`` the output.
+    ``glue="compiled"`` (torch.compile of the kernels' PyTorch references) is counted as the kernels.
+    """
+    if glue not in GLUES:
+        raise ValueError(f"glue must be one of {', '.join(GLUES)}, got {glue!r}")
+    for name, value in (("batch", batch), ("seq", seq), ("dtype_bytes", dtype_bytes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    d, f, h = shape.d_model, shape.d_ff, shape.num_heads
+    n, e = batch * seq, dtype_bytes
+    out, lse = e * n * d, 4 * n * h
+    if glue == "model":
+        upcast = 4 * n * d if e < 4 else 0  # the first norm's fp32 copy of the block input (fp32: the input itself)
+        norms = upcast + 3 * 4 * n * d + 2 * 4 * n
+        rope = 4 * 4 * seq * (d // h // 2)
+        gate = 4 * e * n * f
+    else:
+        norms = e * n * d + 2 * 4 * n
+        rope = 8 * seq
+        gate = 2 * e * n * f
+    # input, q k v o, the (N, d) copy; fused: q and k stay alive in the (N, 3d) output, and the (3d, d) weight
+    attention = (1 + 4 + 1) * e * n * d + lse + ((2 * n + 3 * d) * e * d if fused_qkv else 0)
+    ffn = e * n * d + gate + e * n * f
+    return BlockMemory(kept=norms + rope + attention + ffn + out, attention=out + e * n * d + lse, checkpointed=out)
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
     """The checkpointing a run uses and the memory it expects: ``cap_bytes`` (None without one), ``block`` (what a
-    block keeps, :func:`cs336_sharding.checkpointing.block_memory`), ``policy`` and ``expected_peak_bytes``
+    block keeps, :func:`block_memory`), ``policy`` and ``expected_peak_bytes``
     (:func:`reserved_bytes` plus :func:`~cs336_sharding.checkpointing.activation_peak_bytes`; None for a policy it
     does not cover)."""
 
@@ -319,11 +377,19 @@ def step_flops(config: ModelConfig, global_batch: int) -> float:
 
 
 def build_model(config: LeaderboardConfig, device: torch.device) -> BasicsTransformerLM:
-    """The run's model with fp32 weights and its attention (seeded, so every rank and a reference build the same
-    one)."""
+    """The run's model with fp32 weights and its pieces: attention, glue and the LM head's loss (ours
+    ``cs336_kernels.fused_linear_cross_entropy``, the baselines'
+    :func:`~cs336_harness.studies.leaderboard_baselines.chunked_cross_entropy`); seeded, so every rank and a
+    reference build the same weights."""
+    if config.impl == "ours":
+        # Imported here: on CPU the Triton interpreter must be chosen before the kernels load.
+        from cs336_kernels import fused_linear_cross_entropy as loss
+    else:
+        loss = chunked_cross_entropy
     torch.manual_seed(config.seed)
     return BasicsTransformerLM.from_config(config.model_config, attention=get_attention(config.attention),
-                                           fused_qkv=config.fused_qkv, device=device)
+                                           **glue_kernels(config.glue), loss=loss, fused_qkv=config.fused_qkv,
+                                           device=device)
 
 
 @dataclass
@@ -359,8 +425,7 @@ def build_training(config: LeaderboardConfig, device: torch.device) -> Training:
     model = build_model(config, device)
     compute = DTYPES[config.compute_dtype]
     if config.impl == "ours":
-        fsdp = parallelize(model, checkpoint=plan.policy, compute_dtype=compute, fused_loss=True, glue=config.glue,
-                           compile_blocks=config.compile_blocks)
+        fsdp = parallelize(model, checkpoint=plan.policy, compute_dtype=compute, compile_blocks=config.compile_blocks)
         optimizer = build_optimizer(config.optimizer, fsdp.parameters(), config.lr, config.weight_decay)
         return Training(fsdp, optimizer, fsdp.finish_gradient_synchronization, plan)
     model = build_baseline(model, device, config.world_size, checkpoint=plan.policy, compute_dtype=compute,

@@ -7,14 +7,16 @@ Nothing of ours but the model definition (``cs336_basics``, with its ``sdpa`` at
   ``MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=float32)``: fp32 master weights, compute and
   all-gathers in the compute dtype, gradients reduced in fp32;
 - SDPA attention (``torch.nn.functional.scaled_dot_product_attention``, causal);
-- :class:`ChunkedLossHead`: the LM head and cross-entropy over chunks of :data:`CHUNK_TOKENS` tokens, each chunk
-  under ``torch.utils.checkpoint`` so that only one chunk's logits ever exist (in the forward, and again in the
-  backward's recomputation); logits upcast to fp32 for the cross-entropy;
+- :func:`chunked_cross_entropy`, the LM head's loss (the model's ``loss`` argument): the head's matmul and the
+  cross-entropy over chunks of :data:`CHUNK_TOKENS` tokens, each chunk under ``torch.utils.checkpoint`` so that only
+  one chunk's logits ever exist (in the forward, and again in the backward's recomputation); logits upcast to fp32
+  for the cross-entropy;
 - ``torch.optim.AdamW(fused=True)``.
 
 Two recipes (``impl``): ``torch_native``, every block checkpointed and eager (the plain recipe); and
 ``torch_native_compiled``, each block's forward under ``torch.compile`` and as many blocks not checkpointed as fit
-the memory cap (the strong recipe, what torchtitan-style users run). :func:`build_baseline` composes them.
+the memory cap (the strong recipe, what torchtitan-style users run). :func:`build_baseline` composes a model built
+with that loss.
 """
 
 from __future__ import annotations
@@ -35,39 +37,25 @@ def _chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     return F.cross_entropy(F.linear(hidden, weight).float(), targets, reduction="sum")
 
 
-class ChunkedLossHead(nn.Module):
-    """An LM head (``weight`` (vocab, d_model)) whose ``forward(hidden, targets)`` is the mean cross-entropy, taken
-    ``chunk_tokens`` tokens at a time under ``torch.utils.checkpoint``; without targets, the logits."""
-
-    def __init__(self, weight: nn.Parameter, chunk_tokens: int = CHUNK_TOKENS):
-        super().__init__()
-        if not isinstance(weight, nn.Parameter) or weight.dim() != 2:
-            raise ValueError(f"weight must be a (vocab, d_model) nn.Parameter, got {type(weight).__name__} of shape "
-                             f"{tuple(getattr(weight, 'shape', ()))}")
-        if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
-            raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
-        self.weight = weight
-        self.chunk_tokens = chunk_tokens
-
-    def forward(self, hidden: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        if targets is None:
-            return F.linear(hidden, self.weight)  # (..., V)
-        hidden, targets = hidden.flatten(0, -2), targets.flatten()  # (N, d), (N,)
-        total = sum(checkpoint(_chunk_loss_sum, hidden[i : i + self.chunk_tokens], self.weight,
-                               targets[i : i + self.chunk_tokens], use_reentrant=False)
-                    for i in range(0, hidden.shape[0], self.chunk_tokens))
-        return total / hidden.shape[0]
-
-    def extra_repr(self) -> str:
-        vocab, d_model = self.weight.shape
-        return f"vocab={vocab}, d_model={d_model}, chunk_tokens={self.chunk_tokens}"
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                          chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
+    """The mean cross-entropy of ``hidden @ weight.T`` (hidden (N, d), weight (V, d)) against ``targets`` (N,), taken
+    ``chunk_tokens`` tokens at a time under ``torch.utils.checkpoint``."""
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"need hidden (N, d) and targets (N,), got {tuple(hidden.shape)} and {tuple(targets.shape)}")
+    total = sum(checkpoint(_chunk_loss_sum, hidden[i : i + chunk_tokens], weight, targets[i : i + chunk_tokens],
+                           use_reentrant=False)
+                for i in range(0, hidden.shape[0], chunk_tokens))
+    return total / hidden.shape[0]
 
 
 def build_baseline(model: nn.Module, device: torch.device, world_size: int, *, checkpoint: str | CheckpointPolicySpec,
-                   compute_dtype: torch.dtype, compile_blocks: bool, chunk_tokens: int = CHUNK_TOKENS) -> nn.Module:
-    """Compose ``model`` (a ``BasicsTransformerLM`` with SDPA attention, fp32 weights) for the baseline step in place,
-    inside an initialised process group of ``world_size`` ranks; returns it (now FSDP2's)."""
-    model.lm_head = ChunkedLossHead(model.lm_head.weight, chunk_tokens)
+                   compute_dtype: torch.dtype, compile_blocks: bool) -> nn.Module:
+    """Compose ``model`` (a ``BasicsTransformerLM`` with SDPA attention, :func:`chunked_cross_entropy` as its loss,
+    fp32 weights) for the baseline step in place, inside an initialised process group of ``world_size`` ranks;
+    returns it (now FSDP2's)."""
     apply_checkpointing(model, checkpoint)
     if compile_blocks:
         apply_compile(model)

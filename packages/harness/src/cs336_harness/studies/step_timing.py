@@ -28,7 +28,6 @@ import torch
 from cs336_basics.config import DEFAULT_CONTEXT_LENGTH, DEFAULT_VOCAB_SIZE, PRESETS, ModelConfig
 from cs336_basics.model import BasicsTransformerLM
 from cs336_sharding.checkpointing import GROUP_SWEEP, apply_checkpointing, parse_policy
-from cs336_sharding.parallelize import apply_fused_loss
 
 from cs336_harness import instrument
 from cs336_harness.analysis import figures, memory, trace
@@ -137,14 +136,17 @@ class BenchConfig:
 
 
 def build_model(config: BenchConfig) -> BasicsTransformerLM:
-    """The config's model with its attention, checkpointing and (``loss == "fused"``) fused LM-head loss."""
+    """The config's model with its attention, its LM head's loss (``loss == "fused"``:
+    ``cs336_kernels.fused_linear_cross_entropy``, which never materialises the (tokens, vocab) logits) and
+    checkpointing."""
+    loss = None
+    if config.loss == "fused":
+        # Imported here: on CPU the Triton interpreter must be chosen before the kernels load.
+        from cs336_kernels import fused_linear_cross_entropy as loss
     torch.manual_seed(config.seed)
     model = BasicsTransformerLM.from_config(config.model_config, attention=get_attention(config.attention),
-                                            device=torch.device(config.device))
-    apply_checkpointing(model, config.checkpoint)
-    if config.loss == "fused":
-        apply_fused_loss(model)  # never materialises the (tokens, vocab) logits
-    return model
+                                            loss=loss, device=torch.device(config.device))
+    return apply_checkpointing(model, config.checkpoint)
 
 
 
