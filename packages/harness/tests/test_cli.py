@@ -92,6 +92,7 @@ def no_run(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(study, fn, never)
     monkeypatch.setattr("cs336_harness.commands.collectives.run_collectives_study", never)
     monkeypatch.setattr("cs336_harness.studies.step_timing.run_configs", never)
+    monkeypatch.setattr("cs336_harness.commands.residuals.run_experiments", never)
 
 
 @pytest.mark.parametrize("argv", [
@@ -383,6 +384,8 @@ def test_torchrun_with_another_world_size_is_one_line_from_rank_0(argv: list[str
                                                    "at least"),
     (["shard", "--size", "xl", "--backend", "gloo"], "shard of size xl, context 128, global batch 4 on 2 ranks "
                                                      "needs at least"),
+    (["residuals", "--context-length", "100000", "--device", "cpu"], "residuals of the tiny block at batch 4, "
+                                                                      "context 100000 needs at least"),
     (["collectives", "--world-sizes", "1000"], "collectives on 1000 ranks with float32 tensors of up to 100 MiB "
                                                "needs at least 348 GiB of host memory (1000 ranks of 0.348 GiB: the "
                                                "process 0.25, tensors 0.0978), and 16 GiB is available: at most 46 "

@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 import warnings
 
-from cs336_basics.config import PRESETS
+from cs336_basics.config import PRESETS, ModelConfig
 
+from cs336_harness import resources
 from cs336_harness.commands._shared import add_quiet_argument
 from cs336_harness.device import CPU_CONTEXT_LENGTH
 from cs336_harness.results import append_rows, check_writable
@@ -45,6 +46,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="FILE", default=None, help="append rows (with provenance) to this JSONL")
 
 
+# The block experiments by what they apply: one block run once eagerly, or one compiled block run four times.
+_APPLICATIONS = {"block": (1, "eager"), "four-blocks": (4, "compiled")}
+
+
+def host_need(config: ResidualsConfig) -> resources.HostMemoryNeed:
+    """What the block experiments of ``config`` hold in host memory at their largest: one block's fp32 weights and
+    what autograd saves in its applications (:func:`cs336_harness.resources.activation_bytes`; no LM head)."""
+    shape = dict(d_model=config.d_model, d_ff=config.d_ff, num_heads=config.num_heads, vocab_size=1,
+                 context_length=config.context_length)
+    weights = 4 * ModelConfig(**shape, num_layers=1).num_params
+    saved = max((resources.activation_bytes(ModelConfig(**shape, num_layers=layers), config.batch_size,
+                                            dtype_bytes=4, attention=attention, checkpoint="none", backward=True,
+                                            fused_loss=True)
+                 for name, (layers, attention) in _APPLICATIONS.items() if name in config.experiments), default=0)
+    return resources.HostMemoryNeed(f"residuals of the {config.size} block at batch {config.batch_size}, context "
+                                    f"{config.context_length}", {"weights": weights, "saved for backward": saved})
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         if args.context_length is not None and args.context_length < 1:
@@ -55,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
             num_heads=args.num_heads, batch_size=args.batch_size, context_length=args.context_length,
             **({"device": args.device} if args.device else {}),
         )
+        if config.device == "cpu":
+            host_need(config).check()
         if args.out:
             check_writable(args.out)
     except ValueError as e:
