@@ -1,10 +1,13 @@
-"""Regenerate the harness tables of writeup sections 2, 3 and 4 from the rows in writeup/results/.
+"""Regenerate the writeup's tables and figures from the rows, traces and snapshots in writeup/results/.
 
-Each table goes between ``<!-- table:NAME -->`` markers in the section files (see
-``cs336_harness.report.fill_tables``); the prose around them is written by hand.
+Each table goes between ``<!-- table:NAME -->`` markers in a section file (see
+``cs336_harness.analysis.tables.fill_tables``); the prose around them is written by hand. The tables of the
+sharding section come from ``cs336 shard --markdown ... --fill`` instead (writeup/README.md lists both).
+``--figures`` re-renders the figures whose traces, snapshots or rows are committed.
 
-    uv run python tools/harness_tables.py          # rewrite the two sections in place
-    uv run python tools/harness_tables.py --print  # print the tables instead
+    uv run python tools/harness_tables.py            # rewrite the sections' tables in place
+    uv run python tools/harness_tables.py --print    # print the tables instead
+    uv run python tools/harness_tables.py --figures  # also re-render the figures in writeup/figures/
 """
 
 from __future__ import annotations
@@ -14,18 +17,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cs336_harness.analysis import memory
+from cs336_harness.analysis import figures, kernel_kinds, memory, trace
 from cs336_harness.analysis.tables import fill_tables, markdown_table
 from cs336_harness.analysis.trace import kernel_class, short_kernel_name
 from cs336_harness.results import read_rows
+from cs336_harness.studies import collectives as collectives_study
+from cs336_harness.studies import ddp as ddp_study
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "writeup" / "results"
-SECTIONS = {
-    "02": ROOT / "writeup" / "sections" / "02-profiling.md",
-    "03": ROOT / "writeup" / "sections" / "03-gradient-checkpointing.md",
-    "04": ROOT / "writeup" / "sections" / "04-attention.md",
-}
+FIGURES = ROOT / "writeup" / "figures"
+SECTIONS = {name: next((ROOT / "writeup" / "sections").glob(f"{name}-*.md")) for name in
+            ("02", "03", "04", "05", "09", "10")}
 SIZE_ORDER = ["small", "medium", "large", "xl", "10B"]
 GIB = 2**30
 
@@ -126,9 +129,12 @@ def _top(ks: list[dict[str, Any]], rng: str) -> dict[str, Any] | None:
     return next((k for k in ks if k["range"] == rng and k["kernel"] != "(total)"), None)
 
 
-def _matmul_share(ks: list[dict[str, Any]], rng: str) -> float:
-    return sum(k["share_of_range"] for k in ks if k["range"] == rng and k["kernel"] != "(total)"
-               and kernel_class(k["kernel"]) == "matmul")
+def _trace_share(row: dict[str, Any], phase: str) -> float | None:
+    """The matmul share of a phase's GPU kernel time over every kernel of the trace (None for a failed run)."""
+    classes = (row.get("profile") or {}).get(f"{phase}_kernel_classes")
+    if not classes:
+        return None
+    return classes.get("share_matmul", classes.get("matmul"))
 
 
 def table_profile() -> str:
@@ -143,22 +149,13 @@ def table_profile() -> str:
             "top fwd": f"{short_kernel_name(top_f['kernel'])} ({top_f['calls_per_step']:.0f}x)" if top_f else None,
             "top step": f"{short_kernel_name(top_all['kernel'])} ({top_all['calls_per_step']:.0f}x)"
             if top_all else None,
-            "mm fwd": _matmul_share(ks, "forward"), "mm step": _matmul_share(ks, "all"),
+            "mm fwd": _trace_share(r, "forward"), "mm step": _trace_share(r, "step"),
         })
     return markdown_table(out, ["size", "ctx", "status", ("timer fwd", "fwd timer (ms)"),
                                 ("kernels fwd", "fwd GPU kernels (ms)"),
                                 ("timer step", "step timer (ms)"), ("kernels step", "step GPU kernels (ms)"),
                                 ("top fwd", "top fwd kernel (calls/step)"), ("top step", "top fwd+bwd+opt kernel"),
                                 ("mm fwd", "matmul share fwd"), ("mm step", "matmul share step")], floatfmt=".2f")
-
-
-def table_kernels_forward(size: str = "small", ctx: int = 512) -> str:
-    ks = [k for k in _kernels(size, ctx) if k["range"] == "forward" and k["kernel"] != "(total)"]
-    out = [{"kernel": short_kernel_name(k["kernel"]), "class": kernel_class(k["kernel"]),
-            "calls": k["calls_per_step"], "ms": k["total_ms_per_step"], "share": 100 * k["share_of_range"]}
-           for k in ks]
-    return markdown_table(out, ["kernel", "class", ("calls", "calls per fwd"), ("ms", "GPU ms per fwd"),
-                                ("share", "% of fwd")], floatfmt=".2f")
 
 
 def table_attention() -> str:
@@ -209,35 +206,14 @@ def table_memory() -> str:
                                 ("opt", "in optimizer"), ("peak", "peak (GiB)")], floatfmt=".1f")
 
 
-def table_largest(ctx: int = 2048, dtype: str = "fp32") -> str:
-    r = next((r for r in rows("bench_memory") if r["context_length"] == ctx and r["mode"] == "forward"
-              and r["dtype"] == dtype and r.get("memory")), None)
-    if r is None:
-        return "(no memory snapshot rows)"
-    return markdown_table(r["memory"]["largest"], [("size_mib", "size (MiB)"), ("count", "allocations of that size"),
-                                                   ("where", "innermost frames in our code")], floatfmt=".1f")
-
-
-def table_residuals() -> str:
-    out = []
-    for r in rows("residuals"):
-        if r["experiment"] in ("block", "four-blocks", "rmsnorm"):
-            out.append({"experiment": r["experiment"], "variant": r["variant"], "heads": r.get("num_heads"),
-                        "mib": r["saved_mib"], "n": r["num_saved"]})
-        elif r["experiment"] == "block-gradients":
-            out.append({"experiment": "block gradients (fp32)", "variant": "-", "heads": r.get("num_heads"),
-                        "mib": r["grad_mib"]})
-    return markdown_table(out, ["experiment", "variant", ("heads", "heads"), ("mib", "MiB"),
-                                ("n", "tensors saved")], floatfmt=".2f")
-
-
 def table_residual_top5() -> str:
     out = []
     for r in rows("residuals"):
-        if r["experiment"] == "block" and r.get("top5"):
+        # Our xl block (32 heads); the handout's 16-head variant is quoted in the text.
+        if r["experiment"] == "block" and r.get("top5") and r["num_heads"] == 32:
             out += [{"heads": r["num_heads"], "op": t["op"], "mib": t["mib"], "share": 100 * t["share"]}
                     for t in r["top5"]]
-    return markdown_table(out, ["heads", ("op", "module: saved by"), ("mib", "MiB"), ("share", "% of block")],
+    return markdown_table(out, [("op", "module: saved by"), ("mib", "MiB"), ("share", "% of block")],
                           floatfmt=".1f")
 
 
@@ -264,20 +240,263 @@ def table_gradients() -> str:
                           floatfmt=".2f")
 
 
+# ------------------------------------------------------------------------------------------- section 4
+
+def _ms(r: dict[str, Any] | None, key: str) -> str:
+    """A time in ms to 3 significant digits; "OOM" where that measurement ran out of memory, "-" where not run."""
+    if r is None or r.get(key) is None:
+        return "OOM" if r is not None and r.get("status") == "oom" else "-"
+    return f"{r[key]:.3g}"
+
+
+def table_attention_plain() -> str:
+    """Plain PyTorch attention, eager and compiled, one line per (d, seq); the latest row of each wins."""
+    by = {(r["bench"], r["d"], r["seq"]): r for r in rows("attention_pytorch")}
+    out = []
+    for d, seq in sorted({(d, seq) for _, d, seq in by}):
+        e, c = by.get(("pytorch", d, seq)), by.get(("compiled", d, seq))
+        out.append({"d": d, "seq": seq, "efwd": _ms(e, "fwd_ms"), "ebwd": _ms(e, "bwd_ms"),
+                    "emem": _ms(e, "mem_before_bwd_gib"), "esaved": _ms(e, "saved_for_bwd_gib"),
+                    "cfwd": _ms(c, "fwd_ms"), "cbwd": _ms(c, "bwd_ms"), "csaved": _ms(c, "saved_for_bwd_gib")})
+    return markdown_table(out, ["d", "seq", ("efwd", "eager fwd (ms)"), ("ebwd", "eager bwd (ms)"),
+                                ("emem", "eager memory before bwd (GiB)"), ("esaved", "eager saved by one fwd (GiB)"),
+                                ("cfwd", "compiled fwd (ms)"), ("cbwd", "compiled bwd (ms)"),
+                                ("csaved", "compiled saved by one fwd (GiB)")])
+
+
+def _flash(dtype: str) -> Callable[[], str]:
+    def table() -> str:
+        """Ours, plain PyTorch and SDPA at one dtype, one line per (d, seq); the latest row of each wins."""
+        by = {(r["impl"], r["d"], r["seq"]): r for r in rows("attention_flash") if r["dtype"] == dtype}
+        out = []
+        for d, seq in sorted({(d, seq) for _, d, seq in by}):
+            line: dict[str, Any] = {"d": d, "seq": seq}
+            for impl, name in (("triton", "ours"), ("pytorch", "plain")):
+                for mode in ("fwd", "bwd", "fwd_bwd"):
+                    line[f"{name} {mode}"] = _ms(by.get((impl, d, seq)), f"{mode}_ms")
+            line["sdpa"] = _ms(by.get(("sdpa", d, seq)), "fwd_bwd_ms")
+            out.append(line)
+        modes = {"fwd": "fwd", "bwd": "bwd", "fwd_bwd": "f+b"}
+        return markdown_table(out, ["d", "seq", *((f"{n} {m}", f"{n} {h}") for n in ("ours", "plain")
+                                                  for m, h in modes.items()), ("sdpa", "SDPA f+b")])
+    return table
+
+
+# ------------------------------------------------------------------------------------------- section 5
+
+def _collectives(op: str) -> Callable[[], str]:
+    return lambda: collectives_study.collectives_markdown(rows("collectives"), op)
+
+
+DDP_SHOWN = ("variant", "step_ms", "step_max_ms", "overhead_ms", "comm_ms", "exposed_comm_ms", "exposed_share",
+             "sync_tail_ms", "peak_mem_gib", "params_in_sync")
+
+
+def table_ddp(dtype: str = "fp32") -> str:
+    headers = dict(zip(ddp_study.DDP_COLUMNS, ddp_study.DDP_HEADERS, strict=True))
+    return markdown_table([r for r in rows("ddp") if r["dtype"] == dtype], [(c, headers[c]) for c in DDP_SHOWN])
+
+
+# ------------------------------------------------------------------------------------------- section 9
+
+# NVIDIA's data-sheet peak for dense BF16 on an H200 SXM; the harness's MFU uses the measured 772 TFLOP/s.
+H200_DATASHEET_BF16_FLOPS = 989e12
+
+
+# How the leaderboard rows' settings read in the writeup's tables.
+SHOWN_AS = {
+    "attention": {"triton": "ours", "sdpa": "SDPA"},
+    "glue": {"triton": "ours", "model": "model code", "compiled": "torch.compile"},
+    "impl": {"ours": "ours", "torch_native": "PyTorch plain", "torch_native_compiled": "PyTorch strong"},
+    "optimizer": {"fused": "ours", "fused-adamw": "ours", "torch": "torch fused", "torch-adamw": "torch fused"},
+}
+
+
+def _shown(r: dict[str, Any]) -> dict[str, Any]:
+    return {**r, **{k: names.get(r[k], r[k]) for k, names in SHOWN_AS.items() if k in r}}
+
+
+def _measured(rs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in rs if r.get("kind") != "prediction"]
+
+
+def table_two_gpu() -> str:
+    """Our two-GPU rows of the leaderboard configuration, fastest first, MFU against both peaks."""
+    picked = [r for r in _measured(rows("leaderboard")) if r.get("status") == "ok" and r["world_size"] == 2
+              and r["size"] == "8B" and r["global_batch"] == 2 and r["context_length"] == 32768]
+    out = [{**_shown(r), "date": r["date"][:10], "datasheet": r["model_flops_per_step"] / r["step_s"]
+            / (r["world_size"] * H200_DATASHEET_BF16_FLOPS)} for r in sorted(picked, key=lambda r: r["step_s"])]
+    return markdown_table(out, ["attention", ("checkpoint", "checkpointing"), ("optimizer", "AdamW"),
+                                ("step_s", "step (s)"), ("step_max_s", "slowest step (s)"),
+                                ("mfu", "MFU (772)"), ("datasheet", "MFU (989)"),
+                                ("peak_step_gib", "peak (GiB)"), ("date", "date (UTC)")], floatfmt=".4g")
+
+
+def _proxy() -> list[dict[str, Any]]:
+    """The one-GPU proxy rows by run, fastest first, each with its step over the same run's strong and plain
+    PyTorch-only baselines (``vs_strong``, ``vs_plain``)."""
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for r in _measured(rows("leaderboard_proxy")):
+        if r.get("status") == "ok" and r["world_size"] == 1:
+            runs.setdefault(str(r.get("call_id")), []).append(r)
+    out = []
+    for call in sorted(runs):
+        best = {impl: min((r["step_s"] for r in runs[call] if r["impl"] == impl), default=None)
+                for impl in ("torch_native_compiled", "torch_native")}
+        for r in sorted(runs[call], key=lambda r: r["step_s"]):
+            out.append({**r, "vs_strong": r["step_s"] / best["torch_native_compiled"]
+                        if best["torch_native_compiled"] else None,
+                        "vs_plain": r["step_s"] / best["torch_native"] if best["torch_native"] else None})
+    return out
+
+
+def _run_label(call_rows: list[dict[str, Any]]) -> str:
+    """A run by its start (UTC), the name the provenance appendix maps to its call id."""
+    return min(r["date"] for r in call_rows)[:16].replace("T", " ")
+
+
+PROXY_SHOWN = [("impl", "impl"), ("attention", "attention"), ("glue", "glue"), ("checkpoint", "checkpointing"),
+               ("step_s", "step (s)"), ("vs_strong", "vs strong"), ("vs_plain", "vs plain"),
+               ("peak_step_gib", "peak (GiB)")]
+
+
+def _proxy_columns(rs: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    timed = [("handout_do_bench_s", "do_bench (s)")] if any(r.get("handout_do_bench_s") for r in rs) else []
+    return PROXY_SHOWN[:5] + timed + PROXY_SHOWN[5:]
+
+
+def table_proxy_latest() -> str:
+    """The latest proxy run: ours and both baselines of that run."""
+    proxy = _proxy()
+    latest = max(str(r.get("call_id")) for r in proxy)
+    shown = [_shown(r) for r in proxy if str(r.get("call_id")) == latest]
+    return markdown_table(shown, _proxy_columns(shown), floatfmt=".4g")
+
+
+# ------------------------------------------------------------------------------------------- appendix
+
+def table_anchors() -> str:
+    """Our attention against library kernels at three shapes, the latest run of the anchors benchmark."""
+    anchors = [r for r in rows("attention_anchors") if r.get("impl") in ("ours", "triton", "sdpa", "sdpa_flash",
+                                                                            "flex")]
+    latest = max(r.get("call_id") or "" for r in anchors)
+    picked = sorted((r for r in anchors if (r.get("call_id") or "") == latest),
+                    key=lambda r: (-r["seq"] * r["d"] * r["batch"], r["fwd_bwd_ms"]))
+    names = {"ours": "ours (default)", "triton": "ours, Triton backward", "sdpa": "SDPA (cuDNN)",
+             "sdpa_flash": "SDPA flash backend", "flex": "FlexAttention"}
+    out = [{"shape": f"({r['batch']}, {r['heads']}, {r['seq']}, {r['d']})", "impl": names[r["impl"]],
+            "fwd": r["fwd_ms"], "bwd": r["bwd_ms"], "fb": r["fwd_bwd_ms"], "tflops": r["fwd_bwd_tflops"]}
+           for r in picked]
+    return markdown_table(out, [("shape", "(b, h, s, d)"), "impl", ("fwd", "fwd (ms)"), ("bwd", "bwd (ms)"),
+                                ("fb", "fwd+bwd (ms)"), ("tflops", "fwd+bwd TFLOP/s")], floatfmt=".3g")
+
+
+def table_proxy_all() -> str:
+    """Every proxy row, by run; ratios against the baselines of the same run."""
+    proxy = _proxy()
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for r in proxy:
+        runs.setdefault(str(r.get("call_id")), []).append(r)
+    label = {call: _run_label(rs) for call, rs in runs.items()}
+    extras = lambda r: ", ".join([*(["compiled blocks"] if r.get("compile_blocks") else []),  # noqa: E731
+                                   *(["one qkv matmul"] if r.get("fused_qkv") else [])]) or "-"
+    shown = [{**_shown(r), "run": label[str(r.get("call_id"))], "extras": extras(r)} for r in proxy]
+    columns = [("run", "run (UTC)"), *PROXY_SHOWN[:4], ("extras", "also"), *PROXY_SHOWN[4:]]
+    return markdown_table(shown, columns, floatfmt=".4g")
+
+
+def table_proxy_breakdown() -> str:
+    """GPU kernel time by kind in the latest profiled run: ours against the strong baseline."""
+    profiled = [r for r in _proxy() if r.get("breakdown")]
+    latest = max(str(r.get("call_id")) for r in profiled)
+    picked = [r for r in profiled if str(r.get("call_id")) == latest]
+    return kernel_kinds.breakdown_markdown(picked, [_shown(r)["impl"] for r in picked])
+
+
+def _latest(bench: str) -> list[dict[str, Any]]:
+    picked = [r for r in rows("fused") if r.get("bench") == bench]
+    latest = max(r["date"] for r in picked)
+    return [r for r in picked if r["date"] == latest]
+
+
+def table_adamw() -> str:
+    return markdown_table(_latest("adamw"), [("impl", "implementation"), ("median_ms", "median (ms)"),
+                                             ("speedup_vs_torch_fused", "vs torch fused"),
+                                             ("floor_fraction", "bytes floor / time"),
+                                             ("achieved_tbps", "TB/s moved")])
+
+
+def table_lm_head() -> str:
+    return markdown_table(_latest("linear_ce"), [("impl", "implementation"), ("median_ms", "median (ms)"),
+                                                 ("speedup_vs_torch", "vs plain"),
+                                                 ("extra_gib", "peak above inputs+grads (GiB)"),
+                                                 ("loss_rel_err", "loss rel. err"),
+                                                 ("grad_weight_rel_err", "grad W rel. err")])
+
+
+def table_glue() -> str:
+    """One line per glue op from its latest run: fwd+bwd median of each implementation."""
+    glue = [r for r in rows("fused") if r.get("bench") == "glue"]
+    out = []
+    for op in dict.fromkeys(r["op"] for r in glue):
+        latest = max(r["date"] for r in glue if r["op"] == op)
+        line: dict[str, Any] = {"op": op.replace("_", " ")}
+        for r in glue:
+            if r["op"] == op and r["date"] == latest:
+                line[r["impl"]] = r["median_ms"]
+        out.append(line)
+    return markdown_table(out, ["op", ("ours", "ours (ms)"), ("torch_compile", "torch.compile (ms)"),
+                                ("liger", "Liger-Kernel (ms)"), ("eager", "eager (ms)")])
+
+
 TABLES: dict[str, dict[str, Callable[[], str]]] = {
     "02": {"sizes": table_sizes, "warmup": table_warmup, "profile": table_profile,
-           "kernels_forward": table_kernels_forward, "attention": table_attention, "sums": table_precision_sums,
+           "attention": table_attention, "sums": table_precision_sums,
            "toy_dtypes": table_toy_dtypes, "layernorm": table_layernorm, "bf16": table_bf16,
-           "memory": table_memory, "largest": table_largest, "residuals": table_residuals,
-           "residual_top5": table_residual_top5, "gradients": table_gradients},
+           "memory": table_memory, "residual_top5": table_residual_top5,
+           "gradients": table_gradients},
     "03": {"checkpoint": table_checkpoint},
-    "04": {"compile": table_compile},
+    "04": {"plain_attention": table_attention_plain, "compile": table_compile, "flash_bf16": _flash("bf16"),
+           "flash_fp32": _flash("fp32")},
+    "05": {"all_reduce": _collectives("all_reduce"), "reduce_scatter": _collectives("reduce_scatter"),
+           "all_gather": _collectives("all_gather"), "ddp": table_ddp},
+    "09": {"two_gpu": table_two_gpu, "proxy_latest": table_proxy_latest},
+    "10": {"anchors": table_anchors, "proxy_all": table_proxy_all, "proxy_breakdown": table_proxy_breakdown,
+           "adamw": table_adamw, "lm_head": table_lm_head, "glue": table_glue},
 }
+
+
+# ------------------------------------------------------------------------------------------- figures
+
+MEMORY_FIGURES = {
+    "memory_xl_ctx128_forward_fp32": "xl, forward pass (no_grad), context 128, fp32",
+    "memory_xl_ctx128_train_fp32": "xl, training step, context 128, fp32",
+    "memory_xl_ctx2048_forward_fp32": "xl, forward pass (no_grad), context 2048, fp32",
+    "memory_xl_ctx2048_train_fp32_oom": "xl, training step, context 2048, fp32: out of memory in the forward",
+    "memory_xl_ctx2048_train_fp32_ckpt-group1": "xl, training step, context 2048, fp32, every block checkpointed",
+}
+
+
+def render_figures() -> list[Path]:
+    """Re-render the figures whose sources are committed: the profiled step's timeline, the memory timelines
+    and the collectives plots."""
+    events = trace.load_trace(RESULTS / "traces" / "trace_small_ctx512_train_fp32_annotated.json.gz")
+    out = [figures.plot_timeline(events, FIGURES / "profile_timeline_small_ctx512_train.png",
+                                 title="small, context 512, fp32: one profiled training step")]
+    for stem, title in MEMORY_FIGURES.items():
+        snapshot = memory.load_snapshot(RESULTS / "snapshots" / f"{stem}.pickle")
+        out.append(figures.plot_active_memory(snapshot, FIGURES / f"{stem.replace('-', '_')}.png", title=title))
+    coll = rows("collectives")
+    out.append(figures.plot_collectives([r for r in coll if r["backend"] == "nccl"], FIGURES / "collectives_nccl.png"))
+    out.append(figures.plot_collectives([r for r in coll if r["backend"] == "gloo"],
+                                        FIGURES / "collectives_gloo_cpu.png"))
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--print", action="store_true", help="print the tables instead of rewriting the sections")
+    parser.add_argument("--figures", action="store_true", help="also re-render the figures in writeup/figures/")
     args = parser.parse_args()
     for section, tables in TABLES.items():
         built = {name: fn() for name, fn in tables.items()}
@@ -288,6 +507,9 @@ def main() -> None:
         path = SECTIONS[section]
         path.write_text(fill_tables(path.read_text(), built))
         print(f"wrote {len(built)} tables into {path.relative_to(ROOT)}")
+    if args.figures:
+        for path in render_figures():
+            print(f"wrote {path.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

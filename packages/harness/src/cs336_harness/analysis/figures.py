@@ -25,6 +25,8 @@ from cs336_harness.analysis.trace import (
 )
 from cs336_harness.instrument import PHASES, STEP_PHASES
 
+LABEL_SIZE = 12  # points: axis labels and legends of the multi-panel figures that are shown at page width
+
 
 def plot_timeline(
     events: Sequence[dict[str, Any]], path: str | Path, within: str = "step", title: str = ""
@@ -192,10 +194,14 @@ def plot_fsdp_timeline(events: Sequence[dict[str, Any]], path: str | Path, title
             zoom.broken_barh([((start - z0) / 1e3, (end - start) / 1e3)], (-0.4, 0.8), color=c)
             zoom.text((start - z0) / 1e3, -0.55, g["param"].replace(".weight", ""), fontsize=6, rotation=30)
         waited = sum(g["margin_ms"] < 0 for g in gathers)
-        zoom.set_title(f"first {len(gathers)} forward units: gather (row 2) and the unit's compute (row 1) in "
-                       f"one colour; {waited} of them had to wait", fontsize=9, loc="left")
         zoom.set_yticks([0, 1], ["unit compute", "its all-gather"])
         zoom.invert_yaxis()
+        # The unit names stand above the compute row, rotated: the title goes above the tallest of them.
+        renderer = fig.canvas.get_renderer()
+        rise = max(t.get_window_extent(renderer).y1 for t in zoom.texts) - zoom.get_window_extent(renderer).y1
+        zoom.set_title(f"first {len(gathers)} forward units: gather (row 2) and the unit's compute (row 1) in "
+                       f"one colour; {waited} of them had to wait", fontsize=9, loc="left",
+                       pad=6 + max(rise, 0) * 72 / fig.dpi)
         zoom.set_xlabel("ms since the first of these gathers started")
         zoom.grid(True, axis="x", alpha=0.3)
     else:
@@ -269,15 +275,17 @@ def plot_collectives(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
             label = f"{backend}, {ws} rank{'s' if ws > 1 else ''}"
             axes[i, 0].plot(mb, [r["busbw_gbps"] for r in rs], marker="o", label=label)
             axes[i, 1].plot(mb, [r["time_ms"] for r in rs], marker="o", label=label)
-        axes[i, 0].set_ylabel(f"{op}\nbus bandwidth (GB/s)")
-        axes[i, 1].set_ylabel("time (ms)")
+        axes[i, 0].set_ylabel(f"{op}\nbus bandwidth (GB/s)", fontsize=LABEL_SIZE)
+        axes[i, 1].set_ylabel("time (ms)", fontsize=LABEL_SIZE)
         axes[i, 1].set_yscale("log")
         for ax in axes[i]:
             ax.set_xscale("log")
             ax.grid(True, which="both", alpha=0.3)
-        axes[i, 0].legend(fontsize=8)
+            ax.tick_params(labelsize=LABEL_SIZE - 1)
+        # Legible where the figure is shown at page width: the legend as large as the axis labels.
+        axes[i, 0].legend(fontsize=LABEL_SIZE)
     for ax in axes[-1]:
-        ax.set_xlabel("size (MiB, float32)")
+        ax.set_xlabel("size (MiB, float32)", fontsize=LABEL_SIZE)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
