@@ -369,13 +369,16 @@ def test_torchrun_with_another_world_size_is_one_line_from_rank_0(argv: list[str
     for name, value in (("RANK", rank), ("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2"),
                         ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
         monkeypatch.setenv(name, value)
+    waits = []
+    monkeypatch.setattr(cli.time, "sleep", waits.append)
     with pytest.raises(SystemExit) as e:
         cli.main([*argv, "--backend" if argv[0] != "collectives" else "--backends", "gloo"])
+    said = (f"cs336 {argv[0]}: asked for world size 3, but torchrun started 2 ranks; give --nproc-per-node and the "
+            "world size the same number")
     if rank == "0":
-        assert e.value.code == f"cs336 {argv[0]}: asked for world size 3, but torchrun started 2 ranks; give " \
-                               "--nproc-per-node and the world size the same number"
-    else:
-        assert e.value.code == 1  # said once, by rank 0
+        assert e.value.code == said and waits == []
+    else:  # torchrun ends this rank during the wait, once rank 0 has said it; else it says it
+        assert e.value.code == f"{said} (rank 1)" and waits == [cli._OTHER_RANKS_WAIT_S]
 
 
 @pytest.mark.parametrize(("argv", "what"), [

@@ -9,7 +9,8 @@ Without CUDA the Triton kernels run in the Triton interpreter, which must be cho
 imported: the CLI sets ``TRITON_INTERPRET=1`` then, before it imports the command, and silences what torch prints
 about the missing GPU (see :func:`_prepare_cpu`).
 
-Under ``torchrun`` every rank runs the command; a command's one-line error is printed by rank 0 alone.
+Under ``torchrun`` every rank runs the command; a command's one-line error is printed by rank 0 alone (see
+:func:`main`).
 """
 
 from __future__ import annotations
@@ -19,9 +20,13 @@ import importlib
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 
 from cs336_harness.commands import COMMANDS
+
+# Longer than ranks started together take to reach the same check, even on a loaded machine.
+_OTHER_RANKS_WAIT_S = 5.0
 
 
 def _parser(chosen: str | None) -> argparse.ArgumentParser:
@@ -69,10 +74,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args._run(args)
     except SystemExit as e:
-        # Under torchrun every rank runs the command and meets the same mistake: rank 0 says it, the others only
-        # fail.
-        if isinstance(e.code, str) and os.environ.get("RANK", "0") != "0" and "WORLD_SIZE" in os.environ:
-            raise SystemExit(1) from None
+        rank = os.environ.get("RANK", "0")
+        if isinstance(e.code, str) and rank != "0" and "WORLD_SIZE" in os.environ:
+            # Under torchrun every rank runs the command and meets the same mistake, and torchrun ends every rank once
+            # one has failed: rank 0 says it. A mistake of this rank alone is said after a pause, in which torchrun
+            # ends this process first if rank 0 failed too.
+            time.sleep(_OTHER_RANKS_WAIT_S)
+            raise SystemExit(f"{e.code} (rank {rank})") from None
         raise
 
 
