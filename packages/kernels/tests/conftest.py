@@ -28,6 +28,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line("markers", "slow: takes more than a few seconds on CPU")
     config.addinivalue_line("markers", "gpu_exclusive: needs the GPU's memory to itself (run alone under xdist)")
+    config.addinivalue_line("markers", "interpreter: runs kernels on CPU tensors in Triton's interpreter (skipped "
+                            "where CUDA is available, since the interpreter is then off)")
 
 
 # One lock for every pytest worker on this machine.
@@ -50,9 +52,8 @@ def _share_the_gpu(request: pytest.FixtureRequest):
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    cuda = torch.cuda.is_available()
+    skip = pytest.mark.skip(reason="needs Triton's interpreter (no CUDA)" if cuda else "needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords:
+        if ("interpreter" if cuda else "gpu") in item.keywords:
             item.add_marker(skip)

@@ -90,12 +90,14 @@ def _cases() -> list:
 
 
 def _run(fn: Callable, inputs: tuple) -> list[torch.Tensor]:
-    """The outputs of ``fn`` and the gradients of the sum of its floating outputs' cosines (any fixed, non-uniform
-    upstream gradient) with respect to the inputs that require them."""
+    """The outputs of ``fn`` and the gradients, for fixed random upstream gradients, of the inputs that require
+    them (the upstream gradients come from outside the compiled code, so both runs' backwards see the same)."""
     out = fn(*inputs)
     outs = list(out) if isinstance(out, tuple) else [out]
     leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
-    grads = torch.autograd.grad(sum(o.float().cos().sum() for o in outs), leaves)
+    gen = torch.Generator().manual_seed(7)
+    upstream = [torch.randn(o.shape, generator=gen).to(o.device, o.dtype) for o in outs]
+    grads = torch.autograd.grad(outs, leaves, upstream)
     return [o.detach() for o in outs] + list(grads)
 
 

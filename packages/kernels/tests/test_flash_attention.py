@@ -208,7 +208,7 @@ def _bad(shape_q, shape_kv=None, dtype=torch.float32):
         (lambda: _bad((1, 3, 4, 16), (1, 2, 4, 16)), ValueError, "multiple"),
         (lambda: _bad((2, 4, 16), (1, 4, 16)), ValueError, "batch and head dim"),
         (lambda: _bad((1, 4, 16), (1, 4, 32)), ValueError, "batch and head dim"),
-        (lambda: (*_bad((1, 4, 16))[:2], torch.randn(1, 5, 16)), ValueError, "same shape"),
+        (lambda: (*_bad((1, 4, 16))[:2], torch.randn(1, 5, 16, device=DEVICE)), ValueError, "same shape"),
         (lambda: _bad((1, 0, 16), (1, 4, 16)), ValueError, "positive"),
         (lambda: _bad((1, 4, 16), dtype=torch.float64), TypeError, "dtype"),
         (lambda: (*_bad((1, 4, 16))[:2], torch.randn(1, 4, 16).half()), TypeError, "dtype"),

@@ -83,12 +83,14 @@ def _check_against_torch(device: str, shapes: list[tuple[int, ...]], elements_pe
     assert ours.state[params[SOMETIMES_NO_GRAD]]["step"].item() == NUM_STEPS // 2
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("elements_per_program", [pytest.param(2048, marks=pytest.mark.slow), 32768])
 def test_matches_torch_adamw_over_ten_steps(elements_per_program):
     # 2048: one block per program, so the larger tensors span several programs.
     _check_against_torch("cpu", SHAPES, elements_per_program)
 
 
+@pytest.mark.interpreter
 def test_state_dict_round_trip_mid_run():
     params = _make_params(SHAPES, "cpu", seed=2)
     ref_params = _clones(params)
@@ -119,6 +121,7 @@ def test_state_dict_round_trip_mid_run():
         torch.testing.assert_close(p, q, **FP32_TOL)
 
 
+@pytest.mark.interpreter
 def test_loads_torch_adamw_state():
     params = _make_params(SHAPES, "cpu", seed=3)
     ref_params = _clones(params)
@@ -133,6 +136,7 @@ def test_loads_torch_adamw_state():
     _assert_matches(ours, ours_params, ref, ref_params)
 
 
+@pytest.mark.interpreter
 def test_unaligned_views_of_one_buffer():
     """Parameters at odd element offsets of one storage take the kernel's unvectorized path."""
     flat = torch.randn(9000)
@@ -151,6 +155,7 @@ def test_unaligned_views_of_one_buffer():
     _assert_matches(ours, params, ref, ref_params)
 
 
+@pytest.mark.interpreter
 def test_untouched_neighbours_and_no_grad_params():
     flat = torch.randn(100)
     before = flat.clone()
@@ -180,6 +185,7 @@ def test_rejects_bad_hyperparameters(kwargs, message):
         FusedAdamW([torch.randn(3)], **kwargs)
 
 
+@pytest.mark.interpreter
 def test_rejects_bad_parameters_and_gradients():
     with pytest.raises(TypeError, match="complex"):
         FusedAdamW([torch.randn(4, dtype=torch.complex64)])

@@ -194,7 +194,9 @@ def test_add_matches_float64_reference_mixed_dtypes(dtype, w_dtype):
     _check_add((17, 3, 96), dtype, w_dtype, seed=1)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+# fp32 in the interpreter only: compiled for a GPU, the add of the residual's gradient contracts with the norm's last
+# product into one FMA (one rounding where the unfused kernels round twice); fp16 rounds in between, so it is exact.
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.interpreter), torch.float16])
 @pytest.mark.parametrize("shape", ADD_SHAPES[:3], ids=ADD_IDS[:3])
 def test_add_is_the_unfused_add_and_norm_bit_for_bit(shape, dtype):
     x, delta, w, dh, dy, ours = _check_add(shape, dtype, torch.float32, seed=2)

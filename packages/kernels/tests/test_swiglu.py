@@ -14,6 +14,9 @@ from cs336_kernels.ops import swiglu
 from cs336_kernels.ops.swiglu import MAX_N, MAX_NUMEL, silu_mul, silu_mul_backward, silu_mul_forward, silu_mul_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Far out in the tails, where silu(a) * b is ~1e-12: the interpreter's numpy exp against the GPU's exp2, which is
+# within 2 ulp (ex2.approx) and is scaled by 30 * log2(e) on the way in.
+SATURATED_RTOL = {"cpu": 1e-6, "cuda": 2e-6}
 # ||ours - float64|| / ||float64|| allowed, by dtype: three roundings in the forward (as the module), one per
 # gradient. Against the module's expression evaluated by PyTorch in the same dtype the forward rounds at the same
 # places, so only the fp32 sigmoid (exp implementations) differs, a rare one-ulp flip; rounding once instead of
@@ -163,7 +166,7 @@ def test_saturated_gate():
     a64, b64 = (t.detach().double().requires_grad_() for t in (a, b))
     exact = _forward_backward(silu_mul_reference, a64, b64, torch.ones_like(a64))
     for out, expected in zip(ours, exact, strict=True):
-        torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-30)
+        torch.testing.assert_close(out.double(), expected, rtol=SATURATED_RTOL[DEVICE], atol=1e-30)
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,7 @@ def test_autotuned_kernels_carry_their_tma_flag():
         assert tuning.TMA_FLAGS[kernel] in tuned.fn.arg_names
 
 
+@pytest.mark.interpreter
 def test_extra_configs_widens_one_regime_and_restores_it():
     before = {kernel: tuning.listed_configs(kernel) for kernel in tuning.KERNELS}
     extra = {"fwd": {(2, 64): [(32, 16, 4, 2), (64, 64, 4, 3)]}, "dkdv": {(4, 32): [(16, 64, 4, 1)]}}
