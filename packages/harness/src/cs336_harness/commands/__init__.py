@@ -3,6 +3,7 @@
 COMMANDS: dict[str, str] = {
     "attention": "benchmark attention: plain and compiled PyTorch, our FlashAttention-2 vs SDPA (needs a CUDA GPU)",
     "bench": "time forward/backward/optimizer of a Transformer LM (size tiny without CUDA, small with it)",
+    "block": "one Transformer block's forward + backward, eager and compiled, ours vs PyTorch's (needs a CUDA GPU)",
     "collectives": "benchmark all-reduce / reduce-scatter / all-gather over sizes, world sizes and backends",
     "ddp": "time DDP training steps (naive, flat, overlapped, bucketed, torch DDP) with timelines",
     "fused": "benchmark our fused kernels against PyTorch, torch.compile and Liger-Kernel (needs a CUDA GPU)",
