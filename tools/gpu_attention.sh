@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # FlashAttention-2 on one GPU of the lent machine, in one call. Two modes:
-#   explore: the kernels' GPU tests once, then the wide autotuning sweep (python -m
+#   explore: the kernels' GPU tests once, then the wide autotuning sweep (cs336 tune,
 #            cs336_harness.studies.attention_tuning: every candidate config timed at the real shapes, then ours
 #            against SDPA in one process).
 #            Rows: $OUT/attention_tuning.jsonl (about 5 minutes).
@@ -29,7 +29,7 @@ xdist=()
     explore)
       timeout 150 "${py[@]}" -m pytest -m gpu packages/kernels -q -p no:cacheprovider "${xdist[@]}" \
         || echo "== gpu tests FAILED or timed out (rc $?)"
-      timeout "$(left)" "${py[@]}" -m cs336_harness.studies.attention_tuning --precompile-jobs 8 \
+      timeout "$(left)" "${py[@]}" -m cs336_harness.cli tune --precompile-jobs 8 \
         --out "$OUT/attention_tuning.jsonl"
       ;;
     final)

@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from cs336_basics.model import RMSNorm, RotaryEmbedding, SwiGLU
-from cs336_harness.studies import fused as fused_study
-from cs336_harness.studies.fused import FusedBenchConfig, fused_markdown
+from cs336_harness.studies.fused import FusedBenchConfig, block_glue, fused_markdown
 from cs336_kernels import add_rms_norm_reference, rms_norm_reference, rope_reference, silu_mul_reference
 
 # ||ours - eager module|| / ||eager module||: bf16 outputs differ only by rare one-ulp flips on the GPU; the
@@ -76,14 +75,14 @@ def test_config_rejects_bad_values(change):
         FusedBenchConfig(**change)
 
 
-def _tiny_cases(device: str) -> dict[str, fused_study.GlueCase]:
-    return {"rms_norm": fused_study.rms_norm_case(37, 24, None, device),
-            "add_rms_norm": fused_study.add_rms_norm_case(37, 24, None, device),
-            "rope": fused_study.rope_case(11, 24, 3, None, device),
-            "silu_mul": fused_study.swiglu_case(9, 40, None, device)}
+def _tiny_cases(device: str) -> dict[str, block_glue.GlueCase]:
+    return {"rms_norm": block_glue.rms_norm_case(37, 24, None, device),
+            "add_rms_norm": block_glue.add_rms_norm_case(37, 24, None, device),
+            "rope": block_glue.rope_case(11, 24, 3, None, device),
+            "silu_mul": block_glue.swiglu_case(9, 40, None, device)}
 
 
-def _outputs_and_grads(impl: fused_study.GlueImpl) -> list[torch.Tensor]:
+def _outputs_and_grads(impl: block_glue.GlueImpl) -> list[torch.Tensor]:
     outs = impl.run()
     torch.autograd.backward(outs, impl.upstream)
     grads = [leaf.grad for leaf in impl.leaves]
@@ -143,10 +142,10 @@ def test_references_are_the_model_modules(device, dtype):
 @pytest.mark.gpu
 def test_glue_kernels_match_the_model_modules_on_gpu():
     tokens, d_model, heads, d_ff = 32768, 4096, 32, 11008
-    cases = {"rms_norm": fused_study.rms_norm_case(tokens, d_model, None),
-             "add_rms_norm": fused_study.add_rms_norm_case(tokens, d_model, None),
-             "rope": fused_study.rope_case(tokens, d_model, heads, None),
-             "silu_mul": fused_study.swiglu_case(tokens, d_ff, None)}
+    cases = {"rms_norm": block_glue.rms_norm_case(tokens, d_model, None),
+             "add_rms_norm": block_glue.add_rms_norm_case(tokens, d_model, None),
+             "rope": block_glue.rope_case(tokens, d_model, heads, None),
+             "silu_mul": block_glue.swiglu_case(tokens, d_ff, None)}
     for op, (_, _, impls) in cases.items():
         ours, eager = _outputs_and_grads(impls["ours"]), _outputs_and_grads(impls["eager"])
         num_outputs = len(impls["ours"].upstream)

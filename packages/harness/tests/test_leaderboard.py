@@ -261,3 +261,17 @@ def test_handout_timing_is_a_flag_of_the_config() -> None:
     args = cli.parse_args(["leaderboard", "--backend", "gloo", "--compute-dtype", "fp32", "--handout-timing"])
     (config,) = configs_from_args(args)
     assert config.handout_timing and not configs_from_args(cli.parse_args(["leaderboard"]))[0].handout_timing
+
+
+def test_build_training_needs_a_process_group_that_matches() -> None:
+    cpu = torch.device("cpu")
+    two_ranks = LeaderboardConfig(**{**leaderboard.CPU_DEFAULTS, "backend": "gloo"})
+    with pytest.raises(ValueError, match="world_size 2 needs an initialised process group"):
+        leaderboard.build_training(two_ranks, cpu)
+    one_rank = dataclasses.replace(two_ranks, world_size=1, global_batch=1)
+    with pytest.raises(ValueError, match="impl 'torch_native' on world_size 1 needs an initialised process group"):
+        leaderboard.build_training(leaderboard.recipe(one_rank, "torch_native"), cpu)  # FSDP2 needs a mesh
+    with pytest.raises(TypeError, match="config must be a LeaderboardConfig"):
+        leaderboard.build_training(leaderboard.CPU_DEFAULTS, cpu)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="device must be a torch.device"):
+        leaderboard.build_training(one_rank, "cpu")  # type: ignore[arg-type]

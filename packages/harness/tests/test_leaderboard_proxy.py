@@ -26,7 +26,7 @@ from cs336_harness.studies import leaderboard
 from cs336_harness.studies.attention_impls import get_attention
 from cs336_harness.studies.glue import GLUES, glue_kernels
 from cs336_harness.studies.leaderboard import LeaderboardConfig, block_memory
-from cs336_harness.studies.leaderboard_baselines import chunked_cross_entropy
+from cs336_harness.studies.leaderboard.baselines import chunked_cross_entropy
 from cs336_sharding.checkpointing import (
     BlockMemory,
     CheckpointPolicySpec,

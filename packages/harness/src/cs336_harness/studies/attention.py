@@ -45,7 +45,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 from cs336_harness.analysis.tables import markdown_table
-from cs336_harness.device import DTYPES, H200_BF16_MATMUL_FLOPS
+from cs336_harness.device import DTYPES, GIB, H200_BF16_MATMUL_FLOPS
 
 PARTS: tuple[str, ...] = ("pytorch", "compiled", "flash", "anchors")
 ANCHOR_SHAPES: tuple[tuple[int, int, int, int], ...] = ((1, 32, 32768, 128), (1, 16, 16384, 64), (4, 32, 4096, 128))
@@ -172,7 +172,7 @@ def _pytorch_attention_row(attn: Callable, batch: int, seq: int, head_dim: int, 
         del out
     return {
         "fwd_ms": sum(fwd_ms) / passes, "bwd_ms": sum(bwd_ms) / passes,
-        "mem_before_bwd_gib": before_backward / 2**30, "saved_for_bwd_gib": saved_bytes / 2**30,
+        "mem_before_bwd_gib": before_backward / GIB, "saved_for_bwd_gib": saved_bytes / GIB,
     }
 
 
@@ -225,10 +225,13 @@ def _measure(impl: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return result
 
 
-def _flash_rows(
+def flash_rows(
     shape: tuple[int, int, int, int], dtype_name: str, impl_names: Sequence[str], rep_ms: int,
     cfg: AttentionBenchConfig, bench: str,
 ) -> Iterator[dict[str, Any]]:
+    """Rows (``bench``) of forward, backward and forward+backward do_bench medians and TFLOP/s of each implementation
+    of ``impl_names`` at ``shape`` (batch, heads, seq, head_dim), causal, in ``dtype_name``; ``cfg`` gives the
+    warm-up time, ``rep_ms`` the repetition time."""
     batch, heads, seq, head_dim = shape
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(seq * 1000 + head_dim)
@@ -246,7 +249,8 @@ def _flash_rows(
         yield row
 
 
-def _warm_one(shape: tuple[int, int, int, int], dtype_name: str) -> None:
+def warm_kernels(shape: tuple[int, int, int, int], dtype_name: str) -> None:
+    """One causal forward + backward of our kernels at ``shape``: compiles (and autotunes) what that launch needs."""
     q, k, v = (torch.randn(*shape, device="cuda", dtype=DTYPES[dtype_name], requires_grad=True) for _ in range(3))
     flash_attention(q, k, v, is_causal=True).sum().backward()
     torch.cuda.synchronize()
@@ -260,7 +264,7 @@ def precompile(jobs: Sequence[tuple[tuple[int, int, int, int], str]], processes:
     compilation is a cache hit.
     """
     with multiprocessing.get_context("spawn").Pool(processes) as pool:
-        pool.starmap(_warm_one, jobs)
+        pool.starmap(warm_kernels, jobs)
 
 
 def run_attention_bench(
@@ -285,7 +289,7 @@ def run_attention_bench(
 
     if "anchors" in cfg.parts:
         for shape in ANCHOR_SHAPES:
-            for row in _flash_rows(shape, "bf16", ANCHOR_IMPLS, cfg.anchor_rep_ms, cfg, "anchors"):
+            for row in flash_rows(shape, "bf16", ANCHOR_IMPLS, cfg.anchor_rep_ms, cfg, "anchors"):
                 row["target_fwd_bwd_ms"] = ANCHOR_TARGET_MS.get(shape)
                 if row["fwd_bwd_tflops"] is not None:
                     row["fraction_of_772_tflops"] = row["fwd_bwd_tflops"] * 1e12 / H200_BF16_MATMUL_FLOPS
@@ -294,7 +298,7 @@ def run_attention_bench(
         for dtype_name in cfg.flash_dtypes:
             for head_dim in cfg.flash_head_dims:
                 for seq in cfg.flash_seq_lens:
-                    for row in _flash_rows((1, 1, seq, head_dim), dtype_name, ("triton", "pytorch", "sdpa"),
+                    for row in flash_rows((1, 1, seq, head_dim), dtype_name, ("triton", "pytorch", "sdpa"),
                                            cfg.rep_ms, cfg, "flash"):
                         emit(row)
     if "pytorch" in cfg.parts:

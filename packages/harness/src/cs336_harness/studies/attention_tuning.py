@@ -13,23 +13,21 @@ candidate at the real shapes and records:
 
 The short lists in ``cs336_kernels/ops/flash_attention/tuning.py`` are then edited from the ``tune`` rows,
 and the final numbers come from ``cs336 attention --part anchors`` on the committed lists. Run on the
-GPU machine::
+GPU machine (``cs336 tune``, :mod:`cs336_harness.commands.tune`)::
 
-    bash tools/gpu.sh python3 -m cs336_harness.studies.attention_tuning --out $OUT/attention_tuning.jsonl
+    bash tools/gpu.sh python3 -m cs336_harness.cli tune --out $OUT/attention_tuning.jsonl
 
 ``--builds`` needs no GPU: it compiles each kernel (bf16, causal, d = 64 and 128) for sm_90 with every
 listed and candidate config and records what ptxas and the SASS say (``bench = "build"`` rows: registers
 per thread, stack frame bytes, and static counts in the SASS of local-memory spill stores and loads,
 of wgmma, mma.sync and TMA-load instructions, and spill stores, loads and instructions per main loop)::
 
-    uv run python -m cs336_harness.studies.attention_tuning --builds --out writeup/results/attention_builds.jsonl
+    uv run cs336 tune --builds --out writeup/results/attention_builds.jsonl
 """
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing
-import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -46,8 +44,9 @@ from cs336_kernels.ops.flash_attention.tuning import (
 )
 from cs336_kernels.sass import loop_spills, read_build
 
+from cs336_harness.progress import progress_bar
 from cs336_harness.results import append_rows, provenance
-from cs336_harness.studies.attention import AttentionBenchConfig, _flash_rows, _warm_one
+from cs336_harness.studies.attention import AttentionBenchConfig, flash_rows, warm_kernels
 
 # Extra candidates per kernel and (bytes per element, padded head dim). The forward and dQ kernels need
 # BLOCK_N | BLOCK_M, the dK/dV kernels BLOCK_M | BLOCK_N.
@@ -73,7 +72,7 @@ IMPLS = ("sdpa", "triton")
 
 def _warm_wide(shape: tuple[int, int, int, int], dtype_name: str) -> None:
     with extra_configs(CANDIDATES):
-        _warm_one(shape, dtype_name)
+        warm_kernels(shape, dtype_name)
 
 
 def _entry(config: Any) -> list[int | str]:
@@ -101,9 +100,11 @@ def _tune_rows(shape: tuple[int, int, int, int]) -> Iterator[dict[str, Any]]:
 
 
 def run_tuning(shapes: Sequence[tuple[int, int, int, int]], rep_ms: int, out: str | None,
-               precompile_jobs: int) -> list[dict[str, Any]]:
-    """The ``tune`` and ``variants`` rows for ``shapes`` (bf16, causal); each row is appended as it comes."""
+               precompile_jobs: int, progress: bool = False) -> list[dict[str, Any]]:
+    """The ``tune`` and ``variants`` rows for ``shapes`` (bf16, causal); each row is appended as it comes. With
+    ``progress``, a bar on stderr counts the shapes done."""
     meta = provenance()
+    bar = progress_bar(total=len(shapes), desc="tune", enabled=progress, unit="shape")
     rows: list[dict[str, Any]] = []
 
     def emit(row: dict[str, Any]) -> None:
@@ -113,23 +114,25 @@ def run_tuning(shapes: Sequence[tuple[int, int, int, int]], rep_ms: int, out: st
             append_rows(out, [row], meta)
 
     if precompile_jobs:
+        bar.set_postfix_str("compiling the candidates")
         jobs = [((b, h, 256, d), "bf16") for b, h, _, d in shapes]
         with multiprocessing.get_context("spawn").Pool(precompile_jobs) as pool:
             pool.starmap(_warm_wide, list(dict.fromkeys(jobs)))
     cfg = AttentionBenchConfig(parts=("anchors",), anchor_rep_ms=rep_ms)
     with extra_configs(CANDIDATES):
         for shape in shapes:
+            bar.set_postfix_str("x".join(map(str, shape)))
             for row in _tune_rows(shape):
                 emit(row)
-            for row in _flash_rows(shape, "bf16", IMPLS, rep_ms, cfg, "variants"):
+            for row in flash_rows(shape, "bf16", IMPLS, rep_ms, cfg, "variants"):
                 if row["impl"] == "triton":
                     # The configs of the row's last launches (its forward+backward timing), per kernel.
                     row["configs"] = {name: _entry(autotuned_kernel(name).best_config) for name in KERNELS}
                 emit(row)
+            bar.update()
+    bar.close()
     return rows
 
-
-# ------------------------------------------------------------------------------ offline sm_90 builds
 
 _BF16_POINTERS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
 _UNIT_STRIDES = {"stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_dod", "stride_dkd", "stride_dvd",
@@ -175,48 +178,26 @@ def build_row(name: str, head_dim: int, entry: Entry, tma: bool = False) -> dict
             "mma_sync": sass.count("HMMA"), "tma_loads": sass.count("UTMALDG"), "loops": loop_spills(sass)}
 
 
-def build_rows(out: str | None) -> list[dict[str, Any]]:
-    """:func:`build_row` for every listed and candidate config of the 16-bit d = 64 and 128 regimes."""
+def build_rows(out: str | None, progress: bool = False) -> list[dict[str, Any]]:
+    """:func:`build_row` for every listed and candidate config of the 16-bit d = 64 and 128 regimes; with
+    ``progress``, a bar on stderr counts the builds done."""
     meta = provenance()
-    rows = []
+    builds = []
     for name in KERNELS:
         table, tma_table = listed_configs(name), listed_configs(name, tma=True)
         for head_dim in (64, 128):
             entries = dict.fromkeys([*table[(2, head_dim)], *CANDIDATES[name].get((2, head_dim), [])])
-            builds = [(entry, False) for entry in entries]
-            builds += [(entry, True) for entry in tma_table.get((2, head_dim), [])]
-            for entry, tma in builds:
-                row = build_row(name, head_dim, entry, tma)
-                print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
-                rows.append(row)
-                if out:
-                    append_rows(out, [row], meta)
+            builds += [(name, head_dim, entry, False) for entry in entries]
+            builds += [(name, head_dim, entry, True) for entry in tma_table.get((2, head_dim), [])]
+    bar = progress_bar(total=len(builds), desc="tune --builds", enabled=progress, unit="build")
+    rows = []
+    for name, head_dim, entry, tma in builds:
+        bar.set_postfix_str(f"{name} d={head_dim}")
+        row = build_row(name, head_dim, entry, tma)
+        print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+        rows.append(row)
+        if out:
+            append_rows(out, [row], meta)
+        bar.update()
+    bar.close()
     return rows
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=None, help="append rows (with provenance) to this JSONL file")
-    parser.add_argument("--rep-ms", type=int, default=1000, help="do_bench repetition for the variants rows")
-    parser.add_argument("--precompile-jobs", type=int, default=4, help="processes compiling candidates first")
-    parser.add_argument("--shapes", default=None,
-                        help="b,h,s,d[;b,h,s,d...] (default: the two anchors and two more)")
-    parser.add_argument("--builds", action="store_true",
-                        help="no GPU: compile every config for sm_90 and record registers and spills")
-    args = parser.parse_args(argv)
-    if args.builds:
-        build_rows(args.out)
-        return 0
-    if not torch.cuda.is_available():
-        raise SystemExit("attention_tuning times GPU kernels and needs a CUDA GPU")
-    shapes = SHAPES
-    if args.shapes:
-        shapes = tuple(tuple(int(x) for x in item.split(",")) for item in args.shapes.split(";"))
-        if any(len(shape) != 4 or min(shape) <= 0 for shape in shapes):
-            raise SystemExit(f"--shapes wants positive b,h,s,d groups separated by ';', got {args.shapes!r}")
-    run_tuning(shapes, args.rep_ms, args.out, args.precompile_jobs)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -63,7 +63,7 @@ from cs336_comms.process_group import current_device, run_ranks
 from cs336_harness import instrument
 from cs336_harness.analysis import figures, trace
 from cs336_harness.analysis.tables import markdown_table
-from cs336_harness.device import DTYPES, sync
+from cs336_harness.device import DTYPES, GIB, sync
 from cs336_harness.instrument import STEP_PHASES
 from cs336_harness.progress import progress_bar
 from cs336_harness.studies.distributed import DistributedRunConfig
@@ -221,7 +221,7 @@ def _time_variant(config: DDPBenchConfig, variant: str, dtype: str, rank: int, d
     last_rank_tails = torch.tensor(tails, dtype=torch.float64, device=device)
     dist.all_reduce(last_rank_tails, op=dist.ReduceOp.MIN)
     in_sync = _params_in_sync(run.model)
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
     del run, last
     _release(device)
     return {

@@ -10,6 +10,8 @@ import torch
 from cs336_basics.config import DEFAULT_CONTEXT_LENGTH, DEFAULT_VOCAB_SIZE, PRESETS, ModelConfig
 from cs336_comms.process_group import default_backend, launched_by_torchrun
 
+from cs336_harness.device import GIB
+
 # Compute dtypes a training study takes: fp32, or bf16 compute with fp32 master weights.
 TRAINING_DTYPES: tuple[str, ...] = ("fp32", "bf16")
 
@@ -82,6 +84,6 @@ class DistributedRunConfig:
     def describe(self) -> str:
         """What the run asked for, in words, for messages (a rank that died names it)."""
         params = self.model_config.num_params
-        return (f"size {self.size} ({params / 1e6:.0f}M parameters, {16 * params / 2**30:.2f} GiB of fp32 weights, "
+        return (f"size {self.size} ({params / 1e6:.0f}M parameters, {16 * params / GIB:.2f} GiB of fp32 weights, "
                 f"gradients and AdamW moments unsharded), context {self.context_length}, global batch "
                 f"{self.global_batch} over {self.world_size} {self.resolved_backend} ranks")

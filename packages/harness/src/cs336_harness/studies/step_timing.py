@@ -31,7 +31,7 @@ from cs336_sharding.checkpointing import GROUP_SWEEP, apply_checkpointing, parse
 
 from cs336_harness import instrument
 from cs336_harness.analysis import figures, memory, trace
-from cs336_harness.device import DTYPES, check_device, default_device, sync
+from cs336_harness.device import DTYPES, GIB, check_device, default_device, sync
 from cs336_harness.instrument import annotate
 from cs336_harness.progress import progress_bar
 from cs336_harness.results import append_rows
@@ -265,9 +265,9 @@ def run_bench(config: BenchConfig, on_step: Callable[[], None] | None = None) ->
     for name in (*PHASE_NAMES, "step"):
         row.update(_summary(name, rec.times[name]))
     for name, peak in rec.peaks.items():
-        row[f"peak_{name}_gib"] = peak / 2**30
+        row[f"peak_{name}_gib"] = peak / GIB
     if rec.peaks:
-        row["peak_step_gib"] = max(rec.peaks.values()) / 2**30
+        row["peak_step_gib"] = max(rec.peaks.values()) / GIB
     return row
 
 

@@ -1,0 +1,171 @@
+"""A leaderboard run's memory plan: what one ``cs336_basics`` block keeps for its backward with the run's kernels
+(:func:`block_memory`), what the step holds besides (:func:`reserved_bytes`), the memory cap that stands for a
+leaderboard rank (:func:`default_memory_cap_bytes`) and the checkpointing they choose (:func:`memory_plan`).
+
+``checkpoint="budget"`` is the policy that recomputes least within the cap (``memory_cap_gib``, default
+:func:`default_memory_cap_bytes` on a GPU): :func:`cs336_sharding.checkpointing.policy_for_budget` over the blocks'
+activations, with :func:`reserved_bytes` set aside; the plan says which policy that was and the peak it expects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from cs336_sharding.checkpointing import (
+    BlockMemory,
+    CheckpointPolicySpec,
+    activation_peak_bytes,
+    parse_policy,
+    policy_for_budget,
+)
+
+from cs336_harness.device import DTYPES, GIB
+from cs336_harness.studies.glue import GLUES
+from cs336_harness.studies.leaderboard.baselines import CHUNK_TOKENS
+from cs336_harness.studies.leaderboard.config import (
+    BUDGET,
+    LEADERBOARD_DEFAULTS,
+    LeaderboardConfig,
+    leaderboard_model_config,
+)
+
+# Bytes of state per parameter through the step: fp32 weight, gradient and AdamW's two moments; the weight and the
+# moments alone are what lives at the start of the backward (the gradients of the previous step were freed).
+STATE_BYTES_PER_PARAM = 16
+STATE_AT_BACKWARD_BYTES_PER_PARAM = 12
+
+
+def default_memory_cap_bytes(config: LeaderboardConfig, device_bytes: int) -> float:
+    """The memory a run may use to stand for a leaderboard rank on a device of ``device_bytes``: its own state plus
+    the share of a rank's activation memory that its layers would have there,
+
+        cap = state(run) + (device_bytes - state(leaderboard rank)) * num_layers / 34,
+        state = 16 bytes * parameters / world_size   (fp32 weights, gradients, AdamW's two moments)
+
+    (on an H200, about 92 GiB for the 14-layer proxy; ``device_bytes`` itself for the leaderboard run)."""
+    full = leaderboard_model_config()
+    own = STATE_BYTES_PER_PARAM * config.model_config.num_params / config.world_size
+    rank_state = STATE_BYTES_PER_PARAM * full.num_params / LEADERBOARD_DEFAULTS["world_size"]
+    return own + (device_bytes - rank_state) * config.model_config.num_layers / full.num_layers
+
+
+def reserved_bytes(config: LeaderboardConfig) -> float:
+    """What the step holds at the start of the backward (its peak) besides the blocks' activations: an estimate.
+
+    - weights and AdamW moments of this rank's shard, 12 bytes per parameter / world size (last step's gradients
+      were freed; the new ones grow while the backward frees activations);
+    - the current and the next block's weights gathered in the compute dtype (2 * block parameters * e);
+    - embedding and LM head: their gathered weights and the head's weight gradient in the compute dtype and in
+      fp32 (the reduction's input), (2 e + e + 4) V d;
+    - per token: the embedding output, the final norm's saved tensors (fp32 x and x * rstd) and the head's gradient
+      for the hidden states, (e + 8 + e) N d;
+    - the loss head's logits: ours one fused chunk (``cs336_kernels.CHUNK_BYTES``, 640 MiB); the baselines one chunk
+      of 4096 tokens recomputed in the backward with its fp32 copy and that copy's gradient, (e + 4 + 4) * 4096 * V.
+    """
+    # Imported here: on CPU the Triton interpreter must be chosen before the kernels load.
+    from cs336_kernels import CHUNK_BYTES
+
+    m = config.model_config
+    e = DTYPES[config.compute_dtype].itemsize
+    n, d, v = config.batch_per_rank * config.context_length, m.d_model, m.vocab_size
+    block_params = (m.num_params - 2 * v * d - d) // m.num_layers  # all but the embeddings, head and final norm
+    head = CHUNK_BYTES if config.impl == "ours" else (e + 4 + 4) * min(CHUNK_TOKENS, n) * v
+    return (STATE_AT_BACKWARD_BYTES_PER_PARAM * m.num_params / config.world_size + 2 * e * block_params
+            + (3 * e + 4) * v * d + (2 * e + 8) * n * d + head)
+
+
+class BlockShape(Protocol):
+    """The dimensions :func:`block_memory` needs (a ``cs336_basics.config.ModelConfig`` has them)."""
+
+    d_model: int
+    d_ff: int
+    num_heads: int
+
+
+def block_memory(shape: BlockShape, batch: int, seq: int, *, dtype_bytes: int = 2, glue: str = "model",
+                 fused_qkv: bool = False) -> BlockMemory:
+    """:class:`~cs336_sharding.checkpointing.BlockMemory` of one ``cs336_basics`` block (RMSNorm, RoPE attention
+    with a fused attention op, RMSNorm, SwiGLU) on ``batch`` sequences of ``seq`` tokens with 16-bit
+    (``dtype_bytes=2``) or fp32 compute, its glue ``glue`` (:data:`~cs336_harness.studies.glue.GLUES`), its weights
+    gathered by FSDP (views whose memory is freed after the forward, so they count nothing).
+
+    With N = batch * seq tokens, d = d_model, f = d_ff, h = heads, e = dtype_bytes, what autograd keeps:
+
+    - both norms: ``glue="model"`` upcasts x and keeps it and ``x * rstd`` in fp32 (8 N d; the first norm's
+      upcast of an fp32 block input is the input itself) and rstd (4 N); the kernels keep their input (the block
+      input for the first, free here; the residual sum h for the second, which the residual add folded into it
+      writes and keeps: e N d) and rstd (4 N);
+    - the q / k / v projections keep the normed input (e N d); RoPE keeps its tables' rows (the model's own:
+      cos and sin gathered at the positions for q and for k, 4 * 4 * seq * d / (2 h)) or the positions (the
+      kernel: 8 seq, int64); the attention op keeps rotated q and k, v and its output (4 e N d) and the fp32
+      log-sum-exp (4 N h); with ``fused_qkv`` v is a view of the (N, 3 d) projection output, which it keeps
+      whole (2 e N d more), and the matmul keeps the concatenated (3 d, d) weight (3 e d^2);
+    - the output projection keeps the heads' outputs in (N, d) layout (e N d, a copy of the attention output);
+    - SwiGLU: w1 and w3 keep the normed input (e N d); the gate keeps a = w1 x, sigmoid(a), a * sigmoid(a) and
+      b = w3 x (4 e N f) in the model's code, a and b (2 e N f) in the kernel; w2 keeps the gate's output (e N f);
+    - the block's output (e N d).
+
+    ``attention`` is the output plus the attention op's output and log-sum-exp; ``checkpointed`` the output.
+    ``glue="compiled"`` (torch.compile of the kernels' PyTorch references) is counted as the kernels.
+    """
+    if glue not in GLUES:
+        raise ValueError(f"glue must be one of {', '.join(GLUES)}, got {glue!r}")
+    for name, value in (("batch", batch), ("seq", seq), ("dtype_bytes", dtype_bytes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    d, f, h = shape.d_model, shape.d_ff, shape.num_heads
+    n, e = batch * seq, dtype_bytes
+    out, lse = e * n * d, 4 * n * h
+    if glue == "model":
+        upcast = 4 * n * d if e < 4 else 0  # the first norm's fp32 copy of the block input (fp32: the input itself)
+        norms = upcast + 3 * 4 * n * d + 2 * 4 * n
+        rope = 4 * 4 * seq * (d // h // 2)
+        gate = 4 * e * n * f
+    else:
+        norms = e * n * d + 2 * 4 * n
+        rope = 8 * seq
+        gate = 2 * e * n * f
+    # input, q k v o, the (N, d) copy; fused: q and k stay alive in the (N, 3d) output, and the (3d, d) weight
+    attention = (1 + 4 + 1) * e * n * d + lse + ((2 * n + 3 * d) * e * d if fused_qkv else 0)
+    ffn = e * n * d + gate + e * n * f
+    return BlockMemory(kept=norms + rope + attention + ffn + out, attention=out + e * n * d + lse, checkpointed=out)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The checkpointing a run uses and the memory it expects: ``cap_bytes`` (None without one), ``block`` (what a
+    block keeps, :func:`block_memory`), ``policy`` and ``expected_peak_bytes``
+    (:func:`reserved_bytes` plus :func:`~cs336_sharding.checkpointing.activation_peak_bytes`; None for a policy it
+    does not cover)."""
+
+    cap_bytes: float | None
+    block: BlockMemory
+    policy: CheckpointPolicySpec
+    expected_peak_bytes: float | None
+
+
+def memory_plan(config: LeaderboardConfig, device_bytes: int | None) -> MemoryPlan:
+    """The :class:`MemoryPlan` of ``config`` on a device of ``device_bytes`` (None on CPU). A compiled block is
+    counted as the compiled glue (``glue="compiled"``): Inductor's partitioner keeps the inputs of the norms and of
+    the gate and recomputes the rest, as it does for the compiled glue alone."""
+    m = config.model_config
+    if config.memory_cap_gib is not None:
+        cap = config.memory_cap_gib * GIB
+    else:
+        cap = None if device_bytes is None else default_memory_cap_bytes(config, device_bytes)
+    block = block_memory(m, config.batch_per_rank, config.context_length,
+                         dtype_bytes=DTYPES[config.compute_dtype].itemsize,
+                         glue="compiled" if config.compile_blocks else config.glue,
+                         fused_qkv=config.fused_qkv)
+    reserved = reserved_bytes(config)
+    if config.checkpoint == BUDGET:
+        assert cap is not None, "LeaderboardConfig checks that a budget has a cap"
+        policy = policy_for_budget(block, m.num_layers, cap - reserved, keep_attention=config.impl == "ours")
+    else:
+        policy = parse_policy(config.checkpoint)
+    try:
+        expected = reserved + activation_peak_bytes(block, m.num_layers, policy)
+    except ValueError:
+        expected = None
+    return MemoryPlan(cap, block, policy, expected)
