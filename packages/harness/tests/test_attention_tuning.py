@@ -1,4 +1,5 @@
-"""Offline sm_90 builds of the attention kernels (no GPU): the TMA configs really load by TMA."""
+"""cs336 tune: its flags, and the offline sm_90 builds of the attention kernels (no GPU): the TMA configs really load
+by TMA."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import triton
+from cs336_harness import cli
 from cs336_harness.studies import attention_tuning
 
 # The test session runs Triton's interpreter, which cannot compile; the builds run in a fresh process without it.
@@ -42,3 +45,16 @@ def test_entry_marks_tma_configs() -> None:
     assert attention_tuning._entry(config) == [64, 128, 8, 2, "qdo_tma"]
     config = triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3)
     assert attention_tuning._entry(config) == [128, 64, 8, 3]
+
+
+def test_command_takes_shapes_and_refuses_what_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = cli.parse_args(["tune", "--shapes", "1,32,32768,128", "2,16,8192,64", "--rep-ms", "5"])
+    assert args.shapes == [(1, 32, 32768, 128), (2, 16, 8192, 64)] and args.rep_ms == 5 and not args.builds
+    with pytest.raises(SystemExit):
+        cli.parse_args(["tune", "--shapes", "1,32,0,128"])
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(SystemExit, match="TRITON_INTERPRET=0 cs336 tune --builds"):
+        cli.main(["tune", "--builds"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            cli.main(["tune"])

@@ -12,4 +12,5 @@ COMMANDS: dict[str, str] = {
     "residuals": "count tensors saved for backward (RMSNorm, one xl block, four blocks with checkpointing)",
     "shard": "peak memory and step time of DDP, ZeRO-1, our FSDP and FSDP2, with an FSDP timeline figure",
     "sizes": "print the model-size presets with parameter counts and training-state memory",
+    "tune": "autotune our FlashAttention over wider config lists at real shapes, or build them for sm_90 (--builds)",
 }
