@@ -21,6 +21,7 @@ from cs336_harness.commands._shared import print_measured_table
 from cs336_harness.device import check_device
 from cs336_harness.studies import collectives as collectives_study
 from cs336_harness.studies import ddp as ddp_study
+from cs336_harness.studies import leaderboard as leaderboard_study
 from cs336_harness.studies import shard as shard_study
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU rules apply without CUDA")
@@ -93,6 +94,7 @@ def no_run(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("cs336_harness.commands.collectives.run_collectives_study", never)
     monkeypatch.setattr("cs336_harness.studies.step_timing.run_configs", never)
     monkeypatch.setattr("cs336_harness.commands.residuals.run_experiments", never)
+    monkeypatch.setattr(leaderboard_study, "run_leaderboard", never)
 
 
 @pytest.mark.parametrize("argv", [
@@ -170,13 +172,47 @@ def test_collectives_bar_counts_backend_and_world_size_runs(monkeypatch: pytest.
     assert calls == [("gloo", 2), ("gloo", 3)] and "collectives:" in capsys.readouterr().err
 
 
-def test_leaderboard_markdown_says_why_its_table_is_empty(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_leaderboard_markdown_says_why_its_table_is_empty(tmp_path) -> None:
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"size": "tiny", "context_length": 32, "global_batch": 2, "world_size": 2,
                                 "compute_dtype": "fp32", "status": "ok", "step_s": 1.0}) + "\n")
-    assert cli.main(["leaderboard", "--markdown", str(rows)]) == 0
-    out, err = capsys.readouterr()
-    assert "has no ok rows of the leaderboard configuration" in err and out == ""  # no table to print
+    with pytest.raises(SystemExit, match="cs336 leaderboard: no ok rows of the leaderboard configuration"):
+        cli.main(["leaderboard", "--markdown", str(rows)])
+
+
+@NO_CUDA
+def test_leaderboard_proxy_on_cpu_says_it_is_a_gpu_measurement() -> None:
+    said = ("cs336 leaderboard: --proxy is a GPU measurement: one rank of the leaderboard run on one GPU (14 layers of "
+            "the 8B model, context 32768, bf16), whose fp32 weights, gradients and AdamW state alone take 61 GiB; it "
+            "needs a CUDA GPU")
+    for argv in (["--proxy"], ["--proxy", "--compute-dtype", "fp32"]):
+        with pytest.raises(SystemExit, match=re.escape(said)):
+            cli.main(["leaderboard", *argv])
+
+
+@NO_CUDA
+@pytest.mark.parametrize("flag", ["--profile", "--handout-timing"])
+def test_leaderboard_gpu_only_flags_are_refused_on_cpu(flag: str, no_run: None) -> None:
+    with pytest.raises(SystemExit, match=f"cs336 leaderboard: {flag} times GPU kernels and needs CUDA"):
+        cli.main(["leaderboard", flag])
+
+
+def test_leaderboard_table_leaves_out_columns_no_row_fills(monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    row = {"impl": "ours", "num_layers": 2, "world_size": 2, "compute_dtype": "fp32", "step_s": 0.5, "mfu": None,
+           "peak_step_gib": None, "backend": "gloo"}
+    monkeypatch.setattr(leaderboard_study, "run_leaderboard", lambda config, progress: [row])
+    assert cli.main(["leaderboard", "--backend", "gloo", "--quiet"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "mfu" not in lines[0] and "peak_step_gib" not in lines[0] and "step_s" in lines[0]
+    assert lines[-2].startswith("left out, no value in any row: ") and "mfu" in lines[-2]
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_help_examples_keep_their_lines(name: str) -> None:
+    sub = next(a for a in cli._parser(name)._actions if isinstance(a, argparse._SubParsersAction))
+    epilog = sub.choices[name].epilog or ""
+    assert all(len(line) <= 120 for line in epilog.splitlines()), epilog  # a joined continuation runs longer
 
 
 def test_precision_tables_say_where_they_ran(capsys: pytest.CaptureFixture[str]) -> None:
@@ -247,8 +283,11 @@ MARKDOWN_ROWS = {
     "fused": {"bench": "glue", "impl": "eager", "op": "rms_norm", "shape": "(8, 16)", "dtype": "bf16",
               "device": "H200", "bytes_moved": 1e9, "median_ms": 1.5},
     "shard": {"variant": "fsdp", "dtype": "fp32", "step_ms": 1.5},
+    "leaderboard": {"size": "8B", "context_length": 32768, "global_batch": 2, "world_size": 2,
+                    "compute_dtype": "bf16", "status": "ok", "step_s": 1.5, "attention": "triton",
+                    "checkpoint": "all", "optimizer": "fused-adamw"},
 }
-FILL_COMMANDS = ["attention", "shard"]
+FILL_COMMANDS = ["attention", "leaderboard", "shard"]
 
 
 def _rows_file(tmp_path, *rows: object) -> str:
@@ -362,7 +401,8 @@ def test_ddp_shows_a_bucket_size_only_for_the_variants_with_buckets(monkeypatch:
 
 
 @pytest.mark.parametrize("argv", [["ddp", "--world-size", "3", "--global-batch", "3"], ["shard", "--world-size", "3",
-                                  "--global-batch", "3"], ["collectives", "--world-sizes", "2,3"]])
+                                  "--global-batch", "3"], ["collectives", "--world-sizes", "2,3"],
+                                  ["leaderboard", "--world-size", "3", "--global-batch", "3"]])
 @pytest.mark.parametrize("rank", ["0", "1"])
 def test_torchrun_with_another_world_size_is_one_line_from_rank_0(argv: list[str], rank: str,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
@@ -389,6 +429,8 @@ def test_torchrun_with_another_world_size_is_one_line_from_rank_0(argv: list[str
                                                      "needs at least"),
     (["residuals", "--context-length", "100000", "--device", "cpu"], "residuals of the tiny block at batch 4, "
                                                                       "context 100000 needs at least"),
+    (["leaderboard", "--size", "8B", "--backend", "gloo"], "the leaderboard step (ours) of size 8B (34 layers), "
+                                                           "context 32, global batch 2 on 2 ranks needs at least"),
     (["collectives", "--world-sizes", "1000"], "collectives on 1000 ranks with float32 tensors of up to 100 MiB "
                                                "needs at least 348 GiB of host memory (1000 ranks of 0.348 GiB: the "
                                                "process 0.25, tensors 0.0978), and 16 GiB is available: at most 46 "

@@ -15,11 +15,11 @@ Examples::
     uv run cs336 leaderboard                                        # CPU try-out, or the real run on 2 GPUs
     uv run cs336 leaderboard --out writeup/results/leaderboard.jsonl
     uv run cs336 leaderboard --attention sdpa --optimizer torch-adamw   # ablations, one piece at a time
-    uv run cs336 leaderboard --proxy --impl ours,torch_native,torch_native_compiled --profile \
+    uv run cs336 leaderboard --proxy --impl ours,torch_native,torch_native_compiled --profile \\
         --out writeup/results/leaderboard_proxy.jsonl                 # one GPU
     uv run cs336 leaderboard --proxy --glue triton --checkpoint budget --profile   # our glue kernels, sized policy
     uv run cs336 leaderboard --size xl --context-length 4096 --vocab-size 32000 --steps 5
-    uv run cs336 leaderboard --markdown writeup/results/leaderboard_proxy.jsonl \
+    uv run cs336 leaderboard --markdown writeup/results/leaderboard_proxy.jsonl \\
         --fill writeup/sections/09-leaderboard.md
     torchrun --nproc-per-node 2 -m cs336_harness.cli leaderboard
 """
@@ -30,17 +30,28 @@ import argparse
 import sys
 
 import torch
-from cs336_basics.config import PRESETS
-from cs336_comms.process_group import RankDiedError
+from cs336_basics.config import PRESETS, ModelConfig
+from cs336_comms.process_group import RankDiedError, check_world_size
 
+from cs336_harness import resources
 from cs336_harness.analysis import kernel_kinds
-from cs336_harness.analysis.tables import format_table, print_or_fill
-from cs336_harness.commands._shared import add_quiet_argument, csv_of
-from cs336_harness.results import append_rows, check_writable, read_rows
+from cs336_harness.commands._shared import (
+    add_markdown_arguments,
+    add_quiet_argument,
+    csv_of,
+    markdown_requested,
+    print_markdown,
+    print_measured_table,
+)
+from cs336_harness.device import GIB
+from cs336_harness.results import RowKind, append_rows, check_writable
 from cs336_harness.studies import leaderboard
 from cs336_harness.studies.glue import GLUES
 
 _SIZED = ("size", "vocab_size", "context_length", "global_batch", "world_size", "num_layers", "compute_dtype")
+# What the tables read of every row (writeup_tables picks the leaderboard configuration and the proxy by these).
+ROWS = RowKind("leaderboard", "compute_dtype", {
+    dtype: ("size", "context_length", "global_batch", "world_size", "step_s") for dtype in leaderboard.COMPUTE_DTYPES})
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,10 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "included (default 600)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="append the rows (with provenance) to this JSONL file")
-    parser.add_argument("--markdown", metavar="ROWS", default=None,
-                        help="print this JSONL file's leaderboard and proxy tables as markdown; run nothing")
-    parser.add_argument("--fill", metavar="SECTION", default=None,
-                        help="with --markdown: rewrite the <!-- table:NAME --> blocks of this markdown file")
+    add_markdown_arguments(parser, fill=True)
     add_quiet_argument(parser)
 
 
@@ -119,26 +127,50 @@ def configs_from_args(args: argparse.Namespace) -> list[leaderboard.LeaderboardC
     return [leaderboard.recipe(ours, impl) for impl in args.impl]
 
 
+def _check_cpu_run(config: leaderboard.LeaderboardConfig) -> None:
+    """That a run on gloo ranks asks for nothing only GPUs measure, and fits in this machine's memory.
+
+    Raises:
+        ValueError: naming the flag, or what the ranks need and what there is.
+    """
+    for flag, asked in (("--profile", config.profile), ("--handout-timing", config.handout_timing)):
+        if asked:
+            raise ValueError(f"{flag} times GPU kernels and needs CUDA; on CPU (gloo) there are none to time")
+    model = config.model_config
+    ranks, spawned = resources.ranks_here(config.world_size)
+    activations = resources.activation_bytes(
+        model, config.batch_per_rank, dtype_bytes=4, attention=config.attention,
+        checkpoint=str(leaderboard.memory_plan(config, None).policy), backward=True, fused_loss=True)
+    shard = model.num_params / config.world_size
+    peak = resources.largest({"weights (built whole, then sharded)": 4 * model.num_params},
+                             resources.step_peak(shard, activations, backward=True, adamw=True))
+    what = (f"the leaderboard step ({config.impl}) of size {config.size} ({model.num_layers} layers), context "
+            f"{config.context_length}, global batch {config.global_batch} on {config.world_size} ranks")
+    resources.HostMemoryNeed(what, peak, ranks, spawned).check()
+
+
+def _proxy_needs_a_gpu() -> str:
+    proxy = {k: v for k, v in leaderboard.PROXY_DEFAULTS.items() if k in ("vocab_size", "context_length", "num_layers")}
+    model = ModelConfig.from_preset(leaderboard.PROXY_DEFAULTS["size"], **proxy)
+    return (f"--proxy is a GPU measurement: one rank of the leaderboard run on one GPU ({model.num_layers} layers of "
+            f"the {leaderboard.PROXY_DEFAULTS['size']} model, context {model.context_length}, bf16), whose fp32 "
+            f"weights, gradients and AdamW state alone take {16 * model.num_params / GIB:.0f} GiB; it needs a CUDA "
+            "GPU (without --proxy, the command runs its CPU try-out)")
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.markdown:
-        try:
-            tables = leaderboard.writeup_tables(read_rows(args.markdown))
-            if not tables:
-                print(f"cs336 leaderboard: {args.markdown} has no ok rows of the leaderboard configuration (8B, "
-                      "context 32768, global batch 2, 2 ranks, bf16) and no proxy rows; no table to make",
-                      file=sys.stderr)
-                if args.fill:
-                    print_or_fill(tables, args.fill)  # reads the section: a missing one is still an error
-                return 0
-            print_or_fill(tables, args.fill)
-        except ValueError as e:
-            raise SystemExit(f"cs336 leaderboard: {e}") from None
-        return 0
+    if markdown_requested(args):
+        return print_markdown(args, ROWS, leaderboard.writeup_tables,
+                              empty="no ok rows of the leaderboard configuration (8B, context 32768, global batch 2, "
+                                    "2 ranks, bf16) and no proxy rows; no table to make")
     try:
+        if args.proxy and not torch.cuda.is_available():
+            raise ValueError(_proxy_needs_a_gpu())
         configs = configs_from_args(args)
-    except ValueError as e:
-        raise SystemExit(f"cs336 leaderboard: {e}") from None
-    try:
+        for config in configs:
+            check_world_size(config.world_size)
+            if config.resolved_backend == "gloo":
+                _check_cpu_run(config)
         if args.out:
             check_writable(args.out)
     except ValueError as e:
@@ -160,7 +192,8 @@ def run(args: argparse.Namespace) -> int:
         if args.out:  # each row as soon as it exists: a later impl that fails cannot take it along
             append_rows(args.out, run_rows)
         rows += run_rows
-    print(format_table(rows, leaderboard.TABLE_COLUMNS, floatfmt=".4g"))
+    print_measured_table(rows, leaderboard.TABLE_COLUMNS, floatfmt=".4g",
+                         cuda_only="MFU, peak memory and the default memory cap are GPU measures")
     for row in rows:
         if row.get("peak_step_gib_per_rank") is not None:
             print(f"{row['impl']}: peak memory per rank (GiB): "
