@@ -3,9 +3,9 @@
 checkpointing, and what each variant saves for backward.
 
 It lives outside the test module because spawned ranks import their entry point by module name, which
-pytest's importlib mode does not give test modules (the test puts this folder on ``sys.path``).
+pytest's importlib mode does not give test modules (conftest.py puts this folder on ``sys.path``).
 
-Exact equality holds for the same reason as in the sharding tests (packages/sharding/tests): each rank
+Exact equality holds for the same reason as in sharding_spawn_checks.py: each rank
 multiplies by the same gathered weights, a sum of two gradients is order-free and halving is exact; the
 recomputation re-runs the same operations on the same inputs, so it reproduces the saved values bitwise.
 """

@@ -1,4 +1,6 @@
-"""Every checkpointing policy gives the loss and gradients of the plain model, and saves less."""
+"""Every checkpointing policy gives the loss and gradients of the plain model, and saves less; the attention policies
+keep the fused attention's outputs (SDPA's and our Triton kernel's operator); the budget rule picks the policy that
+recomputes least within a memory budget."""
 
 from __future__ import annotations
 
@@ -6,11 +8,19 @@ import copy
 
 import pytest
 import torch
-from cs336_basics.model import BasicsTransformerLM
+from cs336_basics.model import BasicsTransformerLM, sdpa_attention
 from cs336_basics.nn_utils import cross_entropy
-from cs336_harness.studies.attention_impls import get_attention
-from cs336_harness.studies.residuals import count_residuals
-from cs336_sharding.checkpointing import CheckpointedBlocks, Segment, apply_checkpointing, parse_policy
+from cs336_sharding.checkpointing import (
+    BlockMemory,
+    CheckpointedBlocks,
+    CheckpointPolicySpec,
+    Segment,
+    activation_peak_bytes,
+    apply_checkpointing,
+    parse_policy,
+    plan_segments,
+    policy_for_budget,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 POLICIES = ["all", "group:2", "group:3", "first:2", "sqrt", "nested", "nested:3", "selective", "attention"]
@@ -19,6 +29,30 @@ POLICIES = ["all", "group:2", "group:3", "first:2", "sqrt", "nested", "nested:3"
 def _model() -> BasicsTransformerLM:
     torch.manual_seed(0)
     return BasicsTransformerLM(vocab_size=37, context_length=11, d_model=24, num_layers=5, num_heads=3, d_ff=40)
+
+
+def _saved_bytes(model: BasicsTransformerLM, tokens: torch.Tensor) -> int:
+    """Bytes of the storages autograd saves in the forward of ``model(tokens)``, parameters left out."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens)
+    return sum(saved.values())
+
+
+def _triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> torch.Tensor:
+    from cs336_kernels import flash_attention  # on CPU the interpreter must be chosen first (conftest.py)
+
+    return flash_attention(q, k, v, is_causal=is_causal)
+
+
+ATTENTIONS = {"sdpa": sdpa_attention, "triton": _triton_attention}
 
 
 def _loss_and_grads(model: BasicsTransformerLM, tokens: torch.Tensor, targets: torch.Tensor):
@@ -47,11 +81,7 @@ def test_policy_matches_no_checkpointing(policy: str) -> None:
 @pytest.mark.parametrize("policy", ["all", "group:2", "sqrt", "nested", "selective", "attention"])
 def test_policy_saves_less_for_backward(policy: str) -> None:
     tokens = torch.randint(0, 37, (3, 11), generator=torch.Generator().manual_seed(2))
-    plain = _model()
-    _, full = count_residuals(plain, tokens, params=plain, track=False)
-    ckpt = apply_checkpointing(_model(), policy)
-    _, reduced = count_residuals(ckpt, tokens, params=ckpt, track=False)
-    assert reduced.total_bytes < full.total_bytes
+    assert _saved_bytes(apply_checkpointing(_model(), policy), tokens) < _saved_bytes(_model(), tokens)
 
 
 class _CountOp(TorchDispatchMode):
@@ -77,7 +107,7 @@ def test_attention_policy_does_not_recompute_attention(attention: str, op_name: 
     tokens, targets = torch.randint(0, 37, (3, 11), generator=gen), torch.randint(0, 37, (3, 11), generator=gen)
     torch.manual_seed(0)  # head dim 16, the Triton kernel's smallest
     base = BasicsTransformerLM(vocab_size=37, context_length=11, d_model=32, num_layers=2, num_heads=2, d_ff=40,
-                               attention=get_attention(attention))
+                               attention=ATTENTIONS[attention])
     ref_loss, ref_grads = _loss_and_grads(copy.deepcopy(base), tokens, targets)
     model = apply_checkpointing(copy.deepcopy(base), policy)
     loss = cross_entropy(model(tokens), targets)
@@ -119,3 +149,45 @@ def test_double_application_and_non_modulelist_are_rejected() -> None:
         apply_checkpointing(model, "all")
     with pytest.raises(TypeError, match="nn.ModuleList"):
         apply_checkpointing(torch.nn.Linear(2, 2), "all")
+
+
+# The budget rule, on what one block keeps in each mode.
+
+_MEMORY = BlockMemory(kept=100, attention=12, checkpointed=10)
+
+
+def test_peak_is_what_every_block_keeps_plus_one_block() -> None:
+    assert activation_peak_bytes(_MEMORY, 5, "none") == 5 * 100 + 100
+    assert activation_peak_bytes(_MEMORY, 5, "all") == 5 * 10 + 100
+    assert activation_peak_bytes(_MEMORY, 5, "attention") == 5 * 12 + 100
+    assert activation_peak_bytes(_MEMORY, 5, "attention:2") == 2 * 12 + 3 * 100 + 100
+    assert activation_peak_bytes(_MEMORY, 5, "first:4") == 4 * 10 + 100 + 100
+    with pytest.raises(ValueError, match="covers none, all"):
+        activation_peak_bytes(_MEMORY, 5, "group:2")
+    with pytest.raises(ValueError, match="kept >= attention >= checkpointed"):
+        BlockMemory(kept=1, attention=2, checkpointed=1)
+
+
+@pytest.mark.parametrize(("budget", "keep_attention", "policy"), [
+    (600, True, "none"),  # everything fits kept
+    (599, True, "attention:1"),  # all but one block
+    (160, True, "attention:5"),  # every block checkpointed, attention outputs kept
+    (159, True, "first:5"),  # no room for the attention outputs
+    (400, True, "attention:3"),  # 3 * 12 + 2 * 100 + 100 = 336; attention:2 would need 424
+    (400, False, "first:3"),  # 3 * 10 + 2 * 100 + 100 = 330
+    (149, True, "all"),  # nothing fits: the least memory
+])
+def test_budget_policy_recomputes_least_within_the_budget(budget: int, keep_attention: bool, policy: str) -> None:
+    spec = policy_for_budget(_MEMORY, 5, budget, keep_attention=keep_attention)
+    assert str(spec) == policy
+    if policy != "all":
+        assert activation_peak_bytes(_MEMORY, 5, spec) <= budget
+
+
+def test_attention_with_a_count_checkpoints_the_first_blocks() -> None:
+    plan = plan_segments(5, "attention:2")
+    assert [not isinstance(i, int) for i in plan] == [True, True, False, False, False]
+    assert plan_segments(5, "attention") == plan_segments(5, "attention:5")
+    with pytest.raises(ValueError, match="positive"):
+        policy_for_budget(_MEMORY, 5, 0)
+    assert str(CheckpointPolicySpec("attention", 3)) == "attention:3"

@@ -6,21 +6,16 @@ backward). One spawn runs every check (fsdp_checkpointing_checks.py)."""
 from __future__ import annotations
 
 import pickle
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import the checks module by name
-
-from fsdp_checkpointing_checks import POLICIES, WORLD_SIZE, all_checks  # noqa: E402
+from fsdp_checkpointing_checks import POLICIES, WORLD_SIZE, all_checks
 
 pytestmark = pytest.mark.slow  # every test reads the one spawn's records
 
 
 @pytest.fixture(scope="module")
-def records(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def checkpointed_records(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     from cs336_comms.process_group import spawn
 
     out = tmp_path_factory.mktemp("fsdp_checkpointing")
@@ -29,8 +24,9 @@ def records(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 
 @pytest.mark.parametrize("policy", [*POLICIES, "all, after FSDP"])
-def test_fp32_matches_single_process_without_checkpointing_exactly(records: list[dict], policy: str) -> None:
-    for rank, record in enumerate(records):
+def test_fp32_matches_single_process_without_checkpointing_exactly(checkpointed_records: list[dict],
+                                                                   policy: str) -> None:
+    for rank, record in enumerate(checkpointed_records):
         run = record["training"][policy]
         for step, (got, want) in enumerate(zip(run["fsdp"], run["reference"], strict=True)):
             assert got.keys() == want.keys()
@@ -38,8 +34,8 @@ def test_fp32_matches_single_process_without_checkpointing_exactly(records: list
                 assert torch.equal(got[name], want[name]), f"rank {rank} step {step}: {name} differs"
 
 
-def test_checkpointing_under_fsdp_saves_as_much_as_without_fsdp(records: list[dict]) -> None:
-    for record in records:
+def test_checkpointing_under_fsdp_saves_as_much_as_without_fsdp(checkpointed_records: list[dict]) -> None:
+    for record in checkpointed_records:
         saved = record["saved"]
         for policy in ("none", "all"):
             plain, fsdp = saved[policy, False], saved[policy, True]
@@ -52,8 +48,8 @@ def test_checkpointing_under_fsdp_saves_as_much_as_without_fsdp(records: list[di
         assert saved["all", True]["activation_bytes"] < saved["none", True]["activation_bytes"] / 4
 
 
-def test_recomputation_reuses_the_backward_gather(records: list[dict]) -> None:
-    for record in records:
+def test_recomputation_reuses_the_backward_gather(checkpointed_records: list[dict]) -> None:
+    for record in checkpointed_records:
         for policy in ("none", "all"):
             run = record["saved"][policy, True]
             assert run["backward_gathers"] == run["num_units"], policy  # one per unit, none for the recompute
