@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import gc
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -66,7 +65,7 @@ from cs336_harness.analysis.tables import markdown_table
 from cs336_harness.device import DTYPES, GIB, sync
 from cs336_harness.instrument import STEP_PHASES
 from cs336_harness.progress import progress_bar
-from cs336_harness.studies.distributed import DistributedRunConfig
+from cs336_harness.studies.distributed import DistributedRunConfig, trace_folder
 
 VARIANTS: tuple[str, ...] = ("nocomm", "naive", "flat", "overlapped", "bucketed", "torch_ddp")
 
@@ -290,9 +289,7 @@ def run_ddp_bench(config: DDPBenchConfig, progress: bool = False) -> list[dict[s
     Under torchrun only rank 0 returns rows (the others return []). Traces stay in ``config.trace_dir``
     when it is given. With ``progress``, rank 0 shows a bar on stderr: timed and profiled runs done, and which.
     """
-    with tempfile.TemporaryDirectory() as tmp:
-        trace_dir = Path(config.trace_dir or tmp)
-        trace_dir.mkdir(parents=True, exist_ok=True)
+    with trace_folder(config.trace_dir) as trace_dir:
         rows = run_ranks(_rank_main, config.world_size, config, str(trace_dir), progress,
                          backend=config.resolved_backend, timeout_s=600)
         if rows is None:  # a torchrun rank other than 0

@@ -1,9 +1,13 @@
 """What every multi-rank training study shares: its config (a preset model, a global batch split over the ranks,
-dtypes and wrapper variants)."""
+dtypes and wrapper variants) and the folder its traces go to."""
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -14,6 +18,16 @@ from cs336_harness.device import GIB
 
 # Compute dtypes a training study takes: fp32, or bf16 compute with fp32 master weights.
 TRAINING_DTYPES: tuple[str, ...] = ("fp32", "bf16")
+
+
+@contextlib.contextmanager
+def trace_folder(keep: str | Path | None) -> Iterator[Path]:
+    """Where rank 0 writes its profiler traces: ``keep`` (created if missing, and kept), or a temporary folder that is
+    deleted on exit."""
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(keep or tmp)
+        folder.mkdir(parents=True, exist_ok=True)
+        yield folder
 
 
 def check_backend(backend: str, world_size: int) -> None:

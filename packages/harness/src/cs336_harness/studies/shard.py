@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -63,7 +62,7 @@ from cs336_harness.analysis import figures, trace
 from cs336_harness.analysis.tables import markdown_table
 from cs336_harness.device import DTYPES, GIB, sync
 from cs336_harness.progress import progress_bar
-from cs336_harness.studies.distributed import DistributedRunConfig
+from cs336_harness.studies.distributed import DistributedRunConfig, trace_folder
 
 VARIANTS: tuple[str, ...] = ("ddp", "zero1", "fsdp", "fsdp2")
 PROFILED: tuple[str, ...] = ("fsdp", "fsdp2")
@@ -249,9 +248,7 @@ def run_shard_bench(config: ShardBenchConfig, trace_dir: str | Path | None = Non
     Under torchrun only rank 0 returns rows (the others return []). Traces are kept in ``trace_dir``
     when it is given. With ``progress``, rank 0 shows a bar on stderr: runs done, and which is running.
     """
-    with tempfile.TemporaryDirectory() as tmp:
-        traces = Path(trace_dir or tmp)
-        traces.mkdir(parents=True, exist_ok=True)
+    with trace_folder(trace_dir) as traces:
         rows = run_ranks(_rank_main, config.world_size, config, str(traces), progress,
                          backend=config.resolved_backend, timeout_s=600)
         if rows is None:  # a torchrun rank other than 0
