@@ -130,7 +130,8 @@ def _block(dtype: torch.dtype, glue: str, fused_qkv: bool, attention: str | None
 
 @pytest.mark.parametrize(("dtype", "glue", "fused_qkv"), [
     (torch.bfloat16, "model", False), (torch.float32, "model", False), (torch.bfloat16, "model", True),
-    (torch.float32, "triton", False), (torch.bfloat16, "triton", True),  # bytes only: bf16 values do not matter
+    pytest.param(torch.float32, "triton", False, marks=pytest.mark.slow),
+    (torch.bfloat16, "triton", True),  # bytes only: bf16 values do not matter
 ])
 def test_block_memory_is_what_autograd_keeps(dtype: torch.dtype, glue: str, fused_qkv: bool) -> None:
     batch, seq = 2, 23
@@ -186,7 +187,7 @@ def _loss_and_grads(model: BasicsTransformerLM) -> tuple[torch.Tensor, dict[str,
 
 
 @pytest.mark.parametrize(("attention", "fused_qkv", "checkpoint"), [
-    ("sdpa", False, "none"), ("triton", True, "attention:1"),
+    ("sdpa", False, "none"), pytest.param("triton", True, "attention:1", marks=pytest.mark.slow),
 ])
 def test_triton_glue_matches_the_models_code(attention: str, fused_qkv: bool, checkpoint: str) -> None:
     plain = _lm(attention)
@@ -211,7 +212,7 @@ def _block_outputs_and_grads(block: torch.nn.Module, x: torch.Tensor) -> list[to
     return [out.detach(), x.grad, *(p.grad for p in block.parameters())]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.float16, marks=pytest.mark.slow)])
 def test_folded_residual_add_is_the_unfused_block_bit_for_bit(dtype: torch.dtype) -> None:
     # The fold rounds where PyTorch's add, the norm kernel and autograd's sum of h's two gradients round, so the
     # block is the same computation with or without it: equal, not close. (bf16 is left to the GPU: the interpreter
@@ -243,7 +244,8 @@ class _CountedLaunches:
         return run
 
 
-@pytest.mark.parametrize(("checkpoint", "recomputed"), [("none", 0), ("attention", 2), ("selective", 2)])
+@pytest.mark.parametrize(("checkpoint", "recomputed"), [
+    ("none", 0), pytest.param("attention", 2, marks=pytest.mark.slow), ("selective", 2)])
 def test_checkpointing_recomputes_the_folded_add(checkpoint: str, recomputed: int,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     # Neither policy saves an RMSNorm op's output, so the fold (the operator cs336::add_rms_norm_forward) is

@@ -179,7 +179,8 @@ def _check_add(shape, dtype, w_dtype, eps=1e-5, seed=0):
 
 # Rows 1, 7 and 333 (a ragged last block over the interpreter's 3 programs); d = 37, 100, 65 and 5000 are not powers
 # of two, 5000 is above one 4096 block.
-ADD_SHAPES = [(1, 1, 37), (7, 100), (3, 111, 65), (2, 5000)]
+# The 333-row shape takes seconds in the interpreter (each of 3 programs walks 111 rows): slow, the others quick.
+ADD_SHAPES = [(1, 1, 37), (7, 100), pytest.param((3, 111, 65), marks=pytest.mark.slow), (2, 5000)]
 ADD_IDS = ["one-row", "7-rows", "333-rows", "d-above-4096"]
 
 
