@@ -449,6 +449,19 @@ def table_glue() -> str:
                                 ("liger", "Liger-Kernel (ms)"), ("eager", "eager (ms)")])
 
 
+def table_compiled_block() -> str:
+    """One Transformer block, eager and compiled, ours and PyTorch's: the latest run of ``cs336 block``."""
+    block = rows("compiled_block")
+    latest = max(r.get("call_id") or "" for r in block)
+    names = {"eager_ours": "ours, eager", "compiled_ours": "ours, compiled", "eager_torch": "PyTorch, eager",
+             "compiled_torch": "PyTorch, compiled"}
+    shown = [{**r, "variant": names[r["variant"]]} for r in block if (r.get("call_id") or "") == latest]
+    return markdown_table(shown, [("variant", "block"), ("fwd_bwd_ms", "fwd+bwd (ms)"), ("fwd_ms", "fwd (ms)"),
+                                  ("vs_compiled_torch", "vs PyTorch compiled"), ("peak_gib", "peak (GiB)"),
+                                  ("graph_breaks", "graph breaks"), ("first_call_s", "first call (s)")],
+                          floatfmt=".4g")
+
+
 TABLES: dict[str, dict[str, Callable[[], str]]] = {
     "02": {"sizes": table_sizes, "warmup": table_warmup, "profile": table_profile,
            "attention": table_attention, "sums": table_precision_sums,
@@ -462,7 +475,7 @@ TABLES: dict[str, dict[str, Callable[[], str]]] = {
            "all_gather": _collectives("all_gather"), "ddp": table_ddp},
     "09": {"two_gpu": table_two_gpu, "proxy_latest": table_proxy_latest},
     "10": {"anchors": table_anchors, "proxy_all": table_proxy_all, "proxy_breakdown": table_proxy_breakdown,
-           "adamw": table_adamw, "lm_head": table_lm_head, "glue": table_glue},
+           "adamw": table_adamw, "lm_head": table_lm_head, "glue": table_glue, "compiled_block": table_compiled_block},
 }
 
 
