@@ -249,10 +249,10 @@ def _backward(ctx, grad_loss: torch.Tensor, _grad_h: torch.Tensor, _grad_w: torc
         # 32,768 tokens x a 151,936 x 4,096 bf16 head, at the moment the saved activations peak). Traced by
         # functionalization (torch.compile's AOTAutograd, opcheck), an op's outputs must not change, so the
         # product is a new tensor there.
-        # The scale is rounded to the gradients' dtype first, as eager PyTorch rounds a 0-d operand of a product,
-        # so that a compiled step (where Inductor would keep it in fp32) computes the same bits.
+        # Eager PyTorch rounds the 0-d grad_loss to the gradients' dtype before the product; Inductor multiplies by
+        # it in fp32. The two agree for loss.backward() (grad_loss 1), and differ by an ulp now and then otherwise.
         scale = torch.mul if isinstance(grad_loss, FunctionalTensor) else torch.Tensor.mul_
-        grad_hidden, grad_weight = (scale(g, grad_loss.to(g.dtype)) for g in grads)
+        grad_hidden, grad_weight = (scale(g, grad_loss) for g in grads)
         del grads
     return (grad_hidden if need_h else None, grad_weight if need_w else None, None, None, None, None, None, None)
 
