@@ -23,7 +23,7 @@ set before this package is imported (install ``cs336-kernels[cpu]`` for the inte
 
 from importlib.metadata import PackageNotFoundError, version
 
-from cs336_kernels import nn  # noqa: E402  (the module layer imports the functions above)
+from cs336_kernels import nn  # the module layer, over the functions above
 from cs336_kernels.ops.flash_attention import (
     FlashAttentionPytorch,
     FlashAttentionTriton,
