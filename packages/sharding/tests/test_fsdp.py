@@ -15,6 +15,11 @@ from cs336_sharding.fsdp import FSDP, gather_full_params
 from sharding_spawn_checks import FP16_RUNS, OPTIMIZERS, WORLD_SIZE, batches, loss_of, new_model
 
 FULL_BATCH_ATOL = {"fp32": 1e-5, "fp16": 1e-4}  # mirrored reference vs one full-batch backward
+# torch's CPU fused AdamW updates whole SIMD vectors, then the last size % width elements with scalar code
+# that rounds differently in about 1 of 1000 updates. A shard boundary moves elements between the two (with
+# 16-wide vectors, up.weight's reference tail is 320-329 of 330; rank 0's shard of 165 has its tail at
+# 160-164), so FSDP with it matches the reference to an ulp, not bit for bit.
+CPU_VECTOR_TAIL_ROUNDS = {"torch_adamw_fused"}
 
 
 @pytest.mark.slow
@@ -27,7 +32,11 @@ def test_fp32_matches_single_process_exactly(records: list[dict], kind: str, opt
             assert got.keys() == want.keys()
             for name in want:
                 assert got[name].dtype == torch.float32
-                assert torch.equal(got[name], want[name]), f"rank {rank} step {step}: {name} differs"
+                if optimizer in CPU_VECTOR_TAIL_ROUNDS:
+                    torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-7,
+                                               msg=f"rank {rank} step {step}: {name} differs")
+                else:
+                    assert torch.equal(got[name], want[name]), f"rank {rank} step {step}: {name} differs"
 
 
 @pytest.mark.slow
