@@ -153,29 +153,32 @@ def test_double_application_and_non_modulelist_are_rejected() -> None:
 
 # The budget rule, on what one block keeps in each mode.
 
-_MEMORY = BlockMemory(kept=100, attention=12, checkpointed=10)
+_MEMORY = BlockMemory(kept=100, attention=12, checkpointed=10, working=30)
 
 
-def test_peak_is_what_every_block_keeps_plus_one_block() -> None:
-    assert activation_peak_bytes(_MEMORY, 5, "none") == 5 * 100 + 100
-    assert activation_peak_bytes(_MEMORY, 5, "all") == 5 * 10 + 100
-    assert activation_peak_bytes(_MEMORY, 5, "attention") == 5 * 12 + 100
-    assert activation_peak_bytes(_MEMORY, 5, "attention:2") == 2 * 12 + 3 * 100 + 100
-    assert activation_peak_bytes(_MEMORY, 5, "first:4") == 4 * 10 + 100 + 100
+def test_peak_is_what_every_other_block_keeps_plus_the_last_blocks_activations_and_working_set() -> None:
+    assert activation_peak_bytes(_MEMORY, 5, "none") == 4 * 100 + 100 + 30
+    assert activation_peak_bytes(_MEMORY, 5, "all") == 4 * 10 + 100 + 30
+    assert activation_peak_bytes(_MEMORY, 5, "attention") == 4 * 12 + 100 + 30
+    assert activation_peak_bytes(_MEMORY, 5, "attention:2") == 2 * 12 + 2 * 100 + 100 + 30
+    # The last block's activations are all alive in its backward, recomputed or kept: checkpointing it saves nothing.
+    assert activation_peak_bytes(_MEMORY, 5, "first:4") == activation_peak_bytes(_MEMORY, 5, "all")
     with pytest.raises(ValueError, match="covers none, all"):
         activation_peak_bytes(_MEMORY, 5, "group:2")
     with pytest.raises(ValueError, match="kept >= attention >= checkpointed"):
-        BlockMemory(kept=1, attention=2, checkpointed=1)
+        BlockMemory(kept=1, attention=2, checkpointed=1, working=0)
+    with pytest.raises(ValueError, match="working >= 0"):
+        BlockMemory(kept=2, attention=2, checkpointed=1, working=-1)
 
 
 @pytest.mark.parametrize(("budget", "keep_attention", "policy"), [
-    (600, True, "none"),  # everything fits kept
-    (599, True, "attention:1"),  # all but one block
-    (160, True, "attention:5"),  # every block checkpointed, attention outputs kept
-    (159, True, "first:5"),  # no room for the attention outputs
-    (400, True, "attention:3"),  # 3 * 12 + 2 * 100 + 100 = 336; attention:2 would need 424
-    (400, False, "first:3"),  # 3 * 10 + 2 * 100 + 100 = 330
-    (149, True, "all"),  # nothing fits: the least memory
+    (530, True, "none"),  # everything fits kept
+    (529, True, "attention:1"),  # all but one block
+    (178, True, "attention:4"),  # as little as attention:5, and the last block is not recomputed
+    (177, True, "first:4"),  # no room for the attention outputs
+    (400, True, "attention:2"),  # 2 * 12 + 2 * 100 + 130 = 354; attention:1 would need 442
+    (300, False, "first:3"),  # 3 * 10 + 100 + 130 = 260; first:2 would need 350
+    (169, True, "all"),  # nothing fits: the least memory
 ])
 def test_budget_policy_recomputes_least_within_the_budget(budget: int, keep_attention: bool, policy: str) -> None:
     spec = policy_for_budget(_MEMORY, 5, budget, keep_attention=keep_attention)

@@ -77,19 +77,19 @@ def block_floor(config: ModelConfig, batch: int, dtype_bytes: int) -> BlockMemor
     its matmuls (the normed input for q, k, v and again for w1, w3, the attention output, the gate's output), the
     attention op's q, k and v, the gate's two inputs and the block's output, ``e N (7 d + 3 f)``; checkpointed
     saving the attention's outputs, the block's output, the attention output and its fp32 log-sum-exp; checkpointed,
-    the block's output."""
+    the block's output. Its backward's working set is at least the gradient of its output, ``e N d``."""
     n, d, e = batch * config.context_length, config.d_model, dtype_bytes
     out = e * n * d
     return BlockMemory(kept=e * n * (7 * d + 3 * config.d_ff), attention=2 * out + 4 * n * config.num_heads,
-                       checkpointed=out)
+                       checkpointed=out, working=out)
 
 
 def activation_bytes(config: ModelConfig, batch: int, *, dtype_bytes: int, attention: str, checkpoint: str,
                      backward: bool, fused_loss: bool) -> int:
     """The activations of a ``BasicsTransformerLM`` step on ``batch`` sequences of ``config.context_length``
-    tokens at its peak: with a backward, what the blocks keep under ``checkpoint`` plus one block's working set
-    (policies :func:`~cs336_sharding.checkpointing.activation_peak_bytes` does not cover are counted as ``all``, the
-    least any policy keeps); without, one block's input and output. ``attention`` is a name of
+    tokens at its peak: with a backward, what the blocks keep under ``checkpoint`` and the last block's backward
+    holds (policies :func:`~cs336_sharding.checkpointing.activation_peak_bytes` does not cover are counted as
+    ``all``, the least any policy keeps); without, one block's input and output. ``attention`` is a name of
     :data:`cs336_harness.studies.attention_impls.ATTENTION_IMPLS`; ``eager``, ``annotated`` and ``compiled`` build
     the score matrices. An unfused loss adds the fp32 logits."""
     seq, layers = config.context_length, config.num_layers

@@ -34,10 +34,10 @@ Memory per block is ``kept > attention > checkpointed``, and so is the time it s
 outputs costs ``b * T * d_model`` elements and saves the attention forward, keeping the whole block costs all its
 activations and saves its whole forward. So the rule is greedy in that order: first every block keeps its
 attention outputs (if there is room for that and the backward's working set), then as many blocks as fit are not
-checkpointed at all. Those are the *last* blocks: their backward runs first,
-so their activations are freed before any checkpointed block is recomputed, and the peak (at the start of the
-backward) is ``sum of what every block keeps + one block's activations``, the working set of one block's
-backward (the recomputed block, or a kept block's gradient temporaries).
+checkpointed at all. Those are the *last* blocks: their backward runs first, so their activations are freed before
+any checkpointed block is recomputed, and the blocks' share of the peak, reached in the last block's backward, is
+``what every block but the last keeps + the last block's activations + its backward's working set`` (the last
+block's activations are all there: kept, or recomputed).
 """
 
 from __future__ import annotations
@@ -218,34 +218,47 @@ class BlockMemory:
     for its backward beyond the block's input (which the previous block's output already counts).
 
     ``kept``: not checkpointed; ``attention``: checkpointed, the fused attention's outputs kept (``attention``
-    policy); ``checkpointed``: checkpointed, nothing kept (the output alone).
+    policy); ``checkpointed``: checkpointed, nothing kept (the output alone). ``working``: what the block's
+    backward holds at its peak beyond its activations (gradient temporaries, less the activations it has freed
+    by then).
     """
 
     kept: int
     attention: int
     checkpointed: int
+    working: int
 
     def __post_init__(self) -> None:
         if not self.kept >= self.attention >= self.checkpointed > 0:
             raise ValueError(f"need kept >= attention >= checkpointed > 0 bytes, got {self.kept}, {self.attention}, "
                              f"{self.checkpointed}")
+        if not self.working >= 0:
+            raise ValueError(f"need working >= 0 bytes, got {self.working}")
 
 
-def activation_peak_bytes(memory: BlockMemory, num_blocks: int, policy: str | CheckpointPolicySpec) -> int:
-    """The blocks' share of the peak under ``policy``: what every block keeps, plus one block's activations for the
-    backward's working set (the recomputed block, or a kept block's gradient temporaries).
+def kept_bytes(memory: BlockMemory, num_blocks: int, policy: str | CheckpointPolicySpec) -> list[int]:
+    """What each block keeps through the forward under ``policy`` (the first N checkpointed, the rest kept).
 
     Raises:
         ValueError: for a policy other than ``none``, ``all``, ``first:N``, ``attention`` and ``attention:N``.
     """
     spec = parse_policy(policy)
-    n = num_blocks
-    count = n if spec.arg is None else min(spec.arg, n)
+    count = num_blocks if spec.arg is None else min(spec.arg, num_blocks)
     per_checkpointed = {"all": memory.checkpointed, "first": memory.checkpointed, "attention": memory.attention,
                         "none": memory.kept}.get(spec.kind)
     if per_checkpointed is None:
-        raise ValueError(f"activation_peak_bytes covers none, all, first:N, attention and attention:N, got {spec}")
-    return count * per_checkpointed + (n - count) * memory.kept + memory.kept
+        raise ValueError(f"the block memory rule covers none, all, first:N, attention and attention:N, got {spec}")
+    return [per_checkpointed] * count + [memory.kept] * (num_blocks - count)
+
+
+def activation_peak_bytes(memory: BlockMemory, num_blocks: int, policy: str | CheckpointPolicySpec) -> int:
+    """The blocks' share of the peak under ``policy``, in the last block's backward: what every other block keeps,
+    the last block's activations (kept or recomputed) and its backward's working set.
+
+    Raises:
+        ValueError: for a policy other than ``none``, ``all``, ``first:N``, ``attention`` and ``attention:N``.
+    """
+    return sum(kept_bytes(memory, num_blocks, policy)[:-1]) + memory.kept + memory.working
 
 
 def policy_for_budget(memory: BlockMemory, num_blocks: int, budget_bytes: float, *,

@@ -169,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
         configs = configs_from_args(args)
         for config in configs:
             check_world_size(config.world_size)
+            leaderboard.check_runs_here(config)
             if config.resolved_backend == "gloo":
                 _check_cpu_run(config)
         if args.out:

@@ -7,8 +7,10 @@ on two GPUs. One job per module:
 
 - :mod:`~cs336_harness.studies.leaderboard.config`: :class:`LeaderboardConfig`, the handout's run, the CPU try-out,
   the one-GPU proxy of a rank (:data:`PROXY_DEFAULTS`, ``cs336 leaderboard --proxy``) and the baselines' recipes;
-- :mod:`~cs336_harness.studies.leaderboard.memory`: what a block keeps with the run's kernels, the memory cap and
-  the checkpointing policy they choose (``checkpoint="budget"``);
+- :mod:`~cs336_harness.studies.leaderboard.memory`: what a block keeps with the run's kernels, the step's expected
+  peak, the memory cap and the checkpointing policy they choose (``checkpoint="budget"``);
+- :mod:`~cs336_harness.studies.leaderboard.memory_trace`: :func:`traced_peak`, the step's peak counted on fake
+  tensors (no GPU), which checks the plan;
 - :mod:`~cs336_harness.studies.leaderboard.training`: :func:`build_training` composes the step (the model with its
   kernels, ``parallelize``, the optimizer) and :class:`Training` runs it;
 - :mod:`~cs336_harness.studies.leaderboard.baselines`: the PyTorch-only steps (FSDP2, SDPA, chunked loss);
@@ -52,10 +54,17 @@ from cs336_harness.studies.leaderboard.memory import (
     MemoryPlan,
     block_memory,
     default_memory_cap_bytes,
+    expected_peak_bytes,
     memory_plan,
     reserved_bytes,
 )
-from cs336_harness.studies.leaderboard.runner import TimeLimitExceeded, process_age_s, run_leaderboard
+from cs336_harness.studies.leaderboard.memory_trace import traced_peak
+from cs336_harness.studies.leaderboard.runner import (
+    TimeLimitExceeded,
+    check_runs_here,
+    process_age_s,
+    run_leaderboard,
+)
 from cs336_harness.studies.leaderboard.tables import TABLE_COLUMNS, proxy_rows, writeup_tables
 from cs336_harness.studies.leaderboard.training import (
     Training,
@@ -83,7 +92,9 @@ __all__ = [
     "block_memory",
     "build_model",
     "build_training",
+    "check_runs_here",
     "default_memory_cap_bytes",
+    "expected_peak_bytes",
     "make_batch",
     "memory_plan",
     "process_age_s",
@@ -94,5 +105,6 @@ __all__ = [
     "reserved_bytes",
     "run_leaderboard",
     "step_flops",
+    "traced_peak",
     "writeup_tables",
 ]

@@ -16,6 +16,7 @@ from cs336_sharding.checkpointing import (
     BlockMemory,
     CheckpointPolicySpec,
     activation_peak_bytes,
+    kept_bytes,
     parse_policy,
     policy_for_budget,
 )
@@ -50,29 +51,82 @@ def default_memory_cap_bytes(config: LeaderboardConfig, device_bytes: int) -> fl
     return own + (device_bytes - rank_state) * config.model_config.num_layers / full.num_layers
 
 
-def reserved_bytes(config: LeaderboardConfig) -> float:
-    """What the step holds at the start of the backward (its peak) besides the blocks' activations: an estimate.
+def expected_peak_bytes(config: LeaderboardConfig, block: BlockMemory, policy: CheckpointPolicySpec) -> float:
+    """The step's peak under ``policy`` with blocks that keep ``block``: :func:`reserved_bytes` plus the blocks'
+    share in the last block's backward (:func:`~cs336_sharding.checkpointing.activation_peak_bytes`), and for ours
+    the larger of that and two other moments (P parameters, P_b in one block, N tokens, L blocks, d = d_model,
+    V = vocab, e = the compute dtype's bytes, W ranks; what every step holds, as in :func:`reserved_bytes`, aside):
 
-    - weights and AdamW moments of this rank's shard, 12 bytes per parameter / world size (last step's gradients
-      were freed; the new ones grow while the backward frees activations);
-    - the current and the next block's weights gathered in the compute dtype (2 * block parameters * e);
-    - embedding and LM head: their gathered weights and the head's weight gradient in the compute dtype and in
-      fp32 (the reduction's input), (2 e + e + 4) V d;
-    - per token: the embedding output, the final norm's saved tensors (fp32 x and x * rstd) and the head's gradient
-      for the hidden states, (e + 8 + e) N d;
-    - the loss head's logits: ours one fused chunk (``cs336_kernels.CHUNK_BYTES``, 640 MiB); the baselines one chunk
-      of 4096 tokens recomputed in the backward with its fp32 copy and that copy's gradient, (e + 4 + 4) * 4096 * V.
+    - the first block's backward: its activations and working set, the fp32 gradients of every later block and of
+      the head (4 (L - 1) P_b + 4 V d, over W ranks plus the reduce-scatter in flight, 4 P_b, with W > 1), its
+      gathered weights and the embedding's, prefetched (e P_b + e V d). Between the first and the last block the
+      peak falls then rises (checkpointed blocks free more gradients' worth than they keep, kept blocks less), so
+      these two moments bound every block's;
+    - the fused loss at the end of the forward: what every block keeps, the final norm's output, the head's gathered
+      weights, the loss's gradients for the hidden states and the head (e N d + e V d), one chunk of logits;
+    - the embedding's backward, last: every block's and the head's fp32 gradients, the embedding's gathered weights,
+      its dense weight gradient (zeros, then the scatter-add's result: 2 e V d) and the gradient reaching it.
+
+    Exact for ours with the Triton glue (:func:`~cs336_harness.studies.leaderboard.memory_trace.traced_peak` counts
+    the step's tensors; on one H200 that count is within 0.1 GiB of the allocator's peak: cuBLAS' workspace and
+    rounding); the two-rank terms come from FSDP's code, not a trace.
     """
     # Imported here: on CPU the Triton interpreter must be chosen before the kernels load.
     from cs336_kernels import CHUNK_BYTES
 
+    reserved = reserved_bytes(config)
+    last = reserved + activation_peak_bytes(block, config.model_config.num_layers, policy)
+    if config.impl != "ours":
+        return last
     m = config.model_config
     e = DTYPES[config.compute_dtype].itemsize
-    n, d, v = config.batch_per_rank * config.context_length, m.d_model, m.vocab_size
+    n, d, v, w, layers = config.batch_per_rank * config.context_length, m.d_model, m.vocab_size, config.world_size, \
+        m.num_layers
+    block_params = (m.num_params - 2 * v * d - d) // layers
+    common = reserved - 2 * e * block_params - _head_gradient_bytes(config)
+    in_flight = 4 * block_params if w > 1 else 0
+    grads = 4 * ((layers - 1) * block_params + v * d) / w + in_flight
+    first = common + block.kept + block.working + grads + e * block_params + e * v * d
+    head = (common + sum(kept_bytes(block, layers, policy)) + e * n * d + 2 * e * v * d + e * n * d
+            + min(CHUNK_BYTES, n * v * e))
+    embedding = common + 4 * (layers * block_params + v * d) / w + in_flight + 3 * e * v * d
+    return max(last, first, head, embedding)
+
+
+def _head_gradient_bytes(config: LeaderboardConfig) -> float:
+    """Ours: the head's fp32 weight gradient in FSDP's reduce-scatter buffer, and with several ranks the collective's
+    output shard too (in flight until the next unit's gradients are reduced)."""
+    m, w = config.model_config, config.world_size
+    return 4 * m.vocab_size * m.d_model * (1 + (1 / w if w > 1 else 0))
+
+
+def reserved_bytes(config: LeaderboardConfig) -> float:
+    """What the step holds in the last block's backward besides the blocks' activations
+    (:func:`~cs336_sharding.checkpointing.activation_peak_bytes`). With P parameters (P_b in one block), N tokens,
+    d = d_model, V = vocab, e = the compute dtype's bytes and W ranks:
+
+    - weights and AdamW moments of this rank's shard, 12 P / W bytes (the last step's gradients were freed; the
+      new ones grow while the backward frees activations);
+    - FSDP's gathered weights of two blocks, the one in its backward and the next, prefetched: 2 e P_b;
+    - RoPE's cos and sin tables (fp32, context x head_dim / 2 each) and the embedding's output (the first block's
+      input), e N d;
+    - ours: the LM head's weight gradient in fp32, FSDP's buffer for its reduce-scatter (4 V d), and with W > 1
+      that collective's output shard (4 V d / W). The fused loss's chunk of logits and its gradients for the head
+      were freed before the blocks' backward began;
+    - the baselines (FSDP2, not traced): an estimate, the embedding's and head's gathered weights and the head's
+      weight gradient in the compute dtype and in fp32, (3 e + 4) V d; the final norm's saved tensors and the head's
+      gradient for the hidden states, (e + 8) N d; one chunk of 4096 tokens of the loss recomputed in the backward
+      with its fp32 copy and that copy's gradient, (e + 4 + 4) * 4096 * V.
+    """
+    m = config.model_config
+    e = DTYPES[config.compute_dtype].itemsize
+    n, d, v, w = config.batch_per_rank * config.context_length, m.d_model, m.vocab_size, config.world_size
     block_params = (m.num_params - 2 * v * d - d) // m.num_layers  # all but the embeddings, head and final norm
-    head = CHUNK_BYTES if config.impl == "ours" else (e + 4 + 4) * min(CHUNK_TOKENS, n) * v
-    return (STATE_AT_BACKWARD_BYTES_PER_PARAM * m.num_params / config.world_size + 2 * e * block_params
-            + (3 * e + 4) * v * d + (2 * e + 8) * n * d + head)
+    common = (STATE_AT_BACKWARD_BYTES_PER_PARAM * m.num_params / w + 2 * e * block_params
+              + 4 * config.context_length * m.head_dim + e * n * d)
+    if config.impl == "ours":
+        return common + _head_gradient_bytes(config)
+    return common + (3 * e + 4) * v * d + (e + 8) * n * d + (e + 4 + 4) * min(CHUNK_TOKENS, n) * v
 
 
 class BlockShape(Protocol):
@@ -107,6 +161,11 @@ def block_memory(shape: BlockShape, batch: int, seq: int, *, dtype_bytes: int = 
     - the block's output (e N d).
 
     ``attention`` is the output plus the attention op's output and log-sum-exp; ``checkpointed`` the output.
+    ``working``, with the kernels: the backward's peak is in the gate's backward, holding w2's weight gradient
+    (e d f) and the gate's two input gradients (2 e N f); the gradient that reached the block's output and the
+    gradient of the gate's output take the place of the block's output and the gate's output, freed by then.
+    With the model's glue its fp32 norm backwards peak elsewhere: counted as one more block's activations,
+    ``kept``, an upper bound (6 GiB over the traced peak of the 14-layer proxy).
     ``glue="compiled"`` (torch.compile of the kernels' PyTorch references) is counted as the kernels.
     """
     if glue not in GLUES:
@@ -129,15 +188,16 @@ def block_memory(shape: BlockShape, batch: int, seq: int, *, dtype_bytes: int = 
     # input, q k v o, the (N, d) copy; fused: q and k stay alive in the (N, 3d) output, and the (3d, d) weight
     attention = (1 + 4 + 1) * e * n * d + lse + ((2 * n + 3 * d) * e * d if fused_qkv else 0)
     ffn = e * n * d + gate + e * n * f
-    return BlockMemory(kept=norms + rope + attention + ffn + out, attention=out + e * n * d + lse, checkpointed=out)
+    kept = norms + rope + attention + ffn + out
+    working = kept if glue == "model" else e * d * f + 2 * e * n * f
+    return BlockMemory(kept=kept, attention=out + e * n * d + lse, checkpointed=out, working=working)
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
     """The checkpointing a run uses and the memory it expects: ``cap_bytes`` (None without one), ``block`` (what a
     block keeps, :func:`block_memory`), ``policy`` and ``expected_peak_bytes``
-    (:func:`reserved_bytes` plus :func:`~cs336_sharding.checkpointing.activation_peak_bytes`; None for a policy it
-    does not cover)."""
+    (:func:`expected_peak_bytes`; None for a policy it does not cover)."""
 
     cap_bytes: float | None
     block: BlockMemory
@@ -158,14 +218,16 @@ def memory_plan(config: LeaderboardConfig, device_bytes: int | None) -> MemoryPl
                          dtype_bytes=DTYPES[config.compute_dtype].itemsize,
                          glue="compiled" if config.compile_blocks else config.glue,
                          fused_qkv=config.fused_qkv)
-    reserved = reserved_bytes(config)
     if config.checkpoint == BUDGET:
         assert cap is not None, "LeaderboardConfig checks that a budget has a cap"
-        policy = policy_for_budget(block, m.num_layers, cap - reserved, keep_attention=config.impl == "ours")
+        # The policy decides the last block's backward, the peak whenever a block is kept; the first block's does
+        # not depend on it.
+        policy = policy_for_budget(block, m.num_layers, cap - reserved_bytes(config),
+                                   keep_attention=config.impl == "ours")
     else:
         policy = parse_policy(config.checkpoint)
     try:
-        expected = reserved + activation_peak_bytes(block, m.num_layers, policy)
+        expected = expected_peak_bytes(config, block, policy)
     except ValueError:
         expected = None
     return MemoryPlan(cap, block, policy, expected)

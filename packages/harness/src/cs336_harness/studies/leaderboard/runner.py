@@ -165,14 +165,28 @@ def _rank_main(rank: int, world_size: int, config: LeaderboardConfig, show_progr
     return result
 
 
+def check_runs_here(config: LeaderboardConfig) -> None:
+    """That this machine has the GPUs ``config`` runs on. Checked before a run, not by the config, which may describe
+    a GPU run on a machine without one (to see its memory plan).
+
+    Raises:
+        ValueError: if ``config`` runs on nccl with more ranks than visible GPUs.
+    """
+    if config.resolved_backend == "nccl" and config.world_size > torch.cuda.device_count():
+        raise ValueError(f"world_size {config.world_size} needs that many GPUs for nccl; "
+                         f"{torch.cuda.device_count()} visible")
+
+
 def run_leaderboard(config: LeaderboardConfig, progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Run ``config`` on its ranks; one row (config, timings, throughput, MFU, memory, the breakdown when profiled),
     or [] on a torchrun rank other than 0. The row's ``checkpoint`` is the policy that ran (``budget`` resolved;
     ``checkpoint_requested`` is the config's).
 
     Raises:
+        ValueError: if this machine cannot run ``config`` (:func:`check_runs_here`).
         TimeLimitExceeded: if a step would start after ``time_limit_s`` (every rank stops before it).
     """
+    check_runs_here(config)
     if progress is not None:
         progress(f"leaderboard {config.impl}: {config.size} ({config.model_config.num_layers} layers), context "
                  f"{config.context_length}, global batch {config.global_batch}, {config.world_size} ranks "
