@@ -2,8 +2,9 @@
 ``kind: trace`` per configuration (not a GPU measurement), next to the allocator's peak in the latest row that
 measured it (its call id and commit; the row's code may predate the plan's and the count's commit).
 
-For each ``writeup/results/leaderboard_proxy.jsonl`` row of ours on one rank without compiled blocks, the config
-the row ran (its policy resolved) is traced on fake tensors (``traced_peak``) and planned (``memory_plan``).
+For each ``writeup/results/leaderboard_proxy.jsonl`` row of ours on one rank, eager (no compiled blocks or glue),
+the config the row ran (its policy resolved) is traced on fake tensors (``traced_peak``) and planned
+(``memory_plan``).
 
     uv run python tools/trace_proxy_memory.py      # appends the rows to writeup/results/memory_trace.jsonl
 """
@@ -20,16 +21,18 @@ from cs336_harness.studies.leaderboard import LeaderboardConfig, memory_plan, tr
 
 RESULTS = Path(__file__).resolve().parents[1] / "writeup" / "results"
 _FIELDS = {f.name for f in dataclasses.fields(LeaderboardConfig)}
+_SHOWN = ("num_layers", "context_length", "checkpoint", "glue", "attention", "fused_qkv")  # what decides memory
 
 
 def trace_rows() -> list[dict]:
     latest: dict[tuple, tuple[dict, dict]] = {}
     for row in read_rows(RESULTS / "leaderboard_proxy.jsonl"):
-        if row.get("impl") != "ours" or row.get("compile_blocks") or row.get("status") != "ok":
+        if (row.get("impl") != "ours" or row.get("compile_blocks") or row.get("glue") == "compiled"
+                or row.get("status") != "ok"):
             continue
         config = {k: v for k, v in row.items() if k in _FIELDS}
         config.update(checkpoint=row["checkpoint"], backend="nccl", memory_cap_gib=None, profile=False)
-        key = tuple(sorted(config.items()))
+        key = tuple(config[k] for k in _SHOWN)
         if key not in latest or row["date"] > latest[key][1]["date"]:
             latest[key] = (config, row)
     out = []
@@ -39,8 +42,7 @@ def trace_rows() -> list[dict]:
         planned = memory_plan(cfg, None).expected_peak_bytes / GIB
         out.append({
             "kind": "trace", "what": "the step's peak (GiB) counted on fake tensors, and the memory plan's",
-            "config": {k: config[k] for k in ("num_layers", "context_length", "checkpoint", "glue", "attention",
-                                               "fused_qkv")},
+            "config": {k: config[k] for k in _SHOWN},
             "traced_peak_gib": traced, "planned_peak_gib": planned,
             "measured_peak_gib": row["peak_step_gib"], "measured_call_id": row.get("call_id"),
             "measured_commit": row.get("commit"), "measured_minus_traced_gib": row["peak_step_gib"] - traced,

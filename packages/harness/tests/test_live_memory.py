@@ -94,10 +94,12 @@ def test_the_models_glue_is_planned_above_its_traced_peak() -> None:
 
 
 def test_traced_peak_refuses_what_it_cannot_trace() -> None:
-    with pytest.raises(ValueError, match="one rank"):
+    with pytest.raises(ValueError, match="on one rank"):
         traced_peak(_proxy(world_size=2, global_batch=2))
     with pytest.raises(ValueError, match="memory_cap_gib"):
         traced_peak(_proxy(checkpoint="budget"))
+    with pytest.raises(ValueError, match="eager"):
+        traced_peak(_proxy(glue="compiled"))
 
 
 @pytest.mark.gpu

@@ -24,11 +24,13 @@ def traced_peak(config: LeaderboardConfig, *, sites: bool = False) -> LiveMemory
 
     Raises:
         ValueError: for a config it cannot trace: more than one rank (fake tensors run no collectives), a
-            baseline (FSDP2 needs a process group), compiled blocks, or ``budget`` without ``memory_cap_gib``.
+            baseline (FSDP2 needs a process group), compiled blocks or glue, or ``budget`` without
+            ``memory_cap_gib``.
     """
-    if config.world_size != 1 or config.impl != "ours" or config.compile_blocks:
-        raise ValueError("traced_peak traces impl 'ours' on one rank without compiled blocks; got impl "
-                         f"{config.impl!r}, world_size {config.world_size}, compile_blocks {config.compile_blocks}")
+    if config.world_size != 1 or config.impl != "ours" or config.compile_blocks or config.glue == "compiled":
+        raise ValueError("traced_peak traces impl 'ours' on one rank, eager (Inductor decides what compiled code "
+                         f"saves); got impl {config.impl!r}, world_size {config.world_size}, compile_blocks "
+                         f"{config.compile_blocks}, glue {config.glue!r}")
     if config.checkpoint == BUDGET and config.memory_cap_gib is None:
         raise ValueError("traced_peak of checkpoint 'budget' needs memory_cap_gib (no device to take it from)")
     cpu = torch.device("cpu")
