@@ -2,19 +2,20 @@
 # The one-GPU proxy of a leaderboard rank (issue 19) on one H200, in one call of under 9 minutes: the proxy step
 # (8B blocks, 14 layers, one sequence of 32768 tokens, bf16, world size 1, memory cap 92 GiB) ours and the two
 # PyTorch-only baselines, as rows of one call (one CS336_CALL_ID), most important first:
-#   1. ours after: our attention (the Gluon kernels on sm_90), our glue kernels, the budget policy, profiled;
-#   2. the strong baseline (compiled blocks, as many not checkpointed as fit the cap), profiled;
+#   1. ours: our attention (the Gluon kernels on sm_90), our glue kernels, the budget policy (the exact memory plan:
+#      attention:2+selective:10 at 92 GiB), profiled, with the handout's do_bench timing;
+#   2. the strong baseline (compiled blocks, as many not checkpointed as its plan fits the cap: first:8), profiled;
 #   3. the plain baseline (every block checkpointed, eager);
-#   4. ours before: the model's own glue, the attention policy (the 2026-12-01 configuration), profiled;
-#   5. ours with torch.compile of the glue's references instead of the kernels;
-#   6. ours with one (3d, d) qkv matmul;
-#   7. ours with each block's forward compiled (the model's glue inside);
-#   8. ours with SDPA in place of our attention (an ablation: the entry must use our attention);
-# then the markdown tables from the rows, then the GPU tests of the proxy (block memory against the allocator, the
-# glue kernels' step against the model's code in bf16, a small profiled run of all three impls). Every run is its
-# own process with its own timeout and --time-limit-s, none starts with under 75 s left, so rows written before a
-# hang or an out-of-memory come back. Results in $OUT (3 files): leaderboard_proxy.jsonl (copy it to
-# writeup/results/leaderboard_proxy.jsonl), tables.md, log.txt.
+#   4. ours with the blocks that fit kept whole and the rest recomputing their matmuls (attention:5): what the
+#      selective blocks buy;
+#   5. the strong baseline with one block more kept whole (its plan at a 93 GiB cap picks first:7): whether its
+#      plan, an estimate (88.5 GiB planned, 85.2 measured at first:8), left it memory under 92 GiB;
+#   6. ours with the policy of the old plan (attention:7);
+# then the markdown tables from the rows, then the GPU tests of the proxy and of the memory plan (block memory and
+# the step's peak against the allocator, the glue kernels' step against the model's code in bf16, a small profiled
+# run of all three impls). Every run is its own process with its own timeout and --time-limit-s, none starts with
+# under 75 s left, so rows written before a hang or an out-of-memory come back. Results in $OUT (3 files):
+# leaderboard_proxy.jsonl (copy it to writeup/results/leaderboard_proxy.jsonl), tables.md, log.txt.
 #   run (GPU machine, repo root): bash tools/gpu_leaderboard_proxy.sh
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -39,21 +40,19 @@ proxy() {  # proxy NAME MAX_S [FLAGS...]: one cs336 leaderboard --proxy run, ski
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv
   echo "call id $CS336_CALL_ID"
-  proxy "ours after: triton glue, budget checkpointing" 200 --glue triton --checkpoint budget --profile
+  proxy "ours: triton glue, budget checkpointing" 200 --glue triton --checkpoint budget --profile --handout-timing
   proxy "strong baseline: compiled blocks, budget" 200 --impl torch_native_compiled --profile
   proxy "plain baseline: every block checkpointed" 100 --impl torch_native
-  proxy "ours before: model glue, attention checkpointing" 100 --glue model --checkpoint attention --profile
-  proxy "ours: compiled glue, budget" 150 --glue compiled --checkpoint budget
-  proxy "ours: triton glue, one qkv matmul, budget" 100 --glue triton --fused-qkv --checkpoint budget
-  proxy "ours: compiled blocks (model glue), budget" 150 --glue model --compile-blocks --checkpoint budget
-  proxy "ablation: sdpa attention, triton glue, budget" 100 --attention sdpa --glue triton --checkpoint budget
+  proxy "ours: attention:5 (no selective blocks)" 100 --glue triton --checkpoint attention:5
+  proxy "strong baseline: its plan at a 93 GiB cap (first:7)" 150 --impl torch_native_compiled --memory-cap-gib 93
+  proxy "ours: attention:7 (the old plan's policy)" 100 --glue triton --checkpoint attention:7
   if [ -s "$rows" ]; then
     timeout 60 "${cs336[@]}" leaderboard --markdown "$rows" > "$OUT/tables.md" || echo "== tables FAILED (rc $?)"
   fi
   if [ "$(left)" -gt 45 ]; then
     echo "== gpu tests ($(left) s left)"
     timeout "$(left)" bash tools/gpu.sh python3 -m pytest -m gpu packages/harness/tests/test_leaderboard_proxy.py \
-      -q -p no:cacheprovider || echo "== gpu tests FAILED or timed out (rc $?)"
+      packages/harness/tests/test_live_memory.py -q -p no:cacheprovider || echo "== gpu tests FAILED or timed out (rc $?)"
   else
     echo "[skip: deadline] gpu tests"
   fi

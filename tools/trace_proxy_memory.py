@@ -4,9 +4,9 @@ measured it (its call id and commit; the row's code may predate the plan's and t
 
 For each ``writeup/results/leaderboard_proxy.jsonl`` row of ours on one rank, eager (no compiled blocks or glue),
 the config the row ran (its policy resolved) is traced on fake tensors (``traced_peak``) and planned
-(``memory_plan``).
+(``memory_plan``); a last row has the proxy's ``budget`` policy at the 92 GiB cap, not measured.
 
-    uv run python tools/trace_proxy_memory.py      # appends the rows to writeup/results/memory_trace.jsonl
+    uv run python tools/trace_proxy_memory.py      # writes the rows to writeup/results/memory_trace.jsonl
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from cs336_harness.device import GIB
 from cs336_harness.results import append_rows, read_rows
-from cs336_harness.studies.leaderboard import LeaderboardConfig, memory_plan, traced_peak
+from cs336_harness.studies.leaderboard import PROXY_DEFAULTS, LeaderboardConfig, memory_plan, traced_peak
 
 RESULTS = Path(__file__).resolve().parents[1] / "writeup" / "results"
 _FIELDS = {f.name for f in dataclasses.fields(LeaderboardConfig)}
@@ -47,11 +47,22 @@ def trace_rows() -> list[dict]:
             "measured_peak_gib": row["peak_step_gib"], "measured_call_id": row.get("call_id"),
             "measured_commit": row.get("commit"), "measured_minus_traced_gib": row["peak_step_gib"] - traced,
         })
+    budget = LeaderboardConfig(**{**PROXY_DEFAULTS, "backend": "nccl", "glue": "triton", "checkpoint": "budget",
+                                  "memory_cap_gib": 92.0})
+    plan = memory_plan(budget, None)
+    out.append({
+        "kind": "trace", "what": "the proxy's budget policy at a 92 GiB cap: its peak on fake tensors and planned",
+        "config": {**{k: getattr(budget, k) for k in _SHOWN}, "checkpoint": str(plan.policy)},
+        "traced_peak_gib": traced_peak(budget).peak_bytes / GIB, "planned_peak_gib": plan.expected_peak_bytes / GIB,
+        "block_gib": {k: v / GIB for k, v in dataclasses.asdict(plan.block).items()},
+    })
     return out
 
 
 if __name__ == "__main__":
     rows = trace_rows()
-    append_rows(RESULTS / "memory_trace.jsonl", rows)
+    path = RESULTS / "memory_trace.jsonl"
+    path.unlink(missing_ok=True)  # derived rows: each run replaces them
+    append_rows(path, rows)
     for r in rows:
-        print(json.dumps({k: r[k] for k in ("config", "traced_peak_gib", "planned_peak_gib", "measured_peak_gib")}))
+        print(json.dumps({k: r.get(k) for k in ("config", "traced_peak_gib", "planned_peak_gib", "measured_peak_gib")}))

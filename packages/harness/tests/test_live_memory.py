@@ -9,6 +9,7 @@ from cs336_harness.analysis.live_memory import LiveMemory, fake_tensors
 from cs336_harness.device import GIB
 from cs336_harness.studies import leaderboard
 from cs336_harness.studies.leaderboard import PROXY_DEFAULTS, LeaderboardConfig, memory_plan, traced_peak
+from cs336_sharding.checkpointing import parse_policy
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -73,6 +74,7 @@ def _proxy(**overrides: object) -> LeaderboardConfig:
     pytest.param(dict(num_layers=3, checkpoint="attention:1", fused_qkv=True), marks=pytest.mark.slow),
     # in the embedding's backward:
     pytest.param(dict(num_layers=3, checkpoint="attention:2", context_length=8192), marks=pytest.mark.slow),
+    pytest.param(dict(num_layers=4, checkpoint="attention:1+selective:2"), marks=pytest.mark.slow),
     pytest.param(dict(checkpoint="attention:7"), marks=pytest.mark.slow),  # the 14-layer proxy
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
 def test_the_plan_expects_the_traced_peak(overrides: dict) -> None:
@@ -82,10 +84,14 @@ def test_the_plan_expects_the_traced_peak(overrides: dict) -> None:
 
 
 @pytest.mark.slow
-def test_the_proxy_budget_keeps_the_blocks_that_fit() -> None:
-    plan = memory_plan(_proxy(checkpoint="budget", memory_cap_gib=92.0), None)
-    assert str(plan.policy) == "attention:5" and plan.expected_peak_bytes <= 92 * GIB
-    assert leaderboard.expected_peak_bytes(_proxy(), plan.block, "attention:4") > 92 * GIB
+def test_the_proxy_budget_recomputes_matmuls_only_where_memory_forces() -> None:
+    config = _proxy(checkpoint="budget", memory_cap_gib=92.0)
+    plan = memory_plan(config, None)
+    assert str(plan.policy) == "attention:2+selective:10"
+    assert plan.expected_peak_bytes == pytest.approx(traced_peak(config).peak_bytes, abs=2**20)
+    assert plan.expected_peak_bytes <= 92 * GIB
+    for tighter in ("attention:1+selective:12", "attention:2+selective:9"):  # one block fewer recomputing
+        assert leaderboard.expected_peak_bytes(config, plan.block, parse_policy(tighter)) > 92 * GIB
 
 
 def test_the_models_glue_is_planned_above_its_traced_peak() -> None:

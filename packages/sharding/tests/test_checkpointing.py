@@ -23,7 +23,8 @@ from cs336_sharding.checkpointing import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
-POLICIES = ["all", "group:2", "group:3", "first:2", "sqrt", "nested", "nested:3", "selective", "attention"]
+POLICIES = ["all", "group:2", "group:3", "first:2", "sqrt", "nested", "nested:3", "selective", "selective:3",
+            "attention", "attention:1+selective:2"]
 
 
 def _model() -> BasicsTransformerLM:
@@ -119,6 +120,23 @@ def test_attention_policy_does_not_recompute_attention(attention: str, op_name: 
         torch.testing.assert_close(p.grad, ref, rtol=1e-6, atol=1e-7)
 
 
+def test_tiers_are_parsed_and_planned_in_order() -> None:
+    spec = parse_policy("attention:1+selective:2")
+    assert spec == CheckpointPolicySpec("attention", 1, 2) and str(spec) == "attention:1+selective:2"
+    assert spec.per_block(5) == ["attention", "selective", "selective", "kept", "kept"]
+    assert parse_policy("selective:2").per_block(3) == ["selective", "selective", "kept"]
+    plan = apply_checkpointing(_model(), spec).layers.plan
+    assert [s.keeps if isinstance(s, Segment) else "kept" for s in plan] == spec.per_block(5)
+    for bad, message in [("first:1+selective:2", "only 'attention:N"), ("attention+selective:2", "only 'attention:N"),
+                         ("attention:1+selective", "only 'attention:N")]:
+        with pytest.raises(ValueError, match=message):
+            parse_policy(bad)
+    with pytest.raises(ValueError, match="follows 'attention:N'"):
+        CheckpointPolicySpec("first", 1, 2)
+    with pytest.raises(ValueError, match="per-block tiers cover"):
+        parse_policy("group:2").per_block(4)
+
+
 def test_segments_follow_the_policy() -> None:
     plan = apply_checkpointing(_model(), "group:2").layers.plan
     assert [s.num_blocks for s in plan] == [2, 2, 1]
@@ -153,7 +171,7 @@ def test_double_application_and_non_modulelist_are_rejected() -> None:
 
 # The budget rule, on what one block keeps in each mode.
 
-_MEMORY = BlockMemory(kept=100, attention=12, checkpointed=10, working=30)
+_MEMORY = BlockMemory(kept=100, selective=60, attention=12, checkpointed=10, working=30)
 
 
 def test_peak_is_what_every_other_block_keeps_plus_the_last_blocks_activations_and_working_set() -> None:
@@ -161,22 +179,26 @@ def test_peak_is_what_every_other_block_keeps_plus_the_last_blocks_activations_a
     assert activation_peak_bytes(_MEMORY, 5, "all") == 4 * 10 + 100 + 30
     assert activation_peak_bytes(_MEMORY, 5, "attention") == 4 * 12 + 100 + 30
     assert activation_peak_bytes(_MEMORY, 5, "attention:2") == 2 * 12 + 2 * 100 + 100 + 30
+    assert activation_peak_bytes(_MEMORY, 5, "attention:1+selective:2") == 12 + 2 * 60 + 100 + 100 + 30
+    assert activation_peak_bytes(_MEMORY, 5, "selective:3") == 3 * 60 + 100 + 100 + 30
     # The last block's activations are all alive in its backward, recomputed or kept: checkpointing it saves nothing.
     assert activation_peak_bytes(_MEMORY, 5, "first:4") == activation_peak_bytes(_MEMORY, 5, "all")
-    with pytest.raises(ValueError, match="covers none, all"):
+    with pytest.raises(ValueError, match="tiers cover none, all"):
         activation_peak_bytes(_MEMORY, 5, "group:2")
-    with pytest.raises(ValueError, match="kept >= attention >= checkpointed"):
-        BlockMemory(kept=1, attention=2, checkpointed=1, working=0)
+    with pytest.raises(ValueError, match="kept >= selective >= attention >= checkpointed"):
+        BlockMemory(kept=2, selective=1, attention=2, checkpointed=1, working=0)
     with pytest.raises(ValueError, match="working >= 0"):
-        BlockMemory(kept=2, attention=2, checkpointed=1, working=-1)
+        BlockMemory(kept=2, selective=2, attention=2, checkpointed=1, working=-1)
 
 
 @pytest.mark.parametrize(("budget", "keep_attention", "policy"), [
     (530, True, "none"),  # everything fits kept
-    (529, True, "attention:1"),  # all but one block
+    (529, True, "selective:1"),  # 60 + 3 * 100 + 130 = 490: matmuls are not recomputed
+    (370, True, "selective:4"),  # 4 * 60 + 130: every block but the last
+    (369, True, "attention:1+selective:2"),  # 12 + 2 * 60 + 100 + 130 = 362: one block recomputes its matmuls
+    (300, True, "attention:2+selective:2"),  # 2 * 12 + 2 * 60 + 130 = 274; attention:1+selective:3 needs 322
     (178, True, "attention:4"),  # as little as attention:5, and the last block is not recomputed
     (177, True, "first:4"),  # no room for the attention outputs
-    (400, True, "attention:2"),  # 2 * 12 + 2 * 100 + 130 = 354; attention:1 would need 442
     (300, False, "first:3"),  # 3 * 10 + 100 + 130 = 260; first:2 would need 350
     (169, True, "all"),  # nothing fits: the least memory
 ])

@@ -77,10 +77,12 @@ def block_floor(config: ModelConfig, batch: int, dtype_bytes: int) -> BlockMemor
     its matmuls (the normed input for q, k, v and again for w1, w3, the attention output, the gate's output), the
     attention op's q, k and v, the gate's two inputs and the block's output, ``e N (7 d + 3 f)``; checkpointed
     saving the attention's outputs, the block's output, the attention output and its fp32 log-sum-exp; checkpointed,
-    the block's output. Its backward's working set is at least the gradient of its output, ``e N d``."""
+    the block's output (and no more counted for ``selective``, which keeps the matmuls' outputs too). Its backward's
+    working set is at least the gradient of its output, ``e N d``."""
     n, d, e = batch * config.context_length, config.d_model, dtype_bytes
     out = e * n * d
-    return BlockMemory(kept=e * n * (7 * d + 3 * config.d_ff), attention=2 * out + 4 * n * config.num_heads,
+    attention = 2 * out + 4 * n * config.num_heads
+    return BlockMemory(kept=e * n * (7 * d + 3 * config.d_ff), selective=attention, attention=attention,
                        checkpointed=out, working=out)
 
 

@@ -21,23 +21,26 @@ Policies (strings, as given to ``cs336 bench --checkpoint``):
   peak memory is O(log N) segment inputs plus one block's saved tensors, at O(N log N) block forwards.
 - ``selective``: each block its own segment, but matmul outputs (and fused attention outputs) are
   saved, so the backward recomputes only the cheap elementwise and normalisation ops.
+  ``selective:N``: the first N blocks so, the rest not checkpointed.
 - ``attention``: each block its own segment, saving only the fused attention's outputs (SDPA's kernels or
   our Triton FlashAttention-2; output and log-sum-exp, about ``b * T * d_model`` elements per block), so
   the backward's recomputation skips the one op whose cost grows as ``T^2``; the matmuls are recomputed.
   The model's own unfused attention is not such an op: pair it with ``sdpa`` or ``triton`` attention.
-  ``attention:N``: the first N blocks so, the rest not checkpointed.
+  ``attention:N``: the first N blocks so, the rest not checkpointed; ``attention:N+selective:M``: then the next M
+  blocks ``selective``, the rest not checkpointed.
 
 Sized from a memory budget: :func:`policy_for_budget` picks the policy that recomputes least within a budget for
 activations, from what one block keeps in each mode (:class:`BlockMemory`: measured, or estimated by whoever knows
 the block and its kernels, as ``cs336_harness``'s leaderboard memory plan does for the ``cs336_basics`` block).
-Memory per block is ``kept > attention > checkpointed``, and so is the time it saves: keeping a block's attention
-outputs costs ``b * T * d_model`` elements and saves the attention forward, keeping the whole block costs all its
-activations and saves its whole forward. So the rule is greedy in that order: first every block keeps its
-attention outputs (if there is room for that and the backward's working set), then as many blocks as fit are not
-checkpointed at all. Those are the *last* blocks: their backward runs first, so their activations are freed before
-any checkpointed block is recomputed, and the blocks' share of the peak, reached in the last block's backward, is
-``what every block but the last keeps + the last block's activations + its backward's working set`` (the last
-block's activations are all there: kept, or recomputed).
+Memory per block is ``kept > selective > attention > checkpointed``, and so is the time it saves: keeping a block's
+attention outputs costs ``b * T * d_model`` elements and saves the attention forward, keeping its matmul outputs too
+(``selective``) saves every matmul of the recomputation, which leaves its memory-bound norms and elementwise ops,
+and keeping the whole block saves its whole forward. So the rule is greedy in that order of cost: as few blocks
+recomputing their matmuls as fit, then as few recomputing anything. The blocks kept whole are the *last* ones:
+their backward runs first, so their activations are freed before any checkpointed block is recomputed, and the
+blocks' share of the peak, reached in the last block's backward, is ``what every block but the last keeps + the
+last block's activations + its backward's working set`` (the last block's activations are all there: kept, or
+recomputed).
 """
 
 from __future__ import annotations
@@ -54,15 +57,17 @@ POLICY_KINDS: tuple[str, ...] = ("none", "all", "group", "first", "sqrt", "neste
 # Group sizes tried by ``cs336 bench --checkpoint groups`` (those up to the model's depth).
 GROUP_SWEEP: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 16, 32)
 _NEEDS_ARG = {"group", "first"}
-_TAKES_ARG = {"group", "first", "nested", "attention"}
+_TAKES_ARG = {"group", "first", "nested", "attention", "selective"}
 
 
 @dataclass(frozen=True)
 class CheckpointPolicySpec:
-    """A parsed policy: ``kind`` from :data:`POLICY_KINDS` and its integer argument, if any."""
+    """A parsed policy: ``kind`` from :data:`POLICY_KINDS`, its integer argument, if any, and for ``attention:N``
+    the number of ``selective`` blocks after the first N (``attention:N+selective:M``)."""
 
     kind: str
     arg: int | None = None
+    selective: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in POLICY_KINDS:
@@ -74,18 +79,44 @@ class CheckpointPolicySpec:
         if self.arg is not None and self.arg < (2 if self.kind == "nested" else 1):
             raise ValueError(f"checkpoint policy {self.kind!r} needs a count >= {2 if self.kind == 'nested' else 1}, "
                              f"got {self.arg}")
+        if self.selective and (self.kind != "attention" or self.arg is None or self.selective < 1):
+            raise ValueError(f"'+selective:M' follows 'attention:N' with M >= 1; got {self.kind}:{self.arg} and "
+                             f"{self.selective}")
 
     def __str__(self) -> str:
-        return self.kind if self.arg is None else f"{self.kind}:{self.arg}"
+        text = self.kind if self.arg is None else f"{self.kind}:{self.arg}"
+        return f"{text}+selective:{self.selective}" if self.selective else text
+
+    def per_block(self, num_blocks: int) -> list[str]:
+        """What each of ``num_blocks`` blocks is under ``first``, ``attention`` and ``selective`` policies:
+        ``checkpointed``, ``attention`` or ``selective`` (checkpointed, keeping those ops' outputs), or ``kept``.
+
+        Raises:
+            ValueError: for any other kind.
+        """
+        tier = {"all": "checkpointed", "first": "checkpointed", "attention": "attention", "selective": "selective",
+                "none": "kept"}.get(self.kind)
+        if tier is None:
+            raise ValueError(f"per-block tiers cover none, all, first:N, attention[:N[+selective:M]] and "
+                             f"selective[:N], got {self}")
+        first = num_blocks if self.arg is None else min(self.arg, num_blocks)
+        then = min(self.selective, num_blocks - first)
+        return [tier] * first + ["selective"] * then + ["kept"] * (num_blocks - first - then)
 
 
 def parse_policy(text: str | CheckpointPolicySpec) -> CheckpointPolicySpec:
     """Parse ``'none'``, ``'all'``, ``'group:4'``, ``'first:8'``, ``'sqrt'``, ``'nested:2'``, ``'selective'``,
-    ``'attention'`` (a spec is returned as it is)."""
+    ``'selective:4'``, ``'attention'``, ``'attention:2+selective:6'`` (a spec is returned as it is)."""
     if isinstance(text, CheckpointPolicySpec):
         return text
     if not isinstance(text, str):
         raise TypeError(f"a checkpoint policy is a string such as 'group:4', got {type(text).__name__}")
+    head, plus, tail = text.strip().partition("+")
+    if plus:
+        first, then = parse_policy(head), parse_policy(tail)
+        if first.kind != "attention" or first.arg is None or then.kind != "selective" or then.arg is None:
+            raise ValueError(f"checkpoint policy {text!r}: only 'attention:N+selective:M' combines two policies")
+        return CheckpointPolicySpec("attention", first.arg, then.arg)
     kind, sep, count = text.strip().partition(":")
     if not sep:
         return CheckpointPolicySpec(kind, 2 if kind == "nested" else None)
@@ -113,7 +144,7 @@ def attention_ops() -> frozenset[torch._ops.OpOverload]:
 
 
 def _saved_ops(kind: str) -> frozenset[torch._ops.OpOverload]:
-    """What a selective policy keeps from the forward instead of recomputing: the expensive ops to redo."""
+    """What a segment of ``kind`` keeps from the forward instead of recomputing: the expensive ops to redo."""
     if kind == "attention":
         return attention_ops()
     if kind == "selective":
@@ -124,9 +155,11 @@ def _saved_ops(kind: str) -> frozenset[torch._ops.OpOverload]:
 
 @dataclass(frozen=True)
 class Segment:
-    """Blocks run inside one checkpoint: indices of blocks, or nested segments (recomputed in turn)."""
+    """Blocks run inside one checkpoint: indices of blocks, or nested segments (recomputed in turn); ``keeps``
+    names the ops whose outputs it keeps (``attention``, ``selective``; ``""`` keeps none)."""
 
     items: tuple[int | Segment, ...]
+    keeps: str = ""
 
     @property
     def num_blocks(self) -> int:
@@ -144,13 +177,10 @@ def plan_segments(num_blocks: int, policy: str | CheckpointPolicySpec) -> tuple[
     """What runs at the top level for ``policy``: a block index (run plainly) or a :class:`Segment`."""
     spec = parse_policy(policy)
     n = num_blocks
-    if spec.kind == "none":
-        return tuple(range(n))
-    if spec.kind == "selective" or (spec.kind == "attention" and spec.arg is None):
-        return tuple(Segment((i,)) for i in range(n))
-    if spec.kind in ("first", "attention"):
-        k = min(spec.arg or 0, n)
-        return tuple(Segment((i,)) for i in range(k)) + tuple(range(k, n))
+    if spec.kind in ("none", "first", "attention", "selective"):
+        tiers = spec.per_block(n)
+        return tuple(i if tier == "kept" else Segment((i,), "" if tier == "checkpointed" else tier)
+                     for i, tier in enumerate(tiers))
     if spec.kind == "nested":
         return (_nested(list(range(n)), spec.arg or 2),)
     size = {"all": 1, "sqrt": math.ceil(math.sqrt(n))}.get(spec.kind, spec.arg)
@@ -163,14 +193,14 @@ def _save_ops(saved: frozenset, ctx: object, op: torch._ops.OpOverload, *args: o
 
 
 class CheckpointedBlocks(nn.ModuleList):
-    """The model's blocks, under their own indices, run in the checkpointed segments of ``plan``; for a selective
-    policy (``selective``, ``attention``) the outputs of its ops are kept from the forward instead of recomputed."""
+    """The model's blocks, under their own indices, run in the checkpointed segments of ``plan``; a segment that
+    keeps ops' outputs (``attention``, ``selective``) keeps them from the forward instead of recomputing them."""
 
-    def __init__(self, blocks: nn.ModuleList, plan: tuple[int | Segment, ...], policy_kind: str):
+    def __init__(self, blocks: nn.ModuleList, plan: tuple[int | Segment, ...], policy: str):
         super().__init__(blocks)
         self.plan = plan
-        self.policy_kind = policy_kind
-        self.saved_ops: frozenset[torch._ops.OpOverload] = frozenset()
+        self.policy = policy
+        self.saved_ops: dict[str, frozenset[torch._ops.OpOverload]] = {}
 
     def _run(self, items: tuple[int | Segment, ...], x: torch.Tensor) -> torch.Tensor:
         for item in items:
@@ -178,20 +208,20 @@ class CheckpointedBlocks(nn.ModuleList):
         return x
 
     def _checkpointed(self, segment: Segment, x: torch.Tensor) -> torch.Tensor:
-        if self.saved_ops:
-            policy_fn = functools.partial(_save_ops, self.saved_ops)
+        if segment.keeps:
+            policy_fn = functools.partial(_save_ops, self.saved_ops[segment.keeps])
             context_fn = functools.partial(create_selective_checkpoint_contexts, policy_fn)
             return checkpoint(self._run, segment.items, x, use_reentrant=False, context_fn=context_fn)
         return checkpoint(self._run, segment.items, x, use_reentrant=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Looked up per forward: the model's attention may have been chosen after checkpointing was applied.
-        self.saved_ops = _saved_ops(self.policy_kind)
+        self.saved_ops = {kind: _saved_ops(kind) for kind in ("attention", "selective")}
         return self._run(self.plan, x)
 
     def extra_repr(self) -> str:
         segments = sum(isinstance(i, Segment) for i in self.plan)
-        return f"policy={self.policy_kind}, top_level_segments={segments}"
+        return f"policy={self.policy}, top_level_segments={segments}"
 
 
 def apply_checkpointing(model: nn.Module, policy: str | CheckpointPolicySpec) -> nn.Module:
@@ -208,7 +238,7 @@ def apply_checkpointing(model: nn.Module, policy: str | CheckpointPolicySpec) ->
         raise TypeError("apply_checkpointing needs model.layers to be an nn.ModuleList of blocks that its forward runs "
                         f"in order (as BasicsTransformerLM's), got {type(layers).__name__}")
     if spec.kind != "none":
-        model.layers = CheckpointedBlocks(layers, plan_segments(len(layers), spec), spec.kind)
+        model.layers = CheckpointedBlocks(layers, plan_segments(len(layers), spec), str(spec))
     return model
 
 
@@ -217,38 +247,35 @@ class BlockMemory:
     """Bytes one block adds to memory in the forward, by how it is checkpointed: its output plus what autograd keeps
     for its backward beyond the block's input (which the previous block's output already counts).
 
-    ``kept``: not checkpointed; ``attention``: checkpointed, the fused attention's outputs kept (``attention``
-    policy); ``checkpointed``: checkpointed, nothing kept (the output alone). ``working``: what the block's
+    ``kept``: not checkpointed; ``selective``: checkpointed, the matmuls' and the fused attention's outputs kept;
+    ``attention``: checkpointed, the fused attention's outputs kept; ``checkpointed``: checkpointed, nothing kept
+    (the output alone). ``working``: what the block's
     backward holds at its peak beyond its activations (gradient temporaries, less the activations it has freed
     by then).
     """
 
     kept: int
+    selective: int
     attention: int
     checkpointed: int
     working: int
 
     def __post_init__(self) -> None:
-        if not self.kept >= self.attention >= self.checkpointed > 0:
-            raise ValueError(f"need kept >= attention >= checkpointed > 0 bytes, got {self.kept}, {self.attention}, "
-                             f"{self.checkpointed}")
+        if not self.kept >= self.selective >= self.attention >= self.checkpointed > 0:
+            raise ValueError(f"need kept >= selective >= attention >= checkpointed > 0 bytes, got {self.kept}, "
+                             f"{self.selective}, {self.attention}, {self.checkpointed}")
         if not self.working >= 0:
             raise ValueError(f"need working >= 0 bytes, got {self.working}")
 
 
 def kept_bytes(memory: BlockMemory, num_blocks: int, policy: str | CheckpointPolicySpec) -> list[int]:
-    """What each block keeps through the forward under ``policy`` (the first N checkpointed, the rest kept).
+    """What each block keeps through the forward under ``policy`` (:meth:`CheckpointPolicySpec.per_block`).
 
     Raises:
-        ValueError: for a policy other than ``none``, ``all``, ``first:N``, ``attention`` and ``attention:N``.
+        ValueError: for a policy other than ``none``, ``all``, ``first:N``, ``attention[:N[+selective:M]]`` and
+            ``selective[:N]``.
     """
-    spec = parse_policy(policy)
-    count = num_blocks if spec.arg is None else min(spec.arg, num_blocks)
-    per_checkpointed = {"all": memory.checkpointed, "first": memory.checkpointed, "attention": memory.attention,
-                        "none": memory.kept}.get(spec.kind)
-    if per_checkpointed is None:
-        raise ValueError(f"the block memory rule covers none, all, first:N, attention and attention:N, got {spec}")
-    return [per_checkpointed] * count + [memory.kept] * (num_blocks - count)
+    return [getattr(memory, tier) for tier in parse_policy(policy).per_block(num_blocks)]
 
 
 def activation_peak_bytes(memory: BlockMemory, num_blocks: int, policy: str | CheckpointPolicySpec) -> int:
@@ -256,7 +283,8 @@ def activation_peak_bytes(memory: BlockMemory, num_blocks: int, policy: str | Ch
     the last block's activations (kept or recomputed) and its backward's working set.
 
     Raises:
-        ValueError: for a policy other than ``none``, ``all``, ``first:N``, ``attention`` and ``attention:N``.
+        ValueError: for a policy other than ``none``, ``all``, ``first:N``, ``attention[:N[+selective:M]]`` and
+            ``selective[:N]``.
     """
     return sum(kept_bytes(memory, num_blocks, policy)[:-1]) + memory.kept + memory.working
 
@@ -264,25 +292,30 @@ def activation_peak_bytes(memory: BlockMemory, num_blocks: int, policy: str | Ch
 def policy_for_budget(memory: BlockMemory, num_blocks: int, budget_bytes: float, *,
                       keep_attention: bool = True) -> CheckpointPolicySpec:
     """The policy that recomputes least with an :func:`activation_peak_bytes` of at most ``budget_bytes``, by the
-    rule of the module docstring: ``none`` if it fits; else ``attention:N`` (with ``keep_attention``) or
-    ``first:N`` with the first N blocks checkpointed and the rest kept, N as small as fits (``attention:n`` and
-    ``first:n`` being every block checkpointed); ``all`` if nothing fits.
+    rule of the module docstring: ``none`` if it fits; else, with ``keep_attention``, ``selective:M`` with M as
+    small as fits, else ``attention:N+selective:M`` with N as small as fits and then M (M < n - N: the last block
+    stays kept); else ``first:N`` with N as small as fits (``first:n`` being every block checkpointed); ``all`` if
+    nothing fits.
 
     Args:
         memory: what one block keeps in each mode.
         num_blocks: blocks in the model.
         budget_bytes: memory for the blocks' activations (the step's memory cap less what lives through the step:
             weights, optimizer state, the LM head's buffers).
-        keep_attention: whether checkpointed blocks may keep their attention outputs (a fused attention op and
-            the ``attention`` policy); otherwise they keep nothing (``first:N``).
+        keep_attention: whether checkpointed blocks may keep their attention outputs (a fused attention op), and
+            their matmuls' too (``selective``); otherwise they keep nothing (``first:N``).
     """
     if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
         raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
     if not budget_bytes > 0:
         raise ValueError(f"budget_bytes must be positive, got {budget_bytes!r}")
-    kinds = ("attention", "first") if keep_attention else ("first",)
+    n = num_blocks
     candidates = [CheckpointPolicySpec("none")]
-    candidates += [CheckpointPolicySpec(kind, count) for kind in kinds for count in range(1, num_blocks + 1)]
+    if keep_attention:
+        # A selective last block recomputes into more than it keeps whole: it stays kept in these.
+        candidates += [CheckpointPolicySpec("selective", m) for m in range(1, n)]
+        candidates += [CheckpointPolicySpec("attention", k, m) for k in range(1, n + 1) for m in range(n - k)]
+    candidates += [CheckpointPolicySpec("first", k) for k in range(1, n + 1)]
     for spec in candidates:
         if activation_peak_bytes(memory, num_blocks, spec) <= budget_bytes:
             return spec

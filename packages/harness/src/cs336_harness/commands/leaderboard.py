@@ -80,8 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention", default="triton", help=f"{' | '.join(leaderboard.ATTENTIONS)} (default triton)")
     parser.add_argument("--checkpoint", default="all",
                         help="activation checkpointing policy: none, all, group:K, first:N, sqrt, nested:B, "
-                             "selective, attention[:N], or budget (the least recomputation that fits the memory cap) "
-                             "for ours (default all); the baselines' are their recipes' (plain all, strong budget)")
+                             "selective[:N], attention[:N], attention:N+selective:M, or budget (the least "
+                             "recomputation that fits the memory cap) for ours (default all); the baselines' are their "
+                             "recipes' (plain all, strong budget)")
     parser.add_argument("--glue", default="model",
                         help=f"{' | '.join(GLUES)}: RMSNorm, RoPE and SiLU-mul by the model's code, our Triton "
                              "kernels or torch.compile of their references (ours only; default model)")
