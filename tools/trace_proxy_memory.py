@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from cs336_harness.device import GIB
-from cs336_harness.results import append_rows, read_rows
+from cs336_harness.results import append_rows, provenance, read_rows
 from cs336_harness.studies.leaderboard import PROXY_DEFAULTS, LeaderboardConfig, memory_plan, traced_peak
 
 RESULTS = Path(__file__).resolve().parents[1] / "writeup" / "results"
@@ -60,9 +60,10 @@ def trace_rows() -> list[dict]:
 
 
 if __name__ == "__main__":
+    meta = provenance()  # before the file changes, so the commit is named clean
     rows = trace_rows()
     path = RESULTS / "memory_trace.jsonl"
     path.unlink(missing_ok=True)  # derived rows: each run replaces them
-    append_rows(path, rows)
+    append_rows(path, rows, meta)
     for r in rows:
         print(json.dumps({k: r.get(k) for k in ("config", "traced_peak_gib", "planned_peak_gib", "measured_peak_gib")}))
