@@ -63,6 +63,8 @@ CPU_CONFIGS = [
                       seed=1),
     LeaderboardConfig(**_GLUE, checkpoint="budget", memory_cap_gib=_cap_for(LeaderboardConfig(**_GLUE), "attention:1")),
     leaderboard.recipe(LeaderboardConfig(**_SMALL, backend="gloo", seed=3), "torch_native"),
+    # Three tiers: attention outputs kept, matmul outputs kept, a block kept whole.
+    LeaderboardConfig(**{**_GLUE, "num_layers": 3, "checkpoint": "attention:1+selective:1", "fused_qkv": False}),
 ]
 # On one rank: ours with the compiled glue is slow to compile, so the one-rank set is ours plain and the baseline.
 ONE_RANK_CONFIGS = [dataclasses.replace(c, global_batch=2, world_size=1) for c in (CPU_CONFIGS[0], CPU_CONFIGS[3])]
@@ -116,7 +118,7 @@ def _assert_same_step(configs: list[LeaderboardConfig], records: list[dict], dev
 @pytest.mark.slow
 def test_sharded_step_matches_single_process_step(tmp_path: Path) -> None:
     records = _sharded_steps(CPU_CONFIGS, tmp_path)
-    assert [r["checkpoint"] for r in records] == ["all", "group:2", "attention:1", "all"]  # the budget's pick
+    assert [r["checkpoint"] for r in records] == ["all", "group:2", "attention:1", "all", "attention:1+selective:1"]
     _assert_same_step(CPU_CONFIGS, records, torch.device("cpu"))
 
 
