@@ -190,6 +190,23 @@ def test_leaderboard_proxy_on_cpu_says_it_is_a_gpu_measurement() -> None:
             cli.main(["leaderboard", *argv])
 
 
+def test_leaderboard_memory_plan_runs_nothing_and_counts_ours(no_run: None, capsys: pytest.CaptureFixture) -> None:
+    argv = ["leaderboard", "--proxy", "--num-layers", "3", "--glue", "triton", "--checkpoint", "budget",
+            "--memory-cap-gib", "36", "--impl", "ours,torch_native", "--memory-plan"]
+    assert cli.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    ours = next(line.split() for line in lines if line.split()[:1] == ["ours"])
+    plain = next(line.split() for line in lines if line.split()[:1] == ["torch_native"])
+    assert ours[2] == "selective:2" and ours[4] == ours[5]  # the plan's peak is the fake-tensor count
+    assert float(ours[4]) <= 36 and plain[2] == "all" and plain[5] == "-"  # the baseline is not traced
+
+
+@NO_CUDA
+def test_leaderboard_memory_plan_of_a_budget_needs_a_cap_without_a_gpu(no_run: None) -> None:
+    with pytest.raises(SystemExit, match="--memory-plan of --checkpoint budget needs --memory-cap-gib"):
+        cli.main(["leaderboard", "--proxy", "--glue", "triton", "--checkpoint", "budget", "--memory-plan"])
+
+
 @NO_CUDA
 @pytest.mark.parametrize("flag", ["--profile", "--handout-timing"])
 def test_leaderboard_gpu_only_flags_are_refused_on_cpu(flag: str, no_run: None) -> None:

@@ -4,6 +4,9 @@ its one-GPU proxy of a rank (``--proxy``), ours and the PyTorch-only baselines (
 Without CUDA the defaults are a CPU try-out instead (tiny model, vocabulary 1000, context 32, fp32, two gloo
 ranks, Triton kernels in the interpreter), which finishes in seconds. See ``cs336_harness.studies.leaderboard``.
 
+``--memory-plan`` runs nothing: it prints each impl's checkpointing policy and expected peak memory, and for ours
+(one rank, eager) the peak counted on fake tensors, in seconds and without a GPU.
+
 The proxy is the way to work on the step with one GPU: world size 1, one sequence of 32768 tokens, the 8B block
 shape with 14 layers (whose unsharded fp32 state is a rank's), the memory cap a rank's activation memory scaled to
 14 of its 34 layers. ``--impl ours,torch_native,torch_native_compiled`` runs our step and the two PyTorch-only
@@ -18,6 +21,7 @@ Examples::
     uv run cs336 leaderboard --proxy --impl ours,torch_native,torch_native_compiled --profile \\
         --out writeup/results/leaderboard_proxy.jsonl                 # one GPU
     uv run cs336 leaderboard --proxy --glue triton --checkpoint budget --profile   # our glue kernels, sized policy
+    uv run cs336 leaderboard --proxy --glue triton --checkpoint budget --memory-cap-gib 92 --memory-plan   # no GPU
     uv run cs336 leaderboard --size xl --context-length 4096 --vocab-size 32000 --steps 5
     uv run cs336 leaderboard --markdown writeup/results/leaderboard_proxy.jsonl \\
         --fill writeup/sections/09-leaderboard.md
@@ -106,6 +110,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="per impl: stop before any step that would start later than this, model build "
                              "included (default 600)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--memory-plan", action="store_true",
+                        help="run nothing: print the checkpointing policy and expected peak memory of each impl, and "
+                             "for ours on one rank the peak counted on fake tensors (no GPU needed)")
     parser.add_argument("--out", default=None, help="append the rows (with provenance) to this JSONL file")
     add_markdown_arguments(parser, fill=True)
     add_quiet_argument(parser)
@@ -119,8 +126,10 @@ def configs_from_args(args: argparse.Namespace) -> list[leaderboard.LeaderboardC
     if args.proxy:
         defaults = leaderboard.PROXY_DEFAULTS
     sized = {name: defaults.get(name) if getattr(args, name) is None else getattr(args, name) for name in _SIZED}
+    # A plan of the GPU run on a machine without one describes it on nccl.
+    backend = args.backend or ("nccl" if args.memory_plan and args.proxy else None)
     ours = leaderboard.LeaderboardConfig(
-        **sized, backend=args.backend, attention=args.attention, checkpoint=args.checkpoint, glue=args.glue,
+        **sized, backend=backend, attention=args.attention, checkpoint=args.checkpoint, glue=args.glue,
         compile_blocks=args.compile_blocks, fused_qkv=args.fused_qkv, memory_cap_gib=args.memory_cap_gib,
         optimizer=args.optimizer, warmup=args.warmup, steps=args.steps, profile=args.profile,
         handout_timing=args.handout_timing, time_limit_s=args.time_limit_s, seed=args.seed,
@@ -150,13 +159,45 @@ def _check_cpu_run(config: leaderboard.LeaderboardConfig) -> None:
     resources.HostMemoryNeed(what, peak, ranks, spawned).check()
 
 
+def _print_memory_plans(configs: list[leaderboard.LeaderboardConfig]) -> int:
+    """The ``--memory-plan`` table: each config's policy, cap and expected peak, and the fake-tensor count where it
+    can be made (ours on one rank, eager).
+
+    Raises:
+        ValueError: for a ``budget`` policy with no cap given and no GPU to take one from.
+    """
+    device_bytes = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    rows = []
+    for config in configs:
+        if config.checkpoint == leaderboard.BUDGET and config.memory_cap_gib is None and device_bytes is None:
+            raise ValueError("--memory-plan of --checkpoint budget needs --memory-cap-gib without a GPU (the default "
+                             "cap comes from the GPU's memory)")
+        plan = leaderboard.memory_plan(config, device_bytes)
+        traceable = config.impl == "ours" and config.world_size == 1 and not config.compile_blocks \
+            and config.glue != "compiled"
+        if traceable:
+            print(f"counting the {config.impl} step's tensors on fake tensors...", file=sys.stderr)
+        rows.append({
+            "impl": config.impl, "num_layers": config.model_config.num_layers, "checkpoint": str(plan.policy),
+            "cap_gib": None if plan.cap_bytes is None else plan.cap_bytes / GIB,
+            "planned_peak_gib": None if plan.expected_peak_bytes is None else plan.expected_peak_bytes / GIB,
+            "fake_tensor_peak_gib": leaderboard.traced_peak(config).peak_bytes / GIB if traceable else None,
+            "block_kept_gib": plan.block.kept / GIB,
+        })
+    print_measured_table(rows, list(rows[0]), floatfmt=".2f")
+    print("planned: the memory plan's arithmetic (exact for ours with the Triton glue, an estimate for the baselines); "
+          "fake_tensor_peak: the step's tensors counted without running it; the allocator adds cuBLAS' workspace and "
+          "rounding (about 0.07 GiB on the proxy)")
+    return 0
+
+
 def _proxy_needs_a_gpu() -> str:
     proxy = {k: v for k, v in leaderboard.PROXY_DEFAULTS.items() if k in ("vocab_size", "context_length", "num_layers")}
     model = ModelConfig.from_preset(leaderboard.PROXY_DEFAULTS["size"], **proxy)
     return (f"--proxy is a GPU measurement: one rank of the leaderboard run on one GPU ({model.num_layers} layers of "
             f"the {leaderboard.PROXY_DEFAULTS['size']} model, context {model.context_length}, bf16), whose fp32 "
             f"weights, gradients and AdamW state alone take {16 * model.num_params / GIB:.0f} GiB; it needs a CUDA "
-            "GPU (without --proxy, the command runs its CPU try-out)")
+            "GPU (without --proxy, the command runs its CPU try-out; --memory-plan shows its memory without a GPU)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -165,9 +206,11 @@ def run(args: argparse.Namespace) -> int:
                               empty="no ok rows of the leaderboard configuration (8B, context 32768, global batch 2, "
                                     "2 ranks, bf16) and no proxy rows; no table to make")
     try:
-        if args.proxy and not torch.cuda.is_available():
+        if args.proxy and not torch.cuda.is_available() and not args.memory_plan:
             raise ValueError(_proxy_needs_a_gpu())
         configs = configs_from_args(args)
+        if args.memory_plan:
+            return _print_memory_plans(configs)
         for config in configs:
             check_world_size(config.world_size)
             leaderboard.check_runs_here(config)
