@@ -82,7 +82,8 @@ def test_kernels_reject_devices_they_cannot_run_on(call):
 
 
 # Each kernel on CPU tensors in a process that imported cs336_kernels without TRITON_INTERPRET=1, first with
-# the variable still unset, then set after the import. Prints each error message, one per line.
+# the variable still unset, then set after the import. Prints each error message, one per line, then what fake
+# tensors give.
 _WITHOUT_INTERPRETER = """
 import os
 import torch
@@ -101,6 +102,12 @@ for interpret in ("0", "1"):
             print("no error")
         except ValueError as error:
             print(error)
+# Fake tensors run no kernel: the device check lets them through (e.g. counting a step's memory on a CPU).
+from torch._subclasses.fake_tensor import FakeTensorMode
+with FakeTensorMode():
+    out = calls[0]()
+    normed = cs336_kernels.rms_norm(torch.randn(3, 16), torch.ones(16))
+    print("fake", tuple(out.shape), tuple(normed.shape))
 """
 
 
@@ -110,7 +117,7 @@ def test_cpu_tensors_without_the_interpreter_say_to_set_it_before_import():
     done = subprocess.run([sys.executable, "-c", _WITHOUT_INTERPRETER], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.strip().splitlines()
-    assert len(lines) == 6
+    assert len(lines) == 7 and lines.pop() == "fake (1, 4, 16) (3, 16)"
     callers = ("flash_attention", "FusedAdamW", "fused_linear_cross_entropy") * 2
     for i, (line, caller) in enumerate(zip(lines, callers, strict=True)):
         assert line.startswith(f"{caller} runs Triton kernels on CUDA tensors"), line
