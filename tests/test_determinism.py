@@ -18,9 +18,15 @@ import torch
 from cs336_comms.process_group import spawn
 from determinism_checks import GPU_RUNS, QUICK_RUNS, RUNS, STEPS, cpu_checks, gpu_checks, quick_checks
 
+# Imported once, in the server the CPU ranks fork from, instead of in every rank: what determinism_checks imports from
+# the packages, and torch._dynamo, which torch.use_deterministic_algorithms imports (seconds each on a CPU). CUDA
+# ranks start fresh: a fork server must not have touched CUDA, and an import may.
+PRELOAD = ("torch._dynamo", "cs336_basics.model", "cs336_comms.ddp", "cs336_kernels", "cs336_sharding.fsdp",
+           "cs336_sharding.optimizer")
 
-def _spawn(fn, world_size: int, out) -> list[dict]:
-    spawn(fn, world_size, str(out), backend="gloo", timeout_s=300)
+
+def _spawn(fn, world_size: int, out, preload: tuple[str, ...] = PRELOAD) -> list[dict]:
+    spawn(fn, world_size, str(out), backend="gloo", timeout_s=300, preload=preload)
     return [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(world_size)]
 
 
@@ -33,7 +39,7 @@ def quick(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 @pytest.fixture(scope="session", params=[pytest.param(w, marks=pytest.mark.slow) for w in (2, 4)],
                 ids=lambda w: f"{w}ranks")
 def records(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    """Every run of RUNS on 2 and on 4 ranks (a spawn of a minute each on a CPU, so slow)."""
+    """Every run of RUNS on 2 and on 4 ranks (several seconds each on two CPU cores, beyond the quick run: slow)."""
     return _spawn(cpu_checks, request.param, tmp_path_factory.mktemp(f"determinism{request.param}"))
 
 
@@ -92,7 +98,7 @@ def test_reductions_add_ranks_as_a_balanced_tree(quick: list[dict]) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_cuda_data_parallel_equals_full_batch_training(tmp_path) -> None:
-    records = _spawn(gpu_checks, 2, tmp_path)
+    records = _spawn(gpu_checks, 2, tmp_path, preload=())
     failures = []
     for run in GPU_RUNS:
         try:

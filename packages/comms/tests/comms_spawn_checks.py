@@ -283,3 +283,8 @@ def rank_one_stops(rank: int, world_size: int) -> None:
     if rank == 1:
         os.kill(os.getpid(), signal.SIGSTOP)
     dist.barrier()
+
+
+def parent_pid(rank: int, world_size: int) -> int:
+    """The process this rank was started by: the spawning process, or the fork server under spawn's ``preload``."""
+    return os.getppid()

@@ -1,5 +1,5 @@
 """Mistakes and failures a user meets first: a wrapper given something that is not a module, a rank the OS kills, a
-rank that stops answering, torchrun started with another world size."""
+rank that stops answering, torchrun started with another world size; and ranks forked from a preloaded server."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from comms_spawn_checks import rank_one_killed, rank_one_stops
+from comms_spawn_checks import parent_pid, rank_one_killed, rank_one_stops
 from cs336_comms.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlappedDDP
 from cs336_comms.process_group import (
     RankDiedError,
@@ -68,6 +68,13 @@ def test_a_stopped_rank_ends_the_run_within_half_the_timeout() -> None:
     # Ended by the watch (10 s without a heartbeat), not by rank 0's barrier timing out after 20 s.
     assert e.value.rank == 1 and e.value.stalled_s == 10
     assert multiprocessing.active_children() == []
+
+
+@pytest.mark.slow
+def test_preloaded_ranks_fork_from_one_server_for_every_call() -> None:
+    servers = [spawn(parent_pid, 2, backend="gloo", preload=("torch",)) for _ in range(2)]
+    assert servers[0] == servers[1] != os.getpid()
+    assert spawn(parent_pid, 2, backend="gloo") == os.getpid()  # without a preload, this process starts each rank
 
 
 def test_torchrun_with_another_world_size_is_one_clear_message(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -89,8 +89,11 @@ def _reference_step(config: LeaderboardConfig, checkpoint: str, device: torch.de
 
 
 def _sharded_steps(configs: list[LeaderboardConfig], tmp_path: Path) -> list[dict]:
-    spawn(one_step_each, configs[0].world_size, configs, str(tmp_path), backend=configs[0].resolved_backend,
-          timeout_s=120)
+    # CPU ranks fork from a server that imported these once (torch._dynamo: FSDP2 imports it), not each on its own;
+    # CUDA ranks start fresh, since a fork server must not have touched CUDA and an import may.
+    backend = configs[0].resolved_backend
+    spawn(one_step_each, configs[0].world_size, configs, str(tmp_path), backend=backend, timeout_s=120,
+          preload=("torch._dynamo", "cs336_harness.studies.leaderboard") if backend == "gloo" else ())
     return pickle.loads((tmp_path / "records.pkl").read_bytes())
 
 

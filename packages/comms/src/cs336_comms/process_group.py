@@ -29,7 +29,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -213,6 +213,7 @@ def spawn(
     *args: Any,
     backend: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    preload: Sequence[str] = (),
 ) -> Any:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes joined in one process group.
 
@@ -220,6 +221,13 @@ def spawn(
     raises in the caller. ``timeout_s`` bounds a collective's wait for its peers; a rank that stops answering ends
     the run after ``min(timeout_s / 2, STALL_TIMEOUT_S)`` (``timeout_s`` before its first heartbeat: it may still
     be importing torch).
+
+    Each rank is a fresh interpreter that imports torch and ``fn``'s module (seconds on a CPU), unless ``preload``
+    names installed modules: then the ranks are forks of one server process that imported those once
+    (multiprocessing's ``forkserver``), so a process that spawns many times (a test session) pays the imports once.
+    The server starts at the first call with a ``preload``, with that call's modules and this process's environment
+    at that moment, and serves every later such call. A fork cannot use a CUDA that its parent initialised, so for
+    CUDA ranks preload nothing that touches CUDA when imported.
 
     Returns:
         What ``fn`` returned on rank 0.
@@ -234,10 +242,12 @@ def spawn(
     _validate_backend(backend)
     if backend == "nccl" and world_size > torch.cuda.device_count():
         raise ValueError(f"world_size {world_size} exceeds the {torch.cuda.device_count()} visible GPUs")
+    if preload:
+        mp.get_context("forkserver").set_forkserver_preload(list(preload))  # no effect once the server runs
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp)
         context = mp.start_processes(_spawned, args=(fn, world_size, free_port(), backend, timeout_s, tmp, args),
-                                     nprocs=world_size, join=False, start_method="spawn")
+                                     nprocs=world_size, join=False, start_method="forkserver" if preload else "spawn")
         try:
             _watch(context, run_dir, world_size, min(timeout_s / 2, STALL_TIMEOUT_S), timeout_s)
         except mp.ProcessExitedException as e:
