@@ -249,9 +249,8 @@ class BlockMemory:
 
     ``kept``: not checkpointed; ``selective``: checkpointed, the matmuls' and the fused attention's outputs kept;
     ``attention``: checkpointed, the fused attention's outputs kept; ``checkpointed``: checkpointed, nothing kept
-    (the output alone). ``working``: what the block's
-    backward holds at its peak beyond its activations (gradient temporaries, less the activations it has freed
-    by then).
+    (the output alone). ``working``: what the block's backward holds at its peak beyond its activations (gradient
+    temporaries, less the activations it has freed by then).
     """
 
     kept: int

@@ -54,7 +54,7 @@ def default_memory_cap_bytes(config: LeaderboardConfig, device_bytes: int) -> fl
 def expected_peak_bytes(config: LeaderboardConfig, block: BlockMemory, policy: CheckpointPolicySpec) -> float:
     """The step's peak under ``policy`` with blocks that keep ``block``: :func:`reserved_bytes` plus the blocks'
     share in the last block's backward (:func:`~cs336_sharding.checkpointing.activation_peak_bytes`), and for ours
-    the larger of that and two other moments (P parameters, P_b in one block, N tokens, L blocks, d = d_model,
+    the largest of that and three other moments (P parameters, P_b in one block, N tokens, L blocks, d = d_model,
     V = vocab, e = the compute dtype's bytes, W ranks; what every step holds, as in :func:`reserved_bytes`, aside):
 
     - the first block's backward: its activations and working set, the fp32 gradients of every later block and of
@@ -74,16 +74,15 @@ def expected_peak_bytes(config: LeaderboardConfig, block: BlockMemory, policy: C
     # Imported here: on CPU the Triton interpreter must be chosen before the kernels load.
     from cs336_kernels import CHUNK_BYTES
 
-    reserved = reserved_bytes(config)
-    last = reserved + activation_peak_bytes(block, config.model_config.num_layers, policy)
+    last = reserved_bytes(config) + activation_peak_bytes(block, config.model_config.num_layers, policy)
     if config.impl != "ours":
         return last
     m = config.model_config
     e = DTYPES[config.compute_dtype].itemsize
     n, d, v, w, layers = config.batch_per_rank * config.context_length, m.d_model, m.vocab_size, config.world_size, \
         m.num_layers
-    block_params = (m.num_params - 2 * v * d - d) // layers
-    common = reserved - 2 * e * block_params - _head_gradient_bytes(config)
+    block_params = _block_params(config)
+    common = _held_through_step(config)
     in_flight = 4 * block_params if w > 1 else 0
     grads = 4 * ((layers - 1) * block_params + v * d) / w + in_flight
     first = common + block.kept + block.working + grads + e * block_params + e * v * d
@@ -91,6 +90,21 @@ def expected_peak_bytes(config: LeaderboardConfig, block: BlockMemory, policy: C
             + min(CHUNK_BYTES, n * v * e))
     embedding = common + 4 * (layers * block_params + v * d) / w + in_flight + 3 * e * v * d
     return max(last, first, head, embedding)
+
+
+def _block_params(config: LeaderboardConfig) -> int:
+    """Parameters of one block: all but the embeddings, the head and the final norm, over the blocks."""
+    m = config.model_config
+    return (m.num_params - 2 * m.vocab_size * m.d_model - m.d_model) // m.num_layers
+
+
+def _held_through_step(config: LeaderboardConfig) -> float:
+    """What every moment of the backward holds (:func:`reserved_bytes`' first and third items): this rank's weights
+    and AdamW moments, RoPE's tables and the embedding's output."""
+    m = config.model_config
+    e = DTYPES[config.compute_dtype].itemsize
+    return (STATE_AT_BACKWARD_BYTES_PER_PARAM * m.num_params / config.world_size
+            + 4 * config.context_length * m.head_dim + e * config.batch_per_rank * config.context_length * m.d_model)
 
 
 def _head_gradient_bytes(config: LeaderboardConfig) -> float:
@@ -120,10 +134,8 @@ def reserved_bytes(config: LeaderboardConfig) -> float:
     """
     m = config.model_config
     e = DTYPES[config.compute_dtype].itemsize
-    n, d, v, w = config.batch_per_rank * config.context_length, m.d_model, m.vocab_size, config.world_size
-    block_params = (m.num_params - 2 * v * d - d) // m.num_layers  # all but the embeddings, head and final norm
-    common = (STATE_AT_BACKWARD_BYTES_PER_PARAM * m.num_params / w + 2 * e * block_params
-              + 4 * config.context_length * m.head_dim + e * n * d)
+    n, d, v = config.batch_per_rank * config.context_length, m.d_model, m.vocab_size
+    common = _held_through_step(config) + 2 * e * _block_params(config)
     if config.impl == "ours":
         return common + _head_gradient_bytes(config)
     return common + (3 * e + 4) * v * d + (e + 8) * n * d + (e + 4 + 4) * min(CHUNK_TOKENS, n) * v
