@@ -2,7 +2,7 @@
 ``kind: trace`` per configuration (not a GPU measurement), next to the allocator's peak in the latest row that
 measured it (its call id and commit; the row's code may predate the plan's and the count's commit).
 
-For each ``writeup/results/leaderboard_proxy.jsonl`` row of ours on one rank, eager (no compiled blocks or glue),
+For each ``writeup/results/leaderboard_proxy.jsonl`` row that ``traceable`` accepts (ours on one rank, eager),
 the config the row ran (its policy resolved) is traced on fake tensors (``traced_peak``) and planned
 (``memory_plan``); a last row has the proxy's ``budget`` policy at the 92 GiB cap, not measured.
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from cs336_harness.device import GIB
 from cs336_harness.results import append_rows, provenance, read_rows
-from cs336_harness.studies.leaderboard import PROXY_DEFAULTS, LeaderboardConfig, memory_plan, traced_peak
+from cs336_harness.studies.leaderboard import PROXY_DEFAULTS, LeaderboardConfig, memory_plan, traceable, traced_peak
 
 RESULTS = Path(__file__).resolve().parents[1] / "writeup" / "results"
 _FIELDS = {f.name for f in dataclasses.fields(LeaderboardConfig)}
@@ -25,24 +25,25 @@ _SHOWN = ("num_layers", "context_length", "checkpoint", "glue", "attention", "fu
 
 
 def trace_rows() -> list[dict]:
-    latest: dict[tuple, tuple[dict, dict]] = {}
+    latest: dict[tuple, tuple[LeaderboardConfig, dict]] = {}
     for row in read_rows(RESULTS / "leaderboard_proxy.jsonl"):
-        if (row.get("impl") != "ours" or row.get("compile_blocks") or row.get("glue") == "compiled"
-                or row.get("status") != "ok"):
+        if row.get("status") != "ok":
             continue
-        config = {k: v for k, v in row.items() if k in _FIELDS}
-        config.update(checkpoint=row["checkpoint"], backend="nccl", memory_cap_gib=None, profile=False)
-        key = tuple(config[k] for k in _SHOWN)
+        fields = {k: v for k, v in row.items() if k in _FIELDS}
+        fields.update(checkpoint=row["checkpoint"], backend="nccl", memory_cap_gib=None, profile=False)
+        cfg = LeaderboardConfig(**fields)
+        if not traceable(cfg):
+            continue
+        key = tuple(getattr(cfg, k) for k in _SHOWN)
         if key not in latest or row["date"] > latest[key][1]["date"]:
-            latest[key] = (config, row)
+            latest[key] = (cfg, row)
     out = []
-    for config, row in latest.values():
-        cfg = LeaderboardConfig(**config)
+    for cfg, row in latest.values():
         traced = traced_peak(cfg).peak_bytes / GIB
         planned = memory_plan(cfg, None).expected_peak_bytes / GIB
         out.append({
             "kind": "trace", "what": "the step's peak (GiB) counted on fake tensors, and the memory plan's",
-            "config": {k: config[k] for k in _SHOWN},
+            "config": {k: getattr(cfg, k) for k in _SHOWN},
             "traced_peak_gib": traced, "planned_peak_gib": planned,
             "measured_peak_gib": row["peak_step_gib"], "measured_call_id": row.get("call_id"),
             "measured_commit": row.get("commit"), "measured_minus_traced_gib": row["peak_step_gib"] - traced,

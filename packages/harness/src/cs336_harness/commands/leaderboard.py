@@ -173,8 +173,7 @@ def _print_memory_plans(configs: list[leaderboard.LeaderboardConfig]) -> int:
             raise ValueError("--memory-plan of --checkpoint budget needs --memory-cap-gib without a GPU (the default "
                              "cap comes from the GPU's memory)")
         plan = leaderboard.memory_plan(config, device_bytes)
-        traceable = config.impl == "ours" and config.world_size == 1 and not config.compile_blocks \
-            and config.glue != "compiled"
+        traceable = leaderboard.traceable(config)
         if traceable:
             print(f"counting the {config.impl} step's tensors on fake tensors...", file=sys.stderr)
         rows.append({

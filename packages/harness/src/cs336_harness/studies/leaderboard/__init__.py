@@ -58,7 +58,7 @@ from cs336_harness.studies.leaderboard.memory import (
     memory_plan,
     reserved_bytes,
 )
-from cs336_harness.studies.leaderboard.memory_trace import traced_peak
+from cs336_harness.studies.leaderboard.memory_trace import traceable, traced_peak
 from cs336_harness.studies.leaderboard.runner import (
     TimeLimitExceeded,
     check_runs_here,
@@ -105,6 +105,7 @@ __all__ = [
     "reserved_bytes",
     "run_leaderboard",
     "step_flops",
+    "traceable",
     "traced_peak",
     "writeup_tables",
 ]

@@ -16,6 +16,12 @@ from cs336_harness.studies.leaderboard.config import BUDGET, LeaderboardConfig
 from cs336_harness.studies.leaderboard.training import build_training, rank_batch
 
 
+def traceable(config: LeaderboardConfig) -> bool:
+    """Whether :func:`traced_peak` can count ``config``: ours on one rank, eager (fake tensors run no collectives,
+    FSDP2 needs a process group, and Inductor decides what compiled code saves)."""
+    return config.world_size == 1 and config.impl == "ours" and not config.compile_blocks and config.glue != "compiled"
+
+
 def traced_peak(config: LeaderboardConfig, *, sites: bool = False) -> LiveMemory:
     """The :class:`~cs336_harness.analysis.live_memory.LiveMemory` of ``config``'s second training step (the first
     makes AdamW's state) on fake tensors: ``peak_bytes`` is the step's peak, with the model built inside (what a
@@ -23,11 +29,9 @@ def traced_peak(config: LeaderboardConfig, *, sites: bool = False) -> LiveMemory
     alive at the peak.
 
     Raises:
-        ValueError: for a config it cannot trace: more than one rank (fake tensors run no collectives), a
-            baseline (FSDP2 needs a process group), compiled blocks or glue, or ``budget`` without
-            ``memory_cap_gib``.
+        ValueError: for a config it cannot trace (:func:`traceable`), or ``budget`` without ``memory_cap_gib``.
     """
-    if config.world_size != 1 or config.impl != "ours" or config.compile_blocks or config.glue == "compiled":
+    if not traceable(config):
         raise ValueError("traced_peak traces impl 'ours' on one rank, eager (Inductor decides what compiled code "
                          f"saves); got impl {config.impl!r}, world_size {config.world_size}, compile_blocks "
                          f"{config.compile_blocks}, glue {config.glue!r}")
