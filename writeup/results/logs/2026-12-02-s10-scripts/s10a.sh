@@ -1,0 +1,2 @@
+#!/usr/bin/env bash
+bash tools/gpu_leaderboard_proxy.sh
