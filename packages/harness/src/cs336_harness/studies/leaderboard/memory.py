@@ -35,20 +35,26 @@ from cs336_harness.studies.leaderboard.config import (
 # moments alone are what lives at the start of the backward (the gradients of the previous step were freed).
 STATE_BYTES_PER_PARAM = 16
 STATE_AT_BACKWARD_BYTES_PER_PARAM = 12
+# What a device's memory holds besides the allocator's tensors, which the plan counts: the CUDA context, NCCL's
+# buffers, the caching allocator's fragmentation. Without it the budget planned the two-GPU step at 139.7 of the
+# H200's 140.4 GiB.
+DEVICE_RESERVE_BYTES = 4 * GIB
 
 
 def default_memory_cap_bytes(config: LeaderboardConfig, device_bytes: int) -> float:
     """The memory a run may use to stand for a leaderboard rank on a device of ``device_bytes``: its own state plus
     the share of a rank's activation memory that its layers would have there,
 
-        cap = state(run) + (device_bytes - state(leaderboard rank)) * num_layers / 34,
+        cap = state(run) + (device_bytes - reserve - state(leaderboard rank)) * num_layers / 34,
         state = 16 bytes * parameters / world_size   (fp32 weights, gradients, AdamW's two moments)
 
-    (on an H200, about 92 GiB for the 14-layer proxy; ``device_bytes`` itself for the leaderboard run)."""
+    with :data:`DEVICE_RESERVE_BYTES` (4 GiB) left to what is not a tensor (on an H200, 92.0 GiB for the 14-layer
+    proxy; ``device_bytes`` less the reserve for the leaderboard run)."""
     full = leaderboard_model_config()
     own = STATE_BYTES_PER_PARAM * config.model_config.num_params / config.world_size
     rank_state = STATE_BYTES_PER_PARAM * full.num_params / LEADERBOARD_DEFAULTS["world_size"]
-    return own + (device_bytes - rank_state) * config.model_config.num_layers / full.num_layers
+    usable = device_bytes - DEVICE_RESERVE_BYTES
+    return own + (usable - rank_state) * config.model_config.num_layers / full.num_layers
 
 
 def expected_peak_bytes(config: LeaderboardConfig, block: BlockMemory, policy: CheckpointPolicySpec) -> float:
