@@ -4,7 +4,7 @@ measured it (its call id and commit; the row's code may predate the plan's and t
 
 For each ``writeup/results/leaderboard_proxy.jsonl`` row that ``traceable`` accepts (ours on one rank, eager),
 the config the row ran (its policy resolved) is traced on fake tensors (``traced_peak``) and planned
-(``memory_plan``); a last row has the proxy's ``budget`` policy at the 92 GiB cap, not measured.
+(``memory_plan``); a last row has what the proxy's ``budget`` policy picks at the 92 GiB cap, with its block memory.
 
     uv run python tools/trace_proxy_memory.py      # writes the rows to writeup/results/memory_trace.jsonl
 """
