@@ -4,13 +4,10 @@
 # PyTorch-only baselines, as rows of one call (one CS336_CALL_ID), most important first:
 #   1. ours: our attention (the Gluon kernels on sm_90), our glue kernels, the budget policy (the exact memory plan:
 #      attention:2+selective:10 at 92 GiB), profiled, with the handout's do_bench timing;
-#   2. the strong baseline (compiled blocks, as many not checkpointed as its plan fits the cap: first:8), profiled;
+#   2. the strong baseline (compiled blocks, as many not checkpointed as its plan fits the cap: first:7), profiled;
 #   3. the plain baseline (every block checkpointed, eager);
 #   4. ours with the blocks that fit kept whole and the rest recomputing their matmuls (attention:5): what the
 #      selective blocks buy;
-#   5. the strong baseline with one block more kept whole (its plan at a 93 GiB cap picks first:7): whether its
-#      plan, an estimate (88.5 GiB planned, 85.2 measured at first:8), left it memory under 92 GiB;
-#   6. ours with the policy of the old plan (attention:7);
 # then the markdown tables from the rows, then the GPU tests of the proxy and of the memory plan (block memory and
 # the step's peak against the allocator, the glue kernels' step against the model's code in bf16, a small profiled
 # run of all three impls). Every run is its own process with its own timeout and --time-limit-s, none starts with
@@ -44,8 +41,6 @@ proxy() {  # proxy NAME MAX_S [FLAGS...]: one cs336 leaderboard --proxy run, ski
   proxy "strong baseline: compiled blocks, budget" 200 --impl torch_native_compiled --profile
   proxy "plain baseline: every block checkpointed" 100 --impl torch_native
   proxy "ours: attention:5 (no selective blocks)" 100 --glue triton --checkpoint attention:5
-  proxy "strong baseline: its plan at a 93 GiB cap (first:7)" 150 --impl torch_native_compiled --memory-cap-gib 93
-  proxy "ours: attention:7 (the old plan's policy)" 100 --glue triton --checkpoint attention:7
   if [ -s "$rows" ]; then
     timeout 60 "${cs336[@]}" leaderboard --markdown "$rows" > "$OUT/tables.md" || echo "== tables FAILED (rc $?)"
   fi
