@@ -112,8 +112,8 @@ def test_traced_peak_refuses_what_it_cannot_trace() -> None:
         traced_peak(_proxy(glue="compiled"))
 
 
-# The allocator's peak of a step in a process of its own: after other GPU tests in one process the same step measured
-# 0.34 GiB more (call s10d; alone, 0.001 GiB over the count: s10c), which is the allocator's state, not the step's.
+# The allocator's peak of a step in a process of its own: what earlier GPU tests leave in the allocator changes the
+# peak it reports (by 0.34 GiB after the proxy's GPU tests), which is not the step's memory.
 _ALLOCATOR_PEAK = """
 import json, sys
 import torch

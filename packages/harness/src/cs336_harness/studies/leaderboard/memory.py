@@ -35,9 +35,8 @@ from cs336_harness.studies.leaderboard.config import (
 # moments alone are what lives at the start of the backward (the gradients of the previous step were freed).
 STATE_BYTES_PER_PARAM = 16
 STATE_AT_BACKWARD_BYTES_PER_PARAM = 12
-# What a device's memory holds besides the allocator's tensors, which the plan counts: the CUDA context, NCCL's
-# buffers, the caching allocator's fragmentation. Without it the budget planned the two-GPU step at 139.7 of the
-# H200's 140.4 GiB.
+# What a device's memory holds besides the tensors the plan counts: the CUDA context, NCCL's buffers, the caching
+# allocator's fragmentation. A budget is planned within the rest.
 DEVICE_RESERVE_BYTES = 4 * GIB
 
 
