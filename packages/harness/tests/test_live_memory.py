@@ -3,6 +3,7 @@ count of the step itself on fake tensors (and, on a GPU, against the allocator).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -134,12 +135,11 @@ print(torch.cuda.max_memory_allocated())
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_allocator_peak_is_the_traced_peak() -> None:
-    overrides = dict(num_layers=3, checkpoint="attention:1", context_length=8192)
-    run = subprocess.run([sys.executable, "-c", _ALLOCATOR_PEAK, json.dumps({**PROXY_DEFAULTS, "backend": "nccl",
-                                                                           "glue": "triton", **overrides})],
+    config = _proxy(num_layers=3, checkpoint="attention:1", context_length=8192)
+    run = subprocess.run([sys.executable, "-c", _ALLOCATOR_PEAK, json.dumps(dataclasses.asdict(config))],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     measured = int(run.stdout.split()[-1])
     # What the count leaves out: the allocator's 512-byte rounding and the libraries' workspaces (cuBLAS: 32 MiB
     # per stream and handle).
-    assert measured - traced_peak(_proxy(**overrides)).peak_bytes == pytest.approx(0, abs=0.15 * GIB)
+    assert measured - traced_peak(config).peak_bytes == pytest.approx(0, abs=0.15 * GIB)
