@@ -3,11 +3,11 @@
 # (8B blocks, 14 layers, one sequence of 32768 tokens, bf16, world size 1, memory cap 92 GiB) ours and the two
 # PyTorch-only baselines, as rows of one call (one CS336_CALL_ID), most important first:
 #   1. ours: our attention (the Gluon kernels on sm_90), our glue kernels, the budget policy (the exact memory plan:
-#      attention:2+selective:10 at 92 GiB), profiled, with the handout's do_bench timing;
+#      selective:13 at 92 GiB, no block recomputing a matmul), profiled, with the handout's do_bench timing;
 #   2. the strong baseline (compiled blocks, as many not checkpointed as its plan fits the cap: first:7), profiled;
 #   3. the plain baseline (every block checkpointed, eager);
-#   4. ours with the blocks that fit kept whole and the rest recomputing their matmuls (attention:5): what the
-#      selective blocks buy;
+#   4. ours with two blocks recomputing their matmuls (attention:2+selective:10, the budget's pick while selective
+#      blocks kept w2's output too): what the lighter selective blocks buy;
 # then the markdown tables from the rows, then the GPU tests of the proxy and of the memory plan (block memory and
 # the step's peak against the allocator, the glue kernels' step against the model's code in bf16, a small profiled
 # run of all three impls). Every run is its own process with its own timeout and --time-limit-s, none starts with
@@ -40,7 +40,7 @@ proxy() {  # proxy NAME MAX_S [FLAGS...]: one cs336 leaderboard --proxy run, ski
   proxy "ours: triton glue, budget checkpointing" 200 --glue triton --checkpoint budget --profile --handout-timing
   proxy "strong baseline: compiled blocks, budget" 200 --impl torch_native_compiled --profile
   proxy "plain baseline: every block checkpointed" 100 --impl torch_native
-  proxy "ours: attention:5 (no selective blocks)" 100 --glue triton --checkpoint attention:5
+  proxy "ours: attention:2+selective:10" 100 --glue triton --checkpoint attention:2+selective:10
   if [ -s "$rows" ]; then
     timeout 60 "${cs336[@]}" leaderboard --markdown "$rows" > "$OUT/tables.md" || echo "== tables FAILED (rc $?)"
   fi

@@ -5,6 +5,7 @@ recomputes least within a memory budget."""
 from __future__ import annotations
 
 import copy
+import weakref
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from cs336_sharding.checkpointing import (
     policy_for_budget,
 )
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 POLICIES = ["all", "group:2", "group:3", "first:2", "sqrt", "nested", "nested:3", "selective", "selective:3",
             "attention", "attention:1+selective:2"]
@@ -118,6 +120,45 @@ def test_attention_policy_does_not_recompute_attention(attention: str, op_name: 
     torch.testing.assert_close(loss.detach(), ref_loss, rtol=0, atol=0)
     for p, ref in zip(model.parameters(), ref_grads, strict=True):
         torch.testing.assert_close(p.grad, ref, rtol=1e-6, atol=1e-7)
+
+
+class _Outputs(TorchDispatchMode):
+    """Weak references on every operator's outputs while active; ``live_bytes``: the storages some are still on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: list[weakref.ref] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.refs += [weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+    def live_bytes(self) -> int:
+        alive = [t for ref in self.refs if (t := ref()) is not None]
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in alive}.values())
+
+
+@pytest.mark.parametrize("d_ff", [48, 32])
+def test_selective_keeps_the_matmul_outputs_its_recomputation_uses(d_ff: int) -> None:
+    # The down projection's output feeds only the residual add: not kept where its shape tells it apart (d_ff !=
+    # d_model), and never recomputed, as no matmul is.
+    d, tokens = 32, torch.randint(0, 37, (2, 64), generator=torch.Generator().manual_seed(4))
+    kept, matmuls = {}, {}
+    for policy in ("none", "attention", "selective"):
+        torch.manual_seed(0)
+        model = BasicsTransformerLM(vocab_size=37, context_length=64, d_model=d, num_layers=2, num_heads=2,
+                                    d_ff=d_ff, attention=sdpa_attention)
+        apply_checkpointing(model, policy)
+        with _Outputs() as outputs:
+            x = model.layers(model.token_embeddings(tokens))
+        kept[policy] = outputs.live_bytes() - x.untyped_storage().nbytes()
+        with _CountOp("aten::mm") as counter:
+            x.sum().backward()
+        matmuls[policy] = counter.calls
+    n_outputs = 4 * d + 2 * d_ff + (d if d_ff == d else 0)  # q, k, v, out-projection, w1, w3 (and w2)
+    assert kept["selective"] - kept["attention"] == 2 * 128 * 4 * n_outputs  # 2 blocks, 128 tokens, fp32
+    assert matmuls["selective"] == matmuls["none"] == 2 * 7 * 2 < matmuls["attention"]
 
 
 def test_tiers_are_parsed_and_planned_in_order() -> None:

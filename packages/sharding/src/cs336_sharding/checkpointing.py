@@ -20,7 +20,9 @@ Policies (strings, as given to ``cs336 bench --checkpoint``):
 - ``nested:B``: recursive segments, each split into B sub-segments down to single blocks; with B=2,
   peak memory is O(log N) segment inputs plus one block's saved tensors, at O(N log N) block forwards.
 - ``selective``: each block its own segment, but matmul outputs (and fused attention outputs) are
-  saved, so the backward recomputes only the cheap elementwise and normalisation ops.
+  saved, so the backward recomputes only the cheap elementwise and normalisation ops. Not the output of the
+  feed-forward's down projection (a block's ``ffn.w2``): it feeds only the residual add, which saves nothing, and
+  the recomputation stops (checkpoint's early stop) once that matmul has saved its input, before it would run.
   ``selective:N``: the first N blocks so, the rest not checkpointed.
 - ``attention``: each block its own segment, saving only the fused attention's outputs (SDPA's kernels or
   our Triton FlashAttention-2; output and log-sum-exp, about ``b * T * d_model`` elements per block), so
@@ -187,8 +189,27 @@ def plan_segments(num_blocks: int, policy: str | CheckpointPolicySpec) -> tuple[
     return tuple(Segment(tuple(range(i, min(i + size, n)))) for i in range(0, n, size))
 
 
-def _save_ops(saved: frozenset, ctx: object, op: torch._ops.OpOverload, *args: object,
-              **kwargs: object) -> CheckpointPolicy:
+def _down_projection_shape(blocks: nn.ModuleList) -> tuple[int, int] | None:
+    """``(d_ff, d_model)``: the shape of the weight operand (``W.T``) of the matmul of the blocks' ``ffn.w2``, the
+    ``cs336_basics`` SwiGLU's down projection, read from its ``d_in`` and ``d_out`` (which sharding its weight leaves
+    alone); the one matmul of such a block that contracts over d_ff. None where the blocks have no such layer of one
+    shape, or d_ff == d_model (the other projections' operands would have that shape too)."""
+    shapes = set()
+    for block in blocks:
+        w2 = getattr(getattr(block, "ffn", None), "w2", None)
+        if not isinstance(getattr(w2, "d_in", None), int) or not isinstance(getattr(w2, "d_out", None), int):
+            return None
+        shapes.add((w2.d_in, w2.d_out))
+    if len(shapes) != 1:
+        return None
+    (d_ff, d_model), = shapes
+    return None if d_ff == d_model else (d_ff, d_model)
+
+
+def _save_ops(saved: frozenset, skipped_operand: tuple[int, int] | None, ctx: object, op: torch._ops.OpOverload,
+              *args: object, **kwargs: object) -> CheckpointPolicy:
+    if op is torch.ops.aten.mm.default and skipped_operand is not None and tuple(args[1].shape) == skipped_operand:
+        return CheckpointPolicy.PREFER_RECOMPUTE
     return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -201,6 +222,7 @@ class CheckpointedBlocks(nn.ModuleList):
         self.plan = plan
         self.policy = policy
         self.saved_ops: dict[str, frozenset[torch._ops.OpOverload]] = {}
+        self.down_projection = _down_projection_shape(blocks)
 
     def _run(self, items: tuple[int | Segment, ...], x: torch.Tensor) -> torch.Tensor:
         for item in items:
@@ -209,7 +231,8 @@ class CheckpointedBlocks(nn.ModuleList):
 
     def _checkpointed(self, segment: Segment, x: torch.Tensor) -> torch.Tensor:
         if segment.keeps:
-            policy_fn = functools.partial(_save_ops, self.saved_ops[segment.keeps])
+            skipped = self.down_projection if segment.keeps == "selective" else None
+            policy_fn = functools.partial(_save_ops, self.saved_ops[segment.keeps], skipped)
             context_fn = functools.partial(create_selective_checkpoint_contexts, policy_fn)
             return checkpoint(self._run, segment.items, x, use_reentrant=False, context_fn=context_fn)
         return checkpoint(self._run, segment.items, x, use_reentrant=False)
@@ -247,7 +270,8 @@ class BlockMemory:
     """Bytes one block adds to memory in the forward, by how it is checkpointed: its output plus what autograd keeps
     for its backward beyond the block's input (which the previous block's output already counts).
 
-    ``kept``: not checkpointed; ``selective``: checkpointed, the matmuls' and the fused attention's outputs kept;
+    ``kept``: not checkpointed; ``selective``: checkpointed, the fused attention's and the matmuls' outputs kept (but
+    the down projection's);
     ``attention``: checkpointed, the fused attention's outputs kept; ``checkpointed``: checkpointed, nothing kept
     (the output alone). ``working``: what the block's backward holds at its peak beyond its activations (gradient
     temporaries, less the activations it has freed by then).

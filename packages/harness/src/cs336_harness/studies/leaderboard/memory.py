@@ -179,9 +179,10 @@ def block_memory(shape: BlockShape, batch: int, seq: int, *, dtype_bytes: int = 
       b = w3 x (4 e N f) in the model's code, a and b (2 e N f) in the kernel; w2 keeps the gate's output (e N f);
     - the block's output (e N d).
 
-    ``attention`` is the output plus the attention op's output and log-sum-exp; ``selective`` adds the matmuls'
-    outputs (q, k, v, the output projection's, w1's, w3's and w2's: 5 e N d + 2 e N f), whatever the glue, which is
-    recomputed; ``checkpointed`` is the output.
+    ``attention`` is the output plus the attention op's output and log-sum-exp; ``selective`` adds the outputs of
+    the matmuls the recomputation uses (q, k, v, the output projection's, w1's and w3's: 4 e N d + 2 e N f; not
+    w2's, :mod:`cs336_sharding.checkpointing`), whatever the glue, which is recomputed; ``checkpointed`` is the
+    output.
     ``working``, with the kernels: the backward's peak is in the gate's backward, holding w2's weight gradient
     (e d f) and the gate's two input gradients (2 e N f); the gradient that reached the block's output and the
     gradient of the gate's output take the place of the block's output and the gate's output, freed by then.
@@ -212,7 +213,7 @@ def block_memory(shape: BlockShape, batch: int, seq: int, *, dtype_bytes: int = 
     kept = norms + rope + attention + ffn + out
     working = kept if glue == "model" else e * d * f + 2 * e * n * f
     attention_kept = out + e * n * d + lse
-    selective = attention_kept + 5 * e * n * d + 2 * e * n * f
+    selective = attention_kept + 4 * e * n * d + 2 * e * n * f
     return BlockMemory(kept=kept, selective=selective, attention=attention_kept, checkpointed=out, working=working)
 
 
