@@ -19,6 +19,7 @@ import triton
 from cs336_harness.results import append_rows, provenance
 from cs336_kernels.ops.flash_attention import gluon_backward as backward
 from cs336_kernels.ops.flash_attention import gluon_forward as forward
+from cs336_kernels.ops.flash_attention.gluon_common import SUPPORTED_HEAD_DIMS
 from cs336_kernels.sass import loop_spills, read_build
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
@@ -65,7 +66,7 @@ def main() -> None:
     args = parser.parse_args()
     meta = provenance()
     for name in ("fwd", "bwd"):
-        for head_dim in forward.SUPPORTED_HEAD_DIMS:
+        for head_dim in SUPPORTED_HEAD_DIMS:
             for is_causal in (False, True):
                 row = build_row(name, head_dim, is_causal)
                 print(" ".join(f"{key}={value}" for key, value in row.items()), flush=True)

@@ -23,6 +23,7 @@ from cs336_kernels.ops.flash_attention import (
     tuning,
 )
 from cs336_kernels.ops.flash_attention.forward import flash_forward_triton
+from cs336_kernels.ops.flash_attention.gluon_backward import unstage_dq
 from cs336_kernels.ops.flash_attention.gluon_common import gluon_applies
 from cs336_kernels.ops.flash_attention.reference import flash_backward_pytorch, flash_forward_pytorch
 
@@ -175,6 +176,22 @@ def test_backward_with_tma_loads_matches_reference(monkeypatch, shape_q, shape_k
     _force_backward_tma(monkeypatch, {"dkdv": tuning._INTERPRETER_CONFIG, "dq": tuning._INTERPRETER_CONFIG})
     q, k, v, do = _inputs(shape_q, shape_kv, dtype, seed=shape_q[-2])
     _check_against_reference(triton_attention, q, k, v, do, is_causal)
+
+
+@pytest.mark.parametrize(("n_queries", "head_dim"), [(128, 64), (70, 128)])
+def test_the_gluon_backwards_dq_accumulator_is_unstaged_in_row_order(n_queries, head_dim):
+    # The Gluon backward stages row 8a + 4b + 2c + d of every 64-row dQ tile at row 8a + 4c + 2d + b.
+    rows = -(-n_queries // 64) * 64
+    dq = torch.randn(2, 3, rows, head_dim, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    r = torch.arange(rows)
+    a, b, c, d = r // 8, (r // 4) % 2, (r // 2) % 2, r % 2
+    staged = torch.empty_like(dq)
+    staged[:, :, (8 * a + 4 * c + 2 * d + b).to(DEVICE)] = dq
+    out = unstage_dq(staged, n_queries, torch.float16)  # the interpreter rounds bf16 its own way
+    assert out.shape == (2, 3, n_queries, head_dim) and out.dtype == torch.float16
+    torch.testing.assert_close(out, dq[:, :, :n_queries].half(), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        unstage_dq(staged[:, :, :-1].contiguous(), n_queries - 1, torch.float16)
 
 
 def test_causal_alignment_is_top_left_like_sdpa():

@@ -13,7 +13,10 @@ One program owns ``BLOCK_N`` keys of one (batch, key/value head) and runs three 
   d = 128 each computes half of dQ's columns, with d = 64 they take turns by query tile. dQ is added in fp32
   into a global accumulator by TMA reduce-adds (``cp.reduce.async.bulk.tensor``) from two staging buffers per
   consumer, so a consumer waits only for the reduce-add of two dQ tiles ago. dK and dV stay in registers
-  until the end.
+  until the end. The accumulator is ours alone, so its rows may be in any order: each dQ tile's rows are staged
+  permuted within groups of eight (:func:`staged_row`), which makes the consumers' fp32 stores into the 128-byte
+  swizzled staging buffers free of bank conflicts, and one pass (:func:`unstage_dq`) puts them back in order
+  while it casts dQ to the inputs' dtype.
 
 ``P^T = exp2(S^T * scale * log2(e) - L * log2(e))`` is recomputed from the forward's logsumexp and
 ``dS^T = P^T * (dP^T - D)`` uses ``D = rowsum(dO * O)``. Rows past the end of a head read as zeros by TMA,
@@ -30,6 +33,7 @@ import math
 
 import torch
 import triton
+import triton.language as tl
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -170,6 +174,11 @@ def _bwd_consumer(
             else:
                 dq_tile = dq_bufs.index(CONSUMER * DQ_BUFFERS + (t // 2) % DQ_BUFFERS)
             tma.store_wait(DQ_BUFFERS - 1)
+            # Tile row 8a + 4b + 2c + d goes to staging row 8a + 4c + 2d + b (staged_row). A store instruction
+            # writes 32 bytes of each of eight rows, and a half-warp four of them; in row order the swizzle maps
+            # rows 2j and 2j + 1 onto the same banks (two wavefronts where one suffices), in this order the four
+            # rows differ in the swizzle's upper bits and fill the 32 banks once.
+            dq = dq.reshape([BLOCK_M // 8, 2, 2, 2, DQ_COLS]).permute((0, 2, 3, 1, 4)).reshape([BLOCK_M, DQ_COLS])
             dq_tile.reshape([BLOCK_M, DQ_COLS]).store(dq)
             fence_async_shared()
             _tma_reduce_add(dq_desc, [b, h, i * BLOCK_M, CONSUMER * DQ_COLS if SPLIT_DQ else 0], dq_tile)
@@ -249,6 +258,39 @@ def _attn_bwd_kernel(
     )
 
 
+@triton.jit
+def staged_row(r):
+    """The staging row of dQ tile row ``r = 8a + 4b + 2c + d``: ``8a + 4c + 2d + b`` (the consumers' store order)."""
+    return (r & ~7) | ((r & 3) << 1) | ((r >> 2) & 1)
+
+
+@triton.jit
+def _dq_unstage_kernel(ACC, DQ, N_QUERIES, ROWS, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    # ACC: (batch * heads, ROWS, HEAD_DIM) fp32 whose BLOCK_M-row tiles hold their rows in staged order; DQ:
+    # (batch * heads, N_QUERIES, HEAD_DIM) in row order. Each program moves one tile of one head.
+    bh = tl.program_id(1).to(tl.int64)
+    r = tl.arange(0, BLOCK_M)
+    row0 = tl.program_id(0) * BLOCK_M
+    cols = tl.arange(0, HEAD_DIM)
+    acc = tl.load(ACC + (bh * ROWS + row0 + staged_row(r))[:, None] * HEAD_DIM + cols[None, :])
+    rows = row0 + r
+    tl.store(DQ + (bh * N_QUERIES + rows)[:, None] * HEAD_DIM + cols[None, :], acc.to(DQ.dtype.element_ty),
+             mask=(rows < N_QUERIES)[:, None])
+
+
+def unstage_dq(acc: torch.Tensor, n_queries: int, dtype: torch.dtype) -> torch.Tensor:
+    """dQ in row order and ``dtype`` from the backward's fp32 accumulator ``acc`` (batch, heads, rows, d), rows a
+    multiple of the query tile, each tile's rows in :func:`staged_row` order; returns (batch, heads, n_queries, d)."""
+    batch, heads, rows, head_dim = acc.shape
+    block_m = CONFIGS[head_dim][0]
+    if rows % block_m or not 0 < n_queries <= rows or not acc.is_contiguous() or acc.dtype != torch.float32:
+        raise ValueError(f"acc must be a contiguous fp32 (batch, heads, rows, d) with rows a multiple of {block_m} "
+                         f"and at least n_queries = {n_queries}; got {acc.dtype} {tuple(acc.shape)}")
+    dq = torch.empty((batch, heads, n_queries, head_dim), device=acc.device, dtype=dtype)
+    _dq_unstage_kernel[(rows // block_m, batch * heads)](acc, dq, n_queries, rows, HEAD_DIM=head_dim, BLOCK_M=block_m)
+    return dq
+
+
 def _row_descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
     # (1, 1, rows) boxes of a (batch, heads, seq) fp32 tensor; a 256-byte row of one box takes no swizzle.
     return TensorDescriptor.from_tensor(x, [1, 1, block_rows], gl.NVMMASharedLayout(0, 32, rank=3))
@@ -274,7 +316,8 @@ def backward_args(
     dq_acc: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, is_causal: bool,
 ) -> tuple[tuple, dict]:
     """The backward kernel's arguments and constexprs for these tensors (for the launcher and offline builds);
-    ``lse`` and ``delta`` (batch, heads_q, seq_q) fp32 with 16-byte-aligned strides."""
+    ``lse`` and ``delta`` (batch, heads_q, seq_q) fp32 with 16-byte-aligned strides, ``dq_acc`` the zeroed fp32
+    accumulator (batch, heads_q, seq_q rounded up to whole query tiles, d) that :func:`unstage_dq` reads."""
     heads_q, n_queries, head_dim = q.shape[1:]
     heads_kv, n_keys = k.shape[1], k.shape[2]
     block_m, block_n, stages = CONFIGS[head_dim]
@@ -322,10 +365,13 @@ def gluon_attention_backward(
         o, do, delta, *o.stride(), *do.stride(), delta.stride(0), delta.stride(1), heads_q, n_queries,
         HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=64,
     )
-    dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+    # Whole query tiles, so that every tile's staged rows land inside the accumulator.
+    block_m = CONFIGS[head_dim][0]
+    dq_acc = torch.zeros((batch, heads_q, triton.cdiv(n_queries, block_m) * block_m, head_dim), device=q.device,
+                         dtype=torch.float32)
     dk = torch.empty(k.shape, device=q.device, dtype=q.dtype)
     dv = torch.empty_like(dk)
     args, constants = backward_args(q, k, v, do, lse, delta, dq_acc, dk, dv, is_causal)
     grid = (triton.cdiv(k.shape[2], constants["BLOCK_N"]), batch * k.shape[1])
     _attn_bwd_kernel[grid](*args, **constants, num_warps=4, maxnreg=MAX_REGISTERS)
-    return dq_acc.to(q.dtype), dk, dv
+    return unstage_dq(dq_acc, n_queries, q.dtype), dk, dv
