@@ -17,6 +17,7 @@ leaves out ``kind: prediction``).
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -54,6 +55,7 @@ def predict() -> dict:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # no options; --help
     row = predict()
     append_rows(RESULTS / "leaderboard.jsonl", [row])
     print(json.dumps({k: row[k] for k in ("predicted_step_s", "predicted_step_s_layers", "proxy_step_s")}))

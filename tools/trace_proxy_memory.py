@@ -12,6 +12,7 @@ the config the row ran (its policy resolved) is traced on fake tensors (``traced
 from __future__ import annotations
 
 import dataclasses
+import argparse
 import json
 from pathlib import Path
 
@@ -61,6 +62,7 @@ def trace_rows() -> list[dict]:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # no options; --help
     meta = provenance()  # before the file changes, so the commit is named clean
     rows = trace_rows()
     path = RESULTS / "memory_trace.jsonl"
