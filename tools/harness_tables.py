@@ -391,26 +391,38 @@ def table_anchors() -> str:
                                 ("fb", "fwd+bwd (ms)"), ("tflops", "fwd+bwd TFLOP/s")], floatfmt=".3g")
 
 
+def _proxy_extras(r: dict[str, Any]) -> str:
+    """What a proxy row changes from its recipe: ours with SDPA or other glue, compiled blocks, one qkv matmul."""
+    shown = _shown(r)
+    ours = r["impl"] == "ours"
+    return ", ".join([*([f"{shown['attention']} attention"] if ours and r["attention"] != "triton" else []),
+                      *([f"glue: {shown['glue']}"] if ours and r["glue"] != "triton" else []),
+                      *(["compiled blocks"] if r.get("compile_blocks") else []),
+                      *(["one qkv matmul"] if r.get("fused_qkv") else [])]) or "-"
+
+
 def table_proxy_all() -> str:
-    """Every proxy row, by run; ratios against the baselines of the same run."""
-    proxy = _proxy()
+    """Every proxy row of ours, by run, with its ratios against the baselines of the same run (their own rows are
+    in the results file and the latest run's table). Attention and glue are named only where a row differs from
+    our own kernels."""
+    proxy = [r for r in _proxy() if r["impl"] == "ours"]
     runs: dict[str, list[dict[str, Any]]] = {}
     for r in proxy:
         runs.setdefault(str(r.get("call_id")), []).append(r)
     label = {call: _run_label(rs) for call, rs in runs.items()}
-    extras = lambda r: ", ".join([*(["compiled blocks"] if r.get("compile_blocks") else []),  # noqa: E731
-                                   *(["one qkv matmul"] if r.get("fused_qkv") else [])]) or "-"
-    shown = [{**_shown(r), "run": label[str(r.get("call_id"))], "extras": extras(r)} for r in proxy]
-    columns = [("run", "run (UTC)"), *PROXY_SHOWN[:4], ("extras", "also"), *PROXY_SHOWN[4:]]
+    shown = [{**_shown(r), "run": label[str(r.get("call_id"))], "extras": _proxy_extras(r)} for r in proxy]
+    columns = [("run", "run (UTC)"), PROXY_SHOWN[0], PROXY_SHOWN[3], ("extras", "also"), *PROXY_SHOWN[4:]]
     return markdown_table(shown, columns, floatfmt=".4g")
 
 
 def table_proxy_breakdown() -> str:
-    """GPU kernel time by kind in the latest profiled run: ours against the strong baseline."""
-    profiled = [r for r in _proxy() if r.get("breakdown")]
-    latest = max(str(r.get("call_id")) for r in profiled)
-    picked = [r for r in profiled if str(r.get("call_id")) == latest]
-    return kernel_kinds.breakdown_markdown(picked, [_shown(r)["impl"] for r in picked])
+    """GPU kernel time by kind in each implementation's latest profiled row (ours against the strong baseline),
+    each column named by its run."""
+    latest: dict[str, dict[str, Any]] = {}
+    for r in sorted((r for r in _proxy() if r.get("breakdown")), key=lambda r: str(r.get("call_id"))):
+        latest[_shown(r)["impl"]] = r
+    picked = list(latest.values())
+    return kernel_kinds.breakdown_markdown(picked, [f"{impl} ({_run_label([r])})" for impl, r in latest.items()])
 
 
 def _latest(bench: str) -> list[dict[str, Any]]:
