@@ -8,6 +8,7 @@
 #   3. the plain baseline (every block checkpointed, eager);
 #   4. ours with two blocks recomputing their matmuls (attention:2+selective:10, the budget's pick while selective
 #      blocks kept w2's output too): what the lighter selective blocks buy;
+#   5. ours with nothing recomputed (checkpoint none, about 110 GiB under a 130 GiB cap): what the cap still costs;
 # then the markdown tables from the rows, then the GPU tests of the proxy and of the memory plan (block memory and
 # the step's peak against the allocator, the glue kernels' step against the model's code in bf16, a small profiled
 # run of all three impls). Every run is its own process with its own timeout and --time-limit-s, none starts with
@@ -41,6 +42,7 @@ proxy() {  # proxy NAME MAX_S [FLAGS...]: one cs336 leaderboard --proxy run, ski
   proxy "strong baseline: compiled blocks, budget" 200 --impl torch_native_compiled --profile
   proxy "plain baseline: every block checkpointed" 100 --impl torch_native
   proxy "ours: attention:2+selective:10" 100 --glue triton --checkpoint attention:2+selective:10
+  proxy "ours: no checkpointing, cap 130 GiB" 100 --glue triton --checkpoint none --memory-cap-gib 130
   if [ -s "$rows" ]; then
     timeout 60 "${cs336[@]}" leaderboard --markdown "$rows" > "$OUT/tables.md" || echo "== tables FAILED (rc $?)"
   fi
