@@ -11,8 +11,8 @@ the config the row ran (its policy resolved) is traced on fake tensors (``traced
 
 from __future__ import annotations
 
-import dataclasses
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
