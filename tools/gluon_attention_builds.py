@@ -40,8 +40,9 @@ def _compile(kernel, args: tuple, constants: dict) -> tuple[triton.compiler.Comp
     return compiled, sass
 
 
-def build_row(name: str, head_dim: int, is_causal: bool) -> dict:
-    """Compile the ``name`` (fwd or bwd) kernel at ``head_dim`` and count what its SASS holds."""
+def build_row(name: str, head_dim: int, is_causal: bool, deterministic: bool = False) -> dict:
+    """Compile the ``name`` (fwd or bwd, the latter in its default or deterministic mode) kernel at ``head_dim``
+    and count what its SASS holds."""
     q = torch.zeros(1, 4, 1024, head_dim, dtype=torch.bfloat16)
     k = torch.zeros(1, 2, 1024, head_dim, dtype=torch.bfloat16)
     lse = torch.zeros(1, 4, 1024)
@@ -49,9 +50,11 @@ def build_row(name: str, head_dim: int, is_causal: bool) -> dict:
         kernel, (args, constants) = forward._attn_fwd_kernel, forward.forward_args(q, k, k, q, lse, is_causal)
     else:
         kernel = backward._attn_bwd_kernel
-        args, constants = backward.backward_args(q, k, k, q, lse, lse, q.float(), k, k, is_causal)
+        locks = torch.zeros(backward.dq_lock_count(q), dtype=torch.int32) if deterministic else None
+        args, constants = backward.backward_args(q, k, k, q, lse, lse, q.float(), k, k, locks, is_causal)
     compiled, sass = _compile(kernel, args, constants)
     return {"bench": "gluon_build", "kernel": name, "d": head_dim, "dtype": "bf16", "causal": is_causal,
+            "deterministic": deterministic,
             "config": [constants["BLOCK_M"], constants["BLOCK_N"], constants["STAGES"]], "target": "sm_90",
             "max_register": max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)),
             "shared_bytes": compiled.metadata.shared, "spill_stores": sass.count("STL"),
@@ -65,10 +68,10 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="append rows (with provenance) to this JSONL file")
     args = parser.parse_args()
     meta = provenance()
-    for name in ("fwd", "bwd"):
+    for name, deterministic in (("fwd", False), ("bwd", False), ("bwd", True)):
         for head_dim in SUPPORTED_HEAD_DIMS:
             for is_causal in (False, True):
-                row = build_row(name, head_dim, is_causal)
+                row = build_row(name, head_dim, is_causal, deterministic)
                 print(" ".join(f"{key}={value}" for key, value in row.items()), flush=True)
                 if args.out:
                     append_rows(args.out, [row], meta)

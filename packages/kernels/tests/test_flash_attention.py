@@ -20,6 +20,8 @@ from cs336_kernels.ops.flash_attention import (
     attention_reference,
     backward_impl,
     flash_attention,
+    flash_attention_backward_op,
+    flash_attention_op,
     tuning,
 )
 from cs336_kernels.ops.flash_attention.forward import flash_forward_triton
@@ -187,11 +189,40 @@ def test_the_gluon_backwards_dq_accumulator_is_unstaged_in_row_order(n_queries, 
     a, b, c, d = r // 8, (r // 4) % 2, (r // 2) % 2, r % 2
     staged = torch.empty_like(dq)
     staged[:, :, (8 * a + 4 * c + 2 * d + b).to(DEVICE)] = dq
-    out = unstage_dq(staged, n_queries, torch.float16)  # the interpreter rounds bf16 its own way
-    assert out.shape == (2, 3, n_queries, head_dim) and out.dtype == torch.float16
+    # Into a (batch, seq, heads, d) tensor seen as (batch, heads, seq, d), as the backward writes dQ for a model.
+    # fp16: the interpreter rounds bf16 its own way.
+    out = torch.full((2, n_queries, 3, head_dim), float("nan"), dtype=torch.float16, device=DEVICE).transpose(1, 2)
+    assert unstage_dq(staged, out) is out
     torch.testing.assert_close(out, dq[:, :, :n_queries].half(), rtol=0, atol=0)
     with pytest.raises(ValueError, match="multiple of 64"):
-        unstage_dq(staged[:, :, :-1].contiguous(), n_queries - 1, torch.float16)
+        unstage_dq(staged[:, :, :-1].contiguous(), out[:, :, 1:])
+    with pytest.raises(ValueError, match="unit stride"):
+        unstage_dq(staged, out.transpose(2, 3).contiguous().transpose(2, 3))
+
+
+def test_outputs_and_gradients_take_the_layout_of_their_inputs():
+    # A model's (batch, seq, heads, d) projections seen as (batch, heads, seq, d): O and dQ, dK, dV come back in
+    # that layout, so the output projection (and the backward into the projections) reshapes them without a copy;
+    # the fake implementations, what torch.compile plans with, give the same strides. Inputs without a unit stride
+    # on d are copied first, and their results are contiguous.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v, do = (t.transpose(1, 2) for t in _inputs((1, 33, 4, 16), (1, 33, 2, 16), torch.float32, seed=1))
+    o, lse = flash_attention_op(q, k, v, True, "triton", "triton")
+    grads = flash_attention_backward_op(q, k, v, o, do, lse, True, "triton")
+    with FakeTensorMode() as mode:
+        fakes = [mode.from_tensor(t) for t in (q, k, v, o, do, lse)]
+        fake_o, _ = flash_attention_op(*fakes[:3], True, "triton", "triton")
+        fake_grads = flash_attention_backward_op(*fakes, True, "triton")
+    for got, fake, like in zip((o, *grads), (fake_o, *fake_grads), (q, q, k, v), strict=True):
+        assert got.stride() == like.stride() == fake.stride()
+        assert got.transpose(1, 2).is_contiguous()
+    torch.testing.assert_close(o, flash_attention_op(*(t.contiguous() for t in (q, k, v)), True, "triton",
+                                                     "triton")[0], rtol=0, atol=0)
+    no_unit = q.transpose(2, 3).contiguous().transpose(2, 3)
+    assert flash_attention_op(no_unit, k, v, True, "triton", "triton")[0].is_contiguous()
+    with mode:
+        assert flash_attention_op(mode.from_tensor(no_unit), *fakes[1:3], True, "triton", "triton")[0].is_contiguous()
 
 
 def test_causal_alignment_is_top_left_like_sdpa():
@@ -260,9 +291,9 @@ def test_auto_forward_is_triton_off_sm90():
         flash_attention(q, k, v, True, forward="gluon")
 
 
-def test_auto_backward_is_triton_off_sm90_and_when_deterministic():
-    # "auto" names the Gluon backward only where the Gluon kernels apply and deterministic algorithms are off;
-    # off sm_90 (here) and in deterministic mode it is the reproducible Triton one; a named backward stays.
+def test_auto_backward_is_triton_off_sm90():
+    # "auto" names the Gluon backward only where the Gluon kernels apply, deterministic mode or not (the Gluon
+    # kernel has a deterministic mode of its own); off sm_90 (here) it is the Triton one; a named backward stays.
     q = torch.randn(1, 2, 33, 64)
     assert backward_impl(q, "auto") == "triton"
     assert [backward_impl(q, name) for name in ("triton", "gluon", "pytorch")] == ["triton", "gluon", "pytorch"]

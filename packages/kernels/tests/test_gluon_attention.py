@@ -35,7 +35,7 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 def _check(q, k, v, is_causal):
     o, lse = gluon_attention_forward(q, k, v, is_causal)
     o_ref, lse_ref = attention_reference(q.double(), k.double(), v.double(), is_causal)
-    assert o.shape == q.shape and o.dtype == q.dtype
+    assert o.shape == q.shape and o.dtype == q.dtype and o.stride() == q.stride()
     assert lse.shape == q.shape[:-1] and lse.dtype == torch.float32
     assert torch.isfinite(lse).all()
     rel = _rel_err(o, o_ref)
@@ -47,6 +47,7 @@ def _check(q, k, v, is_causal):
 def _check_backward(q, k, v, do, is_causal):
     o, lse = gluon_attention_forward(q, k, v, is_causal)
     grads = gluon_attention_backward(q, k, v, o, do, lse, is_causal)
+    assert [g.stride() for g in grads] == [t.stride() for t in (q, k, v)]
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
     attention_reference(q64, k64, v64, is_causal)[0].backward(do.double())
     for name, got, ref in zip(("dq", "dk", "dv"), grads, (q64.grad, k64.grad, v64.grad), strict=True):
@@ -90,10 +91,44 @@ def test_gpu_backward_dk_dv_are_deterministic(head_dim):
     assert torch.equal(first[1], second[1]) and torch.equal(first[2], second[2])
 
 
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize(("shape_q", "shape_kv", "dtype"), CASES)
+def test_gpu_deterministic_backward_matches_reference_and_repeats_bit_for_bit(shape_q, shape_kv, dtype, is_causal):
+    # Under deterministic algorithms every dQ tile takes its key blocks' reduce-adds in one order: two runs agree
+    # bit for bit in dQ too, and each is as accurate as the default mode.
+    q, k, v, do = _inputs(shape_q, shape_kv, dtype, seed=shape_q[-2])
+    o, lse = gluon_attention_forward(q, k, v, is_causal)
+    torch.use_deterministic_algorithms(True)
+    try:
+        _check_backward(q, k, v, do, is_causal)
+        first, second = (gluon_attention_backward(q, k, v, o, do, lse, is_causal) for _ in range(2))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    default = gluon_attention_backward(q, k, v, o, do, lse, is_causal)
+    assert torch.equal(first[1], default[1]) and torch.equal(first[2], default[2])
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_deterministic_backward_repeats_bit_for_bit_at_scale(head_dim):
+    # Many key blocks per head and more programs than SMs, so that the locks are waited on across waves.
+    q, k, v, do = _inputs((2, 8, 8192, head_dim), (2, 2, 8192, head_dim), torch.bfloat16, seed=4)
+    o, lse = gluon_attention_forward(q, k, v, True)
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = [gluon_attention_backward(q, k, v, o, do, lse, True) for _ in range(3)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run, strict=True))
+    default = gluon_attention_backward(q, k, v, o, do, lse, True)
+    # The same sums in another order: equal to fp32 rounding.
+    torch.testing.assert_close(runs[0][0], default[0], rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gpu_takes_strided_heads(head_dim):
     # (batch, seq, heads, d) memory seen as (batch, heads, seq, d), as a model's projections produce it: the
-    # TMA descriptors take the strides as they are.
+    # TMA descriptors take the strides as they are, and O, dQ, dK, dV come back in that layout.
     shapes = ((2, 515, 4, head_dim), (2, 515, 2, head_dim))
     q, k, v, do = (t.transpose(1, 2) for t in _inputs(*shapes, torch.bfloat16, seed=5))
     assert not q.is_contiguous()
@@ -135,9 +170,9 @@ def test_gpu_flash_attention_runs_each_path(forward, backward):
     assert not gluon_applies(q.float()) and not gluon_applies(q[..., :96])
 
 
-def test_gpu_auto_backward_is_gluon_unless_deterministic():
+def test_gpu_auto_backward_is_gluon_deterministic_or_not():
     # On sm_90 "auto" runs the Gluon backward: its dK and dV equal the forced Gluon path's bit for bit (dQ's
-    # reduce-adds land in a varying order); under deterministic algorithms it is the Triton one, bit for bit.
+    # reduce-adds land in a varying order); under deterministic algorithms too, in its deterministic mode.
     q, k, v, do = _inputs((1, 4, 300, 64), (1, 2, 300, 64), torch.bfloat16, seed=12)
 
     def grads(**backward):
@@ -151,8 +186,9 @@ def test_gpu_auto_backward_is_gluon_unless_deterministic():
     assert _rel_err(auto[0], gluon[0]) < REL_TOL[torch.bfloat16]
     torch.use_deterministic_algorithms(True)
     try:
-        assert backward_impl(q, "auto") == "triton"
-        deterministic = grads()
+        assert backward_impl(q, "auto") == "gluon"
+        deterministic, again = grads(), grads(backward="gluon")
     finally:
         torch.use_deterministic_algorithms(False)
-    assert all(torch.equal(a, b) for a, b in zip(deterministic, grads(backward="triton"), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(deterministic, again, strict=True))
+    assert torch.equal(deterministic[1], gluon[1]) and torch.equal(deterministic[2], gluon[2])

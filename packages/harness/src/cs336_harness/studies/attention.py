@@ -14,7 +14,8 @@ Parts (handout section 4):
 - ``anchors``: (1, 32, 32768, 128) (one layer of the leaderboard model), (1, 16, 16384, 64) and
   (4, 32, 4096, 128), bf16, causal, every path of ours and the PyTorch baselines in the same process:
   ``ours`` (``flash_attention`` as it is called by default: the Gluon forward and backward on sm_90),
-  ``triton`` (Triton forward and backward), ``gluon`` (Gluon forward and backward), ``sdpa`` (PyTorch's
+  ``ours_deterministic`` (the same under ``torch.use_deterministic_algorithms(True)``: the Gluon backward's dQ
+  reduce-adds in a fixed order), ``triton`` (Triton forward and backward), ``gluon`` (Gluon forward and backward), ``sdpa`` (PyTorch's
   default backend, cuDNN on an H200), ``sdpa_flash`` (its FlashAttention-2 backend) and ``flex``
   (FlexAttention under ``torch.compile`` with a causal block mask).
 
@@ -51,7 +52,9 @@ PARTS: tuple[str, ...] = ("pytorch", "compiled", "flash", "anchors")
 ANCHOR_SHAPES: tuple[tuple[int, int, int, int], ...] = ((1, 32, 32768, 128), (1, 16, 16384, 64), (4, 32, 4096, 128))
 ANCHOR_TARGET_MS = {(1, 16, 16384, 64): 4.0}  # fwd+bwd; the 32k shape's target is 0.95x SDPA's time
 # What the anchors part times and its table shows, in this order.
-ANCHOR_IMPLS: tuple[str, ...] = ("ours", "triton", "gluon", "sdpa", "sdpa_flash", "flex")
+ANCHOR_IMPLS: tuple[str, ...] = ("ours", "ours_deterministic", "triton", "gluon", "sdpa", "sdpa_flash", "flex")
+# Timed under torch.use_deterministic_algorithms(True), which the backward reads when it runs.
+DETERMINISTIC_IMPLS: tuple[str, ...] = ("ours_deterministic",)
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,7 @@ def _impl(name: str, seq: int, device: torch.device) -> Callable[[torch.Tensor, 
         return _flex(seq, device)
     return {
         "ours": lambda q, k, v: flash_attention(q, k, v, is_causal=True),
+        "ours_deterministic": lambda q, k, v: flash_attention(q, k, v, is_causal=True),
         "triton": lambda q, k, v: flash_attention(q, k, v, is_causal=True, forward="triton", backward="triton"),
         "gluon": lambda q, k, v: flash_attention(q, k, v, is_causal=True, forward="gluon", backward="gluon"),
         "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
@@ -241,7 +245,11 @@ def flash_rows(
     for name in impl_names:
         row = {"bench": bench, "impl": name, "dtype": dtype_name, "batch": batch, "heads": heads, "seq": seq,
                "d": head_dim, "causal": True, "rep_ms": rep_ms}
-        row |= _measure(_impl(name, seq, device), q, k, v, rep_ms, cfg)
+        torch.use_deterministic_algorithms(name in DETERMINISTIC_IMPLS)
+        try:
+            row |= _measure(_impl(name, seq, device), q, k, v, rep_ms, cfg)
+        finally:
+            torch.use_deterministic_algorithms(False)
         for mode in ("fwd", "bwd", "fwd_bwd"):
             ms = row[f"{mode}_ms"]
             row[f"{mode}_tflops"] = None if ms is None else flops[mode] / (ms * 1e-3) / 1e12

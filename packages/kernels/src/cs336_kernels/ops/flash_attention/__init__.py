@@ -22,7 +22,8 @@ Conventions:
   sees at least key 0, so no row is ever empty; keys past ``Tq - 1`` get zero gradient.
 - ``L`` is the natural-log logsumexp of the scaled scores, fp32, shaped like ``Q`` without its last dim.
 - The Triton backward pass is two kernels without atomics, so it is deterministic; ``backward="auto"`` (the default)
-  runs it off sm_90 and under ``torch.use_deterministic_algorithms(True)``, the faster Gluon one elsewhere.
+  runs it off sm_90 and the faster Gluon one on sm_90, whose dQ reduce-adds take a fixed order under
+  ``torch.use_deterministic_algorithms(True)`` (bitwise-reproducible gradients at some speed).
 - fp32 inputs use true fp32 products (``input_precision="ieee"``), not TF32.
 
 Run the tests with ``uv run pytest packages/kernels/tests/test_flash_attention.py`` (on CPU they use

@@ -9,8 +9,9 @@ The two operators are what ``torch.compile``, selective activation checkpointing
   ``o`` and the logsumexp ``lse`` and calls
 - ``torch.ops.cs336.flash_attention_backward(q, k, v, o, do, lse, is_causal, backward) -> (dq, dk, dv)``, which
   runs the backward :func:`backward_impl` names: by default the Gluon one on sm_90 (five matmuls per tile pair,
-  dQ by fp32 reduce-adds, so dQ is not bitwise reproducible) and the deterministic two-kernel Triton one elsewhere
-  or under ``torch.use_deterministic_algorithms(True)``; or the compiled PyTorch recomputation.
+  dQ by fp32 reduce-adds, which land in a fixed order under ``torch.use_deterministic_algorithms(True)`` and in
+  whatever order they come otherwise) and the two-kernel Triton one elsewhere (no atomics, always bitwise
+  reproducible); or the compiled PyTorch recomputation.
 
 ``auto`` is resolved when the operator runs, not when it is traced, so a compiled graph follows the GPU it runs
 on and the deterministic-algorithms setting of the moment. :func:`flash_attention` is the public function over
@@ -26,7 +27,7 @@ from typing import Literal
 import torch
 
 from cs336_kernels.interpreter import check_device
-from cs336_kernels.ops._common import unit_stride
+from cs336_kernels.ops._common import output_like, unit_stride
 from cs336_kernels.ops.flash_attention.backward import flash_backward_triton
 from cs336_kernels.ops.flash_attention.checks import check_inputs
 from cs336_kernels.ops.flash_attention.forward import flash_forward_triton
@@ -55,20 +56,21 @@ def forward_impl(q: torch.Tensor, forward: ForwardImpl) -> str:
 
 def backward_impl(q: torch.Tensor, backward: BackwardImpl) -> str:
     """The backward that runs for queries like ``q``: ``backward`` itself unless it is ``"auto"``, which picks
-    ``"gluon"`` where the Gluon kernels apply and deterministic algorithms are off, else the bitwise-reproducible
-    ``"triton"``."""
+    ``"gluon"`` where the Gluon kernels apply, else ``"triton"``. Both are bitwise reproducible under
+    ``torch.use_deterministic_algorithms(True)``."""
     if backward not in BACKWARD_IMPLS:
         raise ValueError(f"backward must be one of {', '.join(BACKWARD_IMPLS)}, got {backward!r}")
     if backward != "auto":
         return backward
-    return "gluon" if gluon_applies(q) and not torch.are_deterministic_algorithms_enabled() else "triton"
+    return "gluon" if gluon_applies(q) else "triton"
 
 
 @torch.library.custom_op("cs336::flash_attention_forward", mutates_args=())
 def flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, forward: str,
                        backward: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output (B, Hq, Tq, d) and fp32 logsumexp (B, Hq, Tq) of (B, H, T, d) inputs, as
-    ``torch.ops.cs336.flash_attention_forward``; ``backward`` is the implementation its gradient runs."""
+    """Output (B, Hq, Tq, d), laid out like ``q`` (:func:`~cs336_kernels.ops._common.output_like`), and contiguous
+    fp32 logsumexp (B, Hq, Tq) of (B, H, T, d) inputs, as ``torch.ops.cs336.flash_attention_forward``;
+    ``backward`` is the implementation its gradient runs."""
     q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
     return _FORWARDS[forward_impl(q, forward)](q, k, v, is_causal)
 
@@ -76,15 +78,15 @@ def flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_cau
 @flash_attention_op.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, forward: str,
       backward: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return output_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("cs336::flash_attention_backward", mutates_args=())
 def flash_attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                                 do: torch.Tensor, lse: torch.Tensor, is_causal: bool,
                                 backward: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv (contiguous, the inputs' dtypes) of (B, H, T, d) tensors from the forward's output and
-    logsumexp, as ``torch.ops.cs336.flash_attention_backward``."""
+    """dq, dk, dv (laid out like q, k, v: :func:`~cs336_kernels.ops._common.output_like`) of (B, H, T, d) tensors
+    from the forward's output and logsumexp, as ``torch.ops.cs336.flash_attention_backward``."""
     q, k, v, o, do = (unit_stride(t) for t in (q, k, v, o, do))
     return _BACKWARDS[backward_impl(q, backward)](q, k, v, o, do, lse, is_causal)
 
@@ -92,7 +94,7 @@ def flash_attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 @flash_attention_backward_op.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
       is_causal: bool, backward: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return output_like(q), output_like(k), output_like(v)
 
 
 def _setup(ctx, inputs: tuple, output: tuple) -> None:
@@ -129,11 +131,11 @@ def flash_attention(
         q: (batch, seq_q, d) or (batch, heads_q, seq_q, d); fp16, bf16 or fp32; d in [16, 256].
         k, v: (batch, seq_k, d) or (batch, heads_kv, seq_k, d) with heads_q a multiple of heads_kv.
         is_causal: mask keys after the query, aligned top-left (query i sees keys 0..i).
-        backward: "auto" (the default: "gluon" where it applies and deterministic algorithms are off, else
-            "triton"; see :func:`backward_impl`), "gluon" (sm_90, fp16/bf16, d 64 or 128: five matmuls per tile
-            pair, dQ by fp32 reduce-adds, so dQ is not reproducible bit for bit; the faster one on an H200),
-            "triton" (separate dK/dV and dQ kernels without atomics, bitwise-reproducible gradients) or "pytorch"
-            (compiled recomputation).
+        backward: "auto" (the default: "gluon" where it applies, else "triton"; see :func:`backward_impl`),
+            "gluon" (sm_90, fp16/bf16, d 64 or 128: five matmuls per tile pair, dQ by fp32 reduce-adds, which land
+            in a fixed order, so that dQ is reproducible bit for bit, only under
+            ``torch.use_deterministic_algorithms(True)``; the faster one on an H200), "triton" (separate dK/dV and
+            dQ kernels without atomics, bitwise-reproducible gradients) or "pytorch" (compiled recomputation).
         forward: "auto" (the Gluon kernel where
             :func:`~cs336_kernels.ops.flash_attention.gluon_common.gluon_applies`, else Triton), "triton" or
             "gluon".

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from cs336_kernels.interpreter import INTERPRET
-from cs336_kernels.ops._common import LOG2E
+from cs336_kernels.ops._common import LOG2E, output_like
 from cs336_kernels.ops.flash_attention.tiles import (
     kernel_constants,
     key_mask,
@@ -268,8 +268,8 @@ def flash_backward_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
     lse: torch.Tensor, is_causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV in the input dtypes, from (B, H, T, d) tensors with a unit stride on d and the saved
-    (B, Hq, Tq) logsumexp.
+    """dQ, dK, dV in the dtypes and layouts of q, k, v (:func:`~cs336_kernels.ops._common.output_like`), from
+    (B, H, T, d) tensors with a unit stride on d and the saved (B, Hq, Tq) logsumexp.
 
     Three launches (D, dK/dV, dQ), no atomics, bitwise reproducible; the dQ kernel recomputes S and dP,
     so seven matmuls per tile pair.
@@ -286,9 +286,7 @@ def flash_backward_triton(
         HEAD_DIM=head_dim, BLOCK_D=constants["BLOCK_D"], BLOCK_M=preprocess_block,
     )
 
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    dq, dk, dv = output_like(q), output_like(k), output_like(v)
     group = heads_q // heads_kv
 
     def dkdv_grid(meta):

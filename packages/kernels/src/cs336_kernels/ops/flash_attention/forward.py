@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cs336_kernels.ops._common import LOG2E
+from cs336_kernels.ops._common import LOG2E, output_like
 from cs336_kernels.ops.flash_attention.tiles import (
     kernel_constants,
     key_mask,
@@ -130,11 +130,11 @@ def _attn_fwd_kernel(
 def flash_forward_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output (B, Hq, Tq, d) in the input dtype and logsumexp (B, Hq, Tq) in fp32, from (B, H, T, d) tensors
-    with a unit stride on d."""
+    """Output (B, Hq, Tq, d) in the input dtype and layout (:func:`~cs336_kernels.ops._common.output_like`) and
+    logsumexp (B, Hq, Tq) in fp32, from (B, H, T, d) tensors with a unit stride on d."""
     batch, heads_q, n_queries, head_dim = q.shape
     heads_kv, n_keys = k.shape[1], k.shape[2]
-    o = torch.empty((batch, heads_q, n_queries, head_dim), device=q.device, dtype=q.dtype)
+    o = output_like(q)
     lse = torch.empty((batch, heads_q, n_queries), device=q.device, dtype=torch.float32)
     sm_scale = 1.0 / math.sqrt(head_dim)
 

@@ -22,7 +22,11 @@ One program owns ``BLOCK_N`` keys of one (batch, key/value head) and runs three 
 ``dS^T = P^T * (dP^T - D)`` uses ``D = rowsum(dO * O)``. Rows past the end of a head read as zeros by TMA,
 so they add nothing to any product and need no masks; only tiles that straddle the causal diagonal are
 masked. The reduce-adds land in an order that varies from run to run, so dQ is not bitwise reproducible
-(dK and dV are: each program owns its keys and sums the query heads of its group in a fixed order).
+(dK and dV are: each program owns its keys and sums the query heads of its group in a fixed order), except under
+``torch.use_deterministic_algorithms(True)``: then the key blocks of a head are launched last first and each
+adds into a dQ tile only once every later key block has (FlashAttention-3's deterministic mode), counted by a
+lock per tile that the adder releases once its reduce-add has completed. Launching the longest programs last
+and the waits cost some speed; dQ is then bitwise reproducible.
 
 The kernels need an sm_90 GPU; they do not run in the Triton interpreter.
 """
@@ -47,7 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from cs336_kernels.ops._common import LOG2E
+from cs336_kernels.ops._common import LOG2E, output_like
 from cs336_kernels.ops.flash_attention.backward import bwd_preprocess_kernel
 from cs336_kernels.ops.flash_attention.gluon_common import (
     CONSUMER_REGISTERS,
@@ -76,6 +80,32 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
+def _load_acquire(ptr):
+    # How many key blocks' reduce-adds into a dQ tile have landed (every thread of the partition reads it).
+    return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def _fence_async_global():
+    # Orders this thread's generic-proxy accesses (the lock) against its async-proxy ones (the reduce-adds).
+    gl.inline_asm_elementwise("fence.proxy.async.global; mov.b32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
+def _release(lock):
+    # Count this partition's last reduce-add into `lock`'s tile as landed once it has completed: written, not
+    # only read from shared memory (``cp.async.bulk.wait_group`` without ``.read``, which tma.store_wait does not
+    # emit). The thread that issued it waits; the barrier makes the others wait for it, and one of them releases.
+    gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; mov.b32 $0, 0;", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+    _fence_async_global()
+    gl.thread_barrier()
+    gl.atomic_add(lock, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
 def _bwd_producer(
     q_desc, k_desc, v_desc, do_desc, l_desc, d_desc, bufs, b, h_kv, k0, q_first, n_q, GROUP,
     BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
@@ -100,11 +130,18 @@ def _bwd_producer(
 
 
 @gluon.jit
+def _store_rows(OUT, strides, x, b, h, rows, cols, N_ROWS):
+    # x's rows `rows` (those before N_ROWS) into head (b, h) of OUT, whose (batch, head, row) strides are `strides`.
+    base = b.to(gl.int64) * strides[0] + h.to(gl.int64) * strides[1]
+    gl.store(OUT + base + rows[:, None].to(gl.int64) * strides[2] + cols[None, :], x, mask=rows[:, None] < N_ROWS)
+
+
+@gluon.jit
 def _bwd_consumer(
-    dq_desc, DK, DV, bufs, dq_bufs, b, h_kv, H_KV, k0, q_first, n_q, masked_until, GROUP, N_KEYS, qk_scale,
-    sm_scale,
+    dq_desc, DK, DV, dk_strides, dv_strides, DQ_LOCKS, bufs, dq_bufs, b, h_kv, H_KV, pid_n, q_first, n_q,
+    n_tiles_q, masked_until, GROUP, N_KEYS, qk_scale, sm_scale,
     CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-    STAGES: gl.constexpr, DQ_BUFFERS: gl.constexpr,
+    STAGES: gl.constexpr, DQ_BUFFERS: gl.constexpr, IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr,
 ):
     k_buf, v_buf, q_bufs, do_bufs, l_bufs, d_bufs, ds_bufs, kv_ready, qdo_ready, qdo_empty, ds_ready = bufs
     dtype: gl.constexpr = k_buf.dtype
@@ -113,6 +150,8 @@ def _bwd_consumer(
     # d = 64: the whole (64, 64) tile, one consumer per query tile in turn.
     SPLIT_DQ: gl.constexpr = HEAD_DIM == 128
     DQ_COLS: gl.constexpr = HEAD_DIM // 2 if SPLIT_DQ else HEAD_DIM
+    HALVES: gl.constexpr = 2 if SPLIT_DQ else 1
+    k0 = pid_n * BLOCK_N
     s_layout: gl.constexpr = mma_layout(BLOCK_M)
     kv_layout: gl.constexpr = mma_layout(HEAD_DIM)
     dq_layout: gl.constexpr = mma_layout(DQ_COLS)
@@ -130,6 +169,13 @@ def _bwd_consumer(
     dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
     dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=kv_layout)
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=kv_layout)
+    # Deterministic dQ: each (query head, query tile, column half) has a lock counting the key blocks whose
+    # reduce-adds into it have landed. They add in descending key order (the launch order), each once the later
+    # key blocks have, and count theirs as landed one dQ tile later (the reduce-add has long completed by then).
+    # `pending` is the lock of the last tile added and not yet counted, if `has_pending`.
+    pending = DQ_LOCKS
+    has_pending = False
+    n_key_blocks = gl.num_programs(0)
     mbarrier.wait(kv_ready.index(0), 0)
 
     for t in range(GROUP * n_q):
@@ -166,6 +212,16 @@ def _bwd_consumer(
             # consumer has passed this tile's ds_ready wait (it is two arrivals behind at most).
             mbarrier.wait(ds_ready.index(slot), (t // 2) & 1)
             dq = warpgroup_mma(ds_bufs.index(slot).permute((1, 0)), k_dq, dq_zero, use_acc=False, is_async=True)
+            if DETERMINISTIC:
+                half = CONSUMER if SPLIT_DQ else 0
+                lock = DQ_LOCKS + ((b * H_KV * GROUP + h).to(gl.int64) * n_tiles_q + i) * HALVES + half
+                # The key blocks that add before this one: those after it that see tile i.
+                if IS_CAUSAL:
+                    last = gl.minimum(n_key_blocks - 1, (i * BLOCK_M + BLOCK_M - 1) // BLOCK_N)
+                else:
+                    last = n_key_blocks - 1
+                # The first read of the lock overlaps the product.
+                landed = _load_acquire(lock)
             # Waits for every wgmma in flight; dK and dV pass through the wait after the branch.
             dq, p16, ds16 = warpgroup_mma_wait(0, deps=(dq, p16, ds16))
             # A staging buffer is reused DQ_BUFFERS dQ tiles later, once its reduce-add has read it.
@@ -173,7 +229,16 @@ def _bwd_consumer(
                 dq_tile = dq_bufs.index(CONSUMER * DQ_BUFFERS + t % DQ_BUFFERS)
             else:
                 dq_tile = dq_bufs.index(CONSUMER * DQ_BUFFERS + (t // 2) % DQ_BUFFERS)
-            tma.store_wait(DQ_BUFFERS - 1)
+            if DETERMINISTIC:
+                if has_pending:
+                    _release(pending)
+                while landed < last - pid_n:
+                    landed = _load_acquire(lock)
+                _fence_async_global()
+                pending = lock
+                has_pending = True
+            else:
+                tma.store_wait(DQ_BUFFERS - 1)
             # Tile row 8a + 4b + 2c + d goes to staging row 8a + 4c + 2d + b (staged_row). A store instruction
             # writes 32 bytes of each of eight rows, and a half-warp four of them; in row order the swizzle maps
             # rows 2j and 2j + 1 onto the same banks (two wavefronts where one suffices), in this order the four
@@ -182,32 +247,40 @@ def _bwd_consumer(
             dq_tile.reshape([BLOCK_M, DQ_COLS]).store(dq)
             fence_async_shared()
             _tma_reduce_add(dq_desc, [b, h, i * BLOCK_M, CONSUMER * DQ_COLS if SPLIT_DQ else 0], dq_tile)
+        elif DETERMINISTIC and has_pending:
+            # d = 64: the other consumer's tile; count this one's last as landed now rather than a tile later.
+            _release(pending)
+            has_pending = False
         dk, dv, p16, ds16 = warpgroup_mma_wait(0, deps=(dk, dv, p16, ds16))
         mbarrier.arrive(qdo_empty.index(stage))
 
+    if DETERMINISTIC and has_pending:
+        _release(pending)
     # dK, dV rows past the end of the keys are dropped by the mask.
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
     rows = k0 + CONSUMER * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kv_layout))
-    offsets = ((b * H_KV + h_kv).to(gl.int64) * N_KEYS + rows[:, None]) * HEAD_DIM + offs_d[None, :]
-    gl.store(DK + offsets, dk.to(dtype), mask=rows[:, None] < N_KEYS)
-    gl.store(DV + offsets, dv.to(dtype), mask=rows[:, None] < N_KEYS)
+    _store_rows(DK, dk_strides, dk.to(dtype), b, h_kv, rows, offs_d, N_KEYS)
+    _store_rows(DV, dv_strides, dv.to(dtype), b, h_kv, rows, offs_d, N_KEYS)
     tma.store_wait(0)
 
 
 # Lengths and head counts only enter comparisons and offsets: one build serves them all.
 @gluon.jit(do_not_specialize=["H_KV", "GROUP", "N_QUERIES", "N_KEYS"])
 def _attn_bwd_kernel(
-    q_desc, k_desc, v_desc, do_desc, dq_desc, l_desc, d_desc, DK, DV,
+    q_desc, k_desc, v_desc, do_desc, dq_desc, l_desc, d_desc, DK, DV, DQ_LOCKS,
+    stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
     H_KV, GROUP, N_QUERIES, N_KEYS, qk_scale, sm_scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    IS_CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr, DETERMINISTIC: gl.constexpr,
 ):
     # Grid: (key tiles, batch * key/value heads). Causal programs with the first keys see the most queries
-    # and start first.
+    # and start first, except in deterministic mode: there the key blocks of a head start last first, the order
+    # in which they add into dQ, so that a program only ever waits for programs launched before it.
     pid_bh = gl.program_id(1)
     b = pid_bh // H_KV
     h_kv = pid_bh % H_KV
-    k0 = gl.program_id(0) * BLOCK_N
+    pid_n = gl.num_programs(0) - 1 - gl.program_id(0) if DETERMINISTIC else gl.program_id(0)
+    k0 = pid_n * BLOCK_N
     n_tiles_q = gl.cdiv(N_QUERIES, BLOCK_M)
     # Query tiles [q_first, q_first + n_q) see at least one of the keys; those below masked_until straddle
     # the diagonal.
@@ -242,14 +315,16 @@ def _attn_bwd_kernel(
         mbarrier.init(ds_ready.index(s), count=2)
 
     bufs = (k_buf, v_buf, q_bufs, do_bufs, l_bufs, d_bufs, ds_bufs, kv_ready, qdo_ready, qdo_empty, ds_ready)
+    dk_strides = (stride_dkb, stride_dkh, stride_dkt)
+    dv_strides = (stride_dvb, stride_dvh, stride_dvt)
     gl.warp_specialize(
         [
-            (_bwd_consumer, (dq_desc, DK, DV, bufs, dq_bufs, b, h_kv, H_KV, k0, q_first, n_q, masked_until,
-                             GROUP, N_KEYS, qk_scale, sm_scale, 0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                             DQ_BUFFERS)),
-            (_bwd_consumer, (dq_desc, DK, DV, bufs, dq_bufs, b, h_kv, H_KV, k0, q_first, n_q, masked_until,
-                             GROUP, N_KEYS, qk_scale, sm_scale, 1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
-                             DQ_BUFFERS)),
+            (_bwd_consumer, (dq_desc, DK, DV, dk_strides, dv_strides, DQ_LOCKS, bufs, dq_bufs, b, h_kv, H_KV,
+                             pid_n, q_first, n_q, n_tiles_q, masked_until, GROUP, N_KEYS, qk_scale, sm_scale, 0,
+                             BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DQ_BUFFERS, IS_CAUSAL, DETERMINISTIC)),
+            (_bwd_consumer, (dq_desc, DK, DV, dk_strides, dv_strides, DQ_LOCKS, bufs, dq_bufs, b, h_kv, H_KV,
+                             pid_n, q_first, n_q, n_tiles_q, masked_until, GROUP, N_KEYS, qk_scale, sm_scale, 1,
+                             BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DQ_BUFFERS, IS_CAUSAL, DETERMINISTIC)),
             (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, l_desc, d_desc, bufs, b, h_kv, k0, q_first, n_q,
                              GROUP, BLOCK_M, STAGES)),
         ],
@@ -265,29 +340,35 @@ def staged_row(r):
 
 
 @triton.jit
-def _dq_unstage_kernel(ACC, DQ, N_QUERIES, ROWS, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+def _dq_unstage_kernel(ACC, DQ, stride_b, stride_h, stride_t, HEADS, N_QUERIES, ROWS, HEAD_DIM: tl.constexpr,
+                       BLOCK_M: tl.constexpr):
     # ACC: (batch * heads, ROWS, HEAD_DIM) fp32 whose BLOCK_M-row tiles hold their rows in staged order; DQ:
-    # (batch * heads, N_QUERIES, HEAD_DIM) in row order. Each program moves one tile of one head.
+    # (batch, heads, N_QUERIES, HEAD_DIM) with these strides, in row order. Each program moves one tile of one head.
     bh = tl.program_id(1).to(tl.int64)
     r = tl.arange(0, BLOCK_M)
     row0 = tl.program_id(0) * BLOCK_M
     cols = tl.arange(0, HEAD_DIM)
     acc = tl.load(ACC + (bh * ROWS + row0 + staged_row(r))[:, None] * HEAD_DIM + cols[None, :])
     rows = row0 + r
-    tl.store(DQ + (bh * N_QUERIES + rows)[:, None] * HEAD_DIM + cols[None, :], acc.to(DQ.dtype.element_ty),
-             mask=(rows < N_QUERIES)[:, None])
+    out = DQ + (bh // HEADS) * stride_b + (bh % HEADS) * stride_h + rows[:, None].to(tl.int64) * stride_t
+    tl.store(out + cols[None, :], acc.to(DQ.dtype.element_ty), mask=(rows < N_QUERIES)[:, None])
 
 
-def unstage_dq(acc: torch.Tensor, n_queries: int, dtype: torch.dtype) -> torch.Tensor:
-    """dQ in row order and ``dtype`` from the backward's fp32 accumulator ``acc`` (batch, heads, rows, d), rows a
-    multiple of the query tile, each tile's rows in :func:`staged_row` order; returns (batch, heads, n_queries, d)."""
+def unstage_dq(acc: torch.Tensor, dq: torch.Tensor) -> torch.Tensor:
+    """Writes into ``dq`` (batch, heads, n_queries, d), any strides with a unit one on d, the backward's fp32
+    accumulator ``acc`` (batch, heads, rows, d; rows a multiple of the query tile and at least n_queries, each
+    tile's rows in :func:`staged_row` order) in row order and ``dq``'s dtype; returns ``dq``."""
     batch, heads, rows, head_dim = acc.shape
     block_m = CONFIGS[head_dim][0]
+    n_queries = dq.shape[2]
     if rows % block_m or not 0 < n_queries <= rows or not acc.is_contiguous() or acc.dtype != torch.float32:
         raise ValueError(f"acc must be a contiguous fp32 (batch, heads, rows, d) with rows a multiple of {block_m} "
                          f"and at least n_queries = {n_queries}; got {acc.dtype} {tuple(acc.shape)}")
-    dq = torch.empty((batch, heads, n_queries, head_dim), device=acc.device, dtype=dtype)
-    _dq_unstage_kernel[(rows // block_m, batch * heads)](acc, dq, n_queries, rows, HEAD_DIM=head_dim, BLOCK_M=block_m)
+    if dq.shape != (batch, heads, n_queries, head_dim) or dq.stride(-1) != 1:
+        raise ValueError(f"dq must be ({batch}, {heads}, n_queries, {head_dim}) with a unit stride on d; got "
+                         f"{tuple(dq.shape)} with strides {dq.stride()}")
+    _dq_unstage_kernel[(rows // block_m, batch * heads)](acc, dq, *dq.stride()[:3], heads, n_queries, rows,
+                                                         HEAD_DIM=head_dim, BLOCK_M=block_m)
     return dq
 
 
@@ -313,11 +394,13 @@ def _rows_ready(x: torch.Tensor) -> torch.Tensor:
 
 def backward_args(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
-    dq_acc: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, is_causal: bool,
+    dq_acc: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, dq_locks: torch.Tensor | None, is_causal: bool,
 ) -> tuple[tuple, dict]:
     """The backward kernel's arguments and constexprs for these tensors (for the launcher and offline builds);
     ``lse`` and ``delta`` (batch, heads_q, seq_q) fp32 with 16-byte-aligned strides, ``dq_acc`` the zeroed fp32
-    accumulator (batch, heads_q, seq_q rounded up to whole query tiles, d) that :func:`unstage_dq` reads."""
+    accumulator (batch, heads_q, seq_q rounded up to whole query tiles, d) that :func:`unstage_dq` reads, dK and
+    dV with a unit stride on d, and ``dq_locks`` the zeroed int32 locks of the deterministic mode
+    (:func:`dq_lock_count` of them) or None for the default one."""
     heads_q, n_queries, head_dim = q.shape[1:]
     heads_kv, n_keys = k.shape[1], k.shape[2]
     block_m, block_n, stages = CONFIGS[head_dim]
@@ -326,11 +409,18 @@ def backward_args(
     dq_desc = TensorDescriptor.from_tensor(dq_acc, dq_block, gl.NVMMASharedLayout.get_default_for(dq_block, gl.float32))
     args = (
         descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(do, block_m), dq_desc,
-        _row_descriptor(lse, block_m), _row_descriptor(delta, block_m), dk, dv,
+        _row_descriptor(lse, block_m), _row_descriptor(delta, block_m), dk, dv, dq_locks,
+        *dk.stride()[:3], *dv.stride()[:3],
         heads_kv, heads_q // heads_kv, n_queries, n_keys, sm_scale * LOG2E, sm_scale,
     )
     return args, {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages,
-                  "IS_CAUSAL": is_causal, "DQ_BUFFERS": DQ_BUFFERS}
+                  "IS_CAUSAL": is_causal, "DQ_BUFFERS": DQ_BUFFERS, "DETERMINISTIC": dq_locks is not None}
+
+
+def dq_lock_count(q: torch.Tensor) -> int:
+    """The deterministic mode's locks for queries like ``q``: one per (batch, query head, query tile, dQ half)."""
+    batch, heads_q, n_queries, head_dim = q.shape
+    return batch * heads_q * triton.cdiv(n_queries, CONFIGS[head_dim][0]) * (2 if head_dim == 128 else 1)
 
 
 def gluon_attention_backward(
@@ -346,8 +436,10 @@ def gluon_attention_backward(
         lse: the forward's logsumexp, (batch, heads_q, seq_q), fp32, natural log.
 
     Returns:
-        ``(dq, dk, dv)`` shaped and typed like q, k, v (contiguous). dK and dV are bitwise reproducible, dQ
-        is not (fp32 reduce-adds in a varying order).
+        ``(dq, dk, dv)`` shaped, typed and laid out like q, k, v (:func:`~cs336_kernels.ops._common.output_like`).
+        dK and dV are bitwise reproducible. dQ's fp32 reduce-adds land in whatever order they come, unless
+        ``torch.are_deterministic_algorithms_enabled()``: then each (query head, query tile) takes its key blocks'
+        adds in descending key order, so dQ is bitwise reproducible too.
     """
     check_inputs(q, k, v, is_causal)
     if o.shape != q.shape or do.shape != q.shape or o.dtype != q.dtype or do.dtype != q.dtype:
@@ -358,6 +450,7 @@ def gluon_attention_backward(
     if lse.shape != q.shape[:-1] or lse.dtype != torch.float32 or lse.device != q.device:
         raise ValueError(f"lse must be fp32 {tuple(q.shape[:-1])} on {q.device}; got {lse.dtype} {tuple(lse.shape)}")
     lse = _rows_ready(lse)
+    dq, dk, dv = output_like(q), output_like(k), output_like(v)
     q, k, v, do = tma_ready(q), tma_ready(k), tma_ready(v), tma_ready(do)
     batch, heads_q, n_queries, head_dim = q.shape
     delta = _padded_rows(lse.shape, q.device)  # D = rowsum(dO * O), fp32
@@ -369,9 +462,10 @@ def gluon_attention_backward(
     block_m = CONFIGS[head_dim][0]
     dq_acc = torch.zeros((batch, heads_q, triton.cdiv(n_queries, block_m) * block_m, head_dim), device=q.device,
                          dtype=torch.float32)
-    dk = torch.empty(k.shape, device=q.device, dtype=q.dtype)
-    dv = torch.empty_like(dk)
-    args, constants = backward_args(q, k, v, do, lse, delta, dq_acc, dk, dv, is_causal)
+    dq_locks = None
+    if torch.are_deterministic_algorithms_enabled():
+        dq_locks = torch.zeros(dq_lock_count(q), device=q.device, dtype=torch.int32)
+    args, constants = backward_args(q, k, v, do, lse, delta, dq_acc, dk, dv, dq_locks, is_causal)
     grid = (triton.cdiv(k.shape[2], constants["BLOCK_N"]), batch * k.shape[1])
     _attn_bwd_kernel[grid](*args, **constants, num_warps=4, maxnreg=MAX_REGISTERS)
-    return unstage_dq(dq_acc, n_queries, q.dtype), dk, dv
+    return unstage_dq(dq_acc, dq), dk, dv

@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from cs336_kernels.ops._common import LOG2E
+from cs336_kernels.ops._common import LOG2E, output_like
 from cs336_kernels.ops.flash_attention.gluon_common import (
     CONSUMER_REGISTERS,
     MAX_REGISTERS,
@@ -248,12 +248,13 @@ def gluon_attention_forward(
         is_causal: mask keys after the query, aligned top-left (query i sees keys 0..i).
 
     Returns:
-        ``(o, lse)``: o shaped and typed like q (contiguous), lse (batch, heads_q, seq_q) in fp32, natural log.
+        ``(o, lse)``: o shaped, typed and laid out like q (:func:`~cs336_kernels.ops._common.output_like`), lse
+        (batch, heads_q, seq_q) in fp32, natural log, contiguous.
     """
     check_inputs(q, k, v, is_causal)
+    o = output_like(q)
     q, k, v = tma_ready(q), tma_ready(k), tma_ready(v)
     batch, heads_q, n_queries, _ = q.shape
-    o = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     lse = torch.empty((batch, heads_q, n_queries), device=q.device, dtype=torch.float32)
     args, constants = forward_args(q, k, v, o, lse, is_causal)
     grid = (triton.cdiv(n_queries, 2 * constants["BLOCK_M"]), batch * heads_q)
