@@ -15,9 +15,9 @@ Parts (handout section 4):
   (4, 32, 4096, 128), bf16, causal, every path of ours and the PyTorch baselines in the same process:
   ``ours`` (``flash_attention`` as it is called by default: the Gluon forward and backward on sm_90),
   ``ours_deterministic`` (the same under ``torch.use_deterministic_algorithms(True)``: the Gluon backward's dQ
-  reduce-adds in a fixed order), ``triton`` (Triton forward and backward), ``gluon`` (Gluon forward and backward), ``sdpa`` (PyTorch's
-  default backend, cuDNN on an H200), ``sdpa_flash`` (its FlashAttention-2 backend) and ``flex``
-  (FlexAttention under ``torch.compile`` with a causal block mask).
+  reduce-adds in a fixed order), ``triton`` (Triton forward and backward), ``gluon`` (Gluon forward and
+  backward), ``sdpa`` (PyTorch's default backend, cuDNN on an H200), ``sdpa_flash`` (its FlashAttention-2
+  backend) and ``flex`` (FlexAttention under ``torch.compile`` with a causal block mask).
 
 FLOPs of causal attention (two matmuls of 2*s*s*d FLOPs per head, half of the score matrix kept by the mask;
 the backward pass has five such matmuls, so 2.5x the forward)::

@@ -208,6 +208,9 @@ def _bwd_consumer(
         ds16 = gl.convert_layout(ds16, a_layout)
         dk = warpgroup_mma(ds16, q_smem, dk, is_async=True)
         if (t % 2 == CONSUMER) | SPLIT_DQ:
+            if DETERMINISTIC and has_pending:
+                # Before this tile's lock is read, so that the release's fence waits for no load in flight.
+                _release(pending)
             # dQ needs both consumers' dS^T rows. The slot is reused two tiles later; by then the other
             # consumer has passed this tile's ds_ready wait (it is two arrivals behind at most).
             mbarrier.wait(ds_ready.index(slot), (t // 2) & 1)
@@ -230,8 +233,6 @@ def _bwd_consumer(
             else:
                 dq_tile = dq_bufs.index(CONSUMER * DQ_BUFFERS + (t // 2) % DQ_BUFFERS)
             if DETERMINISTIC:
-                if has_pending:
-                    _release(pending)
                 while landed < last - pid_n:
                     landed = _load_acquire(lock)
                 _fence_async_global()
