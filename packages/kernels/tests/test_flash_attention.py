@@ -292,8 +292,8 @@ def test_auto_forward_is_triton_off_sm90():
 
 
 def test_auto_backward_is_triton_off_sm90():
-    # "auto" names the Gluon backward only where the Gluon kernels apply, deterministic mode or not (the Gluon
-    # kernel has a deterministic mode of its own); off sm_90 (here) it is the Triton one; a named backward stays.
+    # "auto" names the Gluon backward only where the Gluon kernels apply (in deterministic mode, where its own
+    # deterministic mode is the faster); off sm_90 (here) it is the Triton one; a named backward stays.
     q = torch.randn(1, 2, 33, 64)
     assert backward_impl(q, "auto") == "triton"
     assert [backward_impl(q, name) for name in ("triton", "gluon", "pytorch")] == ["triton", "gluon", "pytorch"]

@@ -170,10 +170,12 @@ def test_gpu_flash_attention_runs_each_path(forward, backward):
     assert not gluon_applies(q.float()) and not gluon_applies(q[..., :96])
 
 
-def test_gpu_auto_backward_is_gluon_deterministic_or_not():
+@pytest.mark.parametrize(("head_dim", "deterministic_impl"), [(128, "gluon"), (64, "triton")])
+def test_gpu_auto_backward_is_gluon_deterministic_or_not(head_dim, deterministic_impl):
     # On sm_90 "auto" runs the Gluon backward: its dK and dV equal the forced Gluon path's bit for bit (dQ's
-    # reduce-adds land in a varying order); under deterministic algorithms too, in its deterministic mode.
-    q, k, v, do = _inputs((1, 4, 300, 64), (1, 2, 300, 64), torch.bfloat16, seed=12)
+    # reduce-adds land in a varying order). Under deterministic algorithms it runs the Gluon one in its
+    # deterministic mode at head dim 128 and the Triton one at 64, bit for bit.
+    q, k, v, do = _inputs((1, 4, 300, head_dim), (1, 2, 300, head_dim), torch.bfloat16, seed=12)
 
     def grads(**backward):
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
@@ -186,9 +188,8 @@ def test_gpu_auto_backward_is_gluon_deterministic_or_not():
     assert _rel_err(auto[0], gluon[0]) < REL_TOL[torch.bfloat16]
     torch.use_deterministic_algorithms(True)
     try:
-        assert backward_impl(q, "auto") == "gluon"
-        deterministic, again = grads(), grads(backward="gluon")
+        assert backward_impl(q, "auto") == deterministic_impl
+        deterministic, again = grads(), grads(backward=deterministic_impl)
     finally:
         torch.use_deterministic_algorithms(False)
     assert all(torch.equal(a, b) for a, b in zip(deterministic, again, strict=True))
-    assert torch.equal(deterministic[1], gluon[1]) and torch.equal(deterministic[2], gluon[2])

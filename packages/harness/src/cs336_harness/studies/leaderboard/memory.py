@@ -174,7 +174,8 @@ def block_memory(shape: BlockShape, batch: int, seq: int, *, dtype_bytes: int = 
       kernel: 8 seq, int64); the attention op keeps rotated q and k, v and its output (4 e N d) and the fp32
       log-sum-exp (4 N h); with ``fused_qkv`` v is a view of the (N, 3 d) projection output, which it keeps
       whole (2 e N d more), and the matmul keeps the concatenated (3 d, d) weight (3 e d^2);
-    - the output projection keeps the heads' outputs in (N, d) layout (e N d, a copy of the attention output);
+    - the output projection keeps the heads' outputs in (N, d) layout: a view of the attention output, which the
+      op writes in the projections' (batch, seq, heads, head_dim) layout, so nothing more;
     - SwiGLU: w1 and w3 keep the normed input (e N d); the gate keeps a = w1 x, sigmoid(a), a * sigmoid(a) and
       b = w3 x (4 e N f) in the model's code, a and b (2 e N f) in the kernel; w2 keeps the gate's output (e N f);
     - the block's output (e N d).
@@ -207,8 +208,8 @@ def block_memory(shape: BlockShape, batch: int, seq: int, *, dtype_bytes: int = 
         norms = e * n * d + 2 * 4 * n
         rope = 8 * seq
         gate = 2 * e * n * f
-    # input, q k v o, the (N, d) copy; fused: q and k stay alive in the (N, 3d) output, and the (3d, d) weight
-    attention = (1 + 4 + 1) * e * n * d + lse + ((2 * n + 3 * d) * e * d if fused_qkv else 0)
+    # input, q k v o; fused: q and k stay alive in the (N, 3d) output, and the (3d, d) weight
+    attention = (1 + 4) * e * n * d + lse + ((2 * n + 3 * d) * e * d if fused_qkv else 0)
     ffn = e * n * d + gate + e * n * f
     kept = norms + rope + attention + ffn + out
     working = kept if glue == "model" else e * d * f + 2 * e * n * f
