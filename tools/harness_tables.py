@@ -377,12 +377,13 @@ def table_proxy_latest() -> str:
 
 def table_anchors() -> str:
     """Our attention against library kernels at three shapes, the latest run of the anchors benchmark."""
-    anchors = [r for r in rows("attention_anchors") if r.get("impl") in ("ours", "triton", "sdpa", "sdpa_flash",
-                                                                            "flex")]
+    anchors = [r for r in rows("attention_anchors") if r.get("impl") in ("ours", "ours_deterministic", "triton", "sdpa",
+                                                                            "sdpa_flash", "flex")]
     latest = max(r.get("call_id") or "" for r in anchors)
     picked = sorted((r for r in anchors if (r.get("call_id") or "") == latest),
                     key=lambda r: (-r["seq"] * r["d"] * r["batch"], r["fwd_bwd_ms"]))
-    names = {"ours": "ours (default)", "triton": "ours, Triton backward", "sdpa": "SDPA (cuDNN)",
+    names = {"ours": "ours (default)", "ours_deterministic": "ours, Gluon deterministic mode",
+             "triton": "ours, Triton backward", "sdpa": "SDPA (cuDNN)",
              "sdpa_flash": "SDPA flash backend", "flex": "FlexAttention"}
     out = [{"shape": f"({r['batch']}, {r['heads']}, {r['seq']}, {r['d']})", "impl": names[r["impl"]],
             "fwd": r["fwd_ms"], "bwd": r["bwd_ms"], "fb": r["fwd_bwd_ms"], "tflops": r["fwd_bwd_tflops"]}
@@ -411,7 +412,7 @@ def table_proxy_all() -> str:
         runs.setdefault(str(r.get("call_id")), []).append(r)
     label = {call: _run_label(rs) for call, rs in runs.items()}
     shown = [{**_shown(r), "run": label[str(r.get("call_id"))], "extras": _proxy_extras(r)} for r in proxy]
-    columns = [("run", "run (UTC)"), PROXY_SHOWN[0], PROXY_SHOWN[3], ("extras", "also"), *PROXY_SHOWN[4:]]
+    columns = [("run", "run (UTC)"), PROXY_SHOWN[3], ("extras", "also"), *PROXY_SHOWN[4:]]
     return markdown_table(shown, columns, floatfmt=".4g")
 
 
