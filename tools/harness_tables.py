@@ -382,7 +382,7 @@ def table_anchors() -> str:
     latest = max(r.get("call_id") or "" for r in anchors)
     picked = sorted((r for r in anchors if (r.get("call_id") or "") == latest),
                     key=lambda r: (-r["seq"] * r["d"] * r["batch"], r["fwd_bwd_ms"]))
-    names = {"ours": "ours (default)", "ours_deterministic": "ours, Gluon deterministic mode",
+    names = {"ours": "ours (default)", "ours_deterministic": "ours, deterministic mode",
              "triton": "ours, Triton backward", "sdpa": "SDPA (cuDNN)",
              "sdpa_flash": "SDPA flash backend", "flex": "FlexAttention"}
     out = [{"shape": f"({r['batch']}, {r['heads']}, {r['seq']}, {r['d']})", "impl": names[r["impl"]],
