@@ -140,7 +140,8 @@ def test_block_memory_is_what_autograd_keeps(dtype: torch.dtype, glue: str, fuse
     batch, seq = 2, 23
     x = torch.randn(batch, seq, 64, dtype=dtype, requires_grad=True)
     want = _kept_bytes(_block(dtype, glue, fused_qkv), x)
-    got = block_memory(_SHAPE, batch, seq, dtype_bytes=dtype.itemsize, glue=glue, fused_qkv=fused_qkv)
+    got = block_memory(_SHAPE, batch, seq, dtype_bytes=dtype.itemsize, glue=glue, fused_qkv=fused_qkv,
+                       attention="triton" if glue != "model" else "sdpa")  # what _block runs
     assert got.kept == want
     e, n = dtype.itemsize, batch * seq
     assert got.checkpointed == e * n * 64 and got.attention == 2 * e * n * 64 + 4 * n * 4
@@ -150,12 +151,14 @@ def test_block_memory_is_what_autograd_keeps(dtype: torch.dtype, glue: str, fuse
 def test_compiled_glue_keeps_no_more_than_the_estimate() -> None:
     x = torch.randn(2, 23, 64, dtype=torch.bfloat16, requires_grad=True)
     block = _block(torch.bfloat16, "compiled", False, attention="sdpa")
-    assert _kept_bytes(block, x) <= block_memory(_SHAPE, 2, 23, glue="compiled").kept
+    assert _kept_bytes(block, x) <= block_memory(_SHAPE, 2, 23, glue="compiled", attention="sdpa").kept
 
 
 def test_block_memory_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="glue must be one of"):
         block_memory(_SHAPE, 1, 8, glue="cuda")
+    with pytest.raises(ValueError, match="attention must be"):
+        block_memory(_SHAPE, 1, 8, attention="flex")
     with pytest.raises(ValueError, match="seq must be a positive int"):
         block_memory(_SHAPE, 1, 0)
 

@@ -157,11 +157,12 @@ class BlockShape(Protocol):
 
 
 def block_memory(shape: BlockShape, batch: int, seq: int, *, dtype_bytes: int = 2, glue: str = "model",
-                 fused_qkv: bool = False) -> BlockMemory:
+                 fused_qkv: bool = False, attention: str = "triton") -> BlockMemory:
     """:class:`~cs336_sharding.checkpointing.BlockMemory` of one ``cs336_basics`` block (RMSNorm, RoPE attention
     with a fused attention op, RMSNorm, SwiGLU) on ``batch`` sequences of ``seq`` tokens with 16-bit
-    (``dtype_bytes=2``) or fp32 compute, its glue ``glue`` (:data:`~cs336_harness.studies.glue.GLUES`), its weights
-    gathered by FSDP (views whose memory is freed after the forward, so they count nothing).
+    (``dtype_bytes=2``) or fp32 compute, its glue ``glue`` (:data:`~cs336_harness.studies.glue.GLUES`) and
+    ``attention`` (``"triton"``, our kernels, or ``"sdpa"``), its weights gathered by FSDP (views whose memory is freed
+    after the forward, so they count nothing).
 
     With N = batch * seq tokens, d = d_model, f = d_ff, h = heads, e = dtype_bytes, what autograd keeps:
 
@@ -174,8 +175,9 @@ def block_memory(shape: BlockShape, batch: int, seq: int, *, dtype_bytes: int = 
       kernel: 8 seq, int64); the attention op keeps rotated q and k, v and its output (4 e N d) and the fp32
       log-sum-exp (4 N h); with ``fused_qkv`` v is a view of the (N, 3 d) projection output, which it keeps
       whole (2 e N d more), and the matmul keeps the concatenated (3 d, d) weight (3 e d^2);
-    - the output projection keeps the heads' outputs in (N, d) layout: a view of the attention output, which the
-      op writes in the projections' (batch, seq, heads, head_dim) layout, so nothing more;
+    - the output projection keeps the heads' outputs in (N, d) layout: with our kernels a view of the attention
+      output, which they write in the projections' (batch, seq, heads, head_dim) layout; with SDPA a copy (e N d),
+      as its output is (batch, heads, seq, head_dim)-contiguous (on the CPU, where the tests check it);
     - SwiGLU: w1 and w3 keep the normed input (e N d); the gate keeps a = w1 x, sigmoid(a), a * sigmoid(a) and
       b = w3 x (4 e N f) in the model's code, a and b (2 e N f) in the kernel; w2 keeps the gate's output (e N f);
     - the block's output (e N d).
@@ -193,6 +195,8 @@ def block_memory(shape: BlockShape, batch: int, seq: int, *, dtype_bytes: int = 
     """
     if glue not in GLUES:
         raise ValueError(f"glue must be one of {', '.join(GLUES)}, got {glue!r}")
+    if attention not in ("triton", "sdpa"):
+        raise ValueError(f"attention must be 'triton' or 'sdpa', got {attention!r}")
     for name, value in (("batch", batch), ("seq", seq), ("dtype_bytes", dtype_bytes)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -208,8 +212,9 @@ def block_memory(shape: BlockShape, batch: int, seq: int, *, dtype_bytes: int = 
         norms = e * n * d + 2 * 4 * n
         rope = 8 * seq
         gate = 2 * e * n * f
-    # input, q k v o; fused: q and k stay alive in the (N, 3d) output, and the (3d, d) weight
-    attention = (1 + 4) * e * n * d + lse + ((2 * n + 3 * d) * e * d if fused_qkv else 0)
+    # input, q k v o, SDPA's (N, d) copy; fused: q and k stay alive in the (N, 3d) output, and the (3d, d) weight
+    copy = e * n * d if attention == "sdpa" else 0
+    attention = (1 + 4) * e * n * d + copy + lse + ((2 * n + 3 * d) * e * d if fused_qkv else 0)
     ffn = e * n * d + gate + e * n * f
     kept = norms + rope + attention + ffn + out
     working = kept if glue == "model" else e * d * f + 2 * e * n * f
@@ -242,7 +247,7 @@ def memory_plan(config: LeaderboardConfig, device_bytes: int | None) -> MemoryPl
     block = block_memory(m, config.batch_per_rank, config.context_length,
                          dtype_bytes=DTYPES[config.compute_dtype].itemsize,
                          glue="compiled" if config.compile_blocks else config.glue,
-                         fused_qkv=config.fused_qkv)
+                         fused_qkv=config.fused_qkv, attention=config.attention)
     if config.checkpoint == BUDGET:
         assert cap is not None, "LeaderboardConfig checks that a budget has a cap"
         # The policy decides the last block's backward, the peak whenever a block is kept; the first block's does
