@@ -366,9 +366,12 @@ def _proxy_columns(rs: list[dict[str, Any]]) -> list[tuple[str, str]]:
 
 
 def table_proxy_latest() -> str:
-    """The latest proxy run: ours and both baselines of that run."""
+    """The latest proxy run with ours and both baselines: its rows."""
     proxy = _proxy()
-    latest = max(str(r.get("call_id")) for r in proxy)
+    impls: dict[str, set[str]] = {}
+    for r in proxy:
+        impls.setdefault(str(r.get("call_id")), set()).add(r["impl"])
+    latest = max(call for call, found in impls.items() if {"ours", "torch_native", "torch_native_compiled"} <= found)
     shown = [_shown(r) for r in proxy if str(r.get("call_id")) == latest]
     return markdown_table(shown, _proxy_columns(shown), floatfmt=".4g")
 
