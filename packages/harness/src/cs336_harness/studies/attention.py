@@ -245,11 +245,12 @@ def flash_rows(
     for name in impl_names:
         row = {"bench": bench, "impl": name, "dtype": dtype_name, "batch": batch, "heads": heads, "seq": seq,
                "d": head_dim, "causal": True, "rep_ms": rep_ms}
+        before = torch.are_deterministic_algorithms_enabled()
         torch.use_deterministic_algorithms(name in DETERMINISTIC_IMPLS)
         try:
             row |= _measure(_impl(name, seq, device), q, k, v, rep_ms, cfg)
         finally:
-            torch.use_deterministic_algorithms(False)
+            torch.use_deterministic_algorithms(before)
         for mode in ("fwd", "bwd", "fwd_bwd"):
             ms = row[f"{mode}_ms"]
             row[f"{mode}_tflops"] = None if ms is None else flops[mode] / (ms * 1e-3) / 1e12
