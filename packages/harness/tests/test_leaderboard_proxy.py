@@ -365,11 +365,33 @@ def test_breakdown_sums_kernel_time_by_kind_and_finds_idle_time() -> None:
     # Busy: 120-400 (attention and the overlapping add), 400-600, 700-1100: 880 of 1000 us.
     assert b["idle_ms"] == pytest.approx(0.12)
     assert b["glue_share"] == pytest.approx(0.3 / 0.93)
+    assert [(k["name"], k["kind"], k["count"]) for k in b["top_kernels"]] == [
+        ("sm90_xmma_gemm_bf16", "gemm", 1), ("_attn_fwd_kernel", "attention", 1),
+        ("void at::native::elementwise_kernel<direct_copy_kernel_cuda>", "copies_casts", 1),
+        ("triton_poi_fused_add_0", "elementwise", 1)]
+    assert [k["ms"] for k in b["top_kernels"]] == pytest.approx([0.4, 0.23, 0.2, 0.1])
+    top = kernel_kinds.top_kernels_markdown(b)
+    assert "| sm90_xmma_gemm_bf16 | gemm | 1 | 0.4 | 0.4 | 43.0% |" in top
     table = kernel_kinds.breakdown_markdown([{"breakdown": b}, {"breakdown": None}], ["after", "none"])
     assert "| attention | 0.23 (24.7%) |" in table and "| glue share | 32.3% |" in table and "none" not in table
     with pytest.raises(ValueError, match="no GPU kernel"):
         kernel_kinds.step_breakdown([_span("step", 0, 10)])
 
+
+def test_top_kernels_sum_launches_of_one_name_and_keep_the_longest() -> None:
+    events = [_span("step", 0, 10_000)]
+    long_name = "void cutlass::Kernel2<" + "x" * 200 + ">"
+    # 14 names, name i launched i + 1 times for 10 us each; the long name twice for 500 us each.
+    launches = [(f"kernel_{i}", 10.0) for i in range(14) for _ in range(i + 1)] + [(long_name, 500.0)] * 2
+    for corr, (name, dur) in enumerate(launches):
+        events.append(_span("cudaLaunchKernel", 1 + corr, 1, cat="cuda_runtime", correlation=corr))
+        events.append(_span(name, 1 + corr, dur, cat="kernel", correlation=corr, stream=7))
+    top = kernel_kinds.step_breakdown(events)["top_kernels"]
+    assert len(top) == kernel_kinds.TOP_KERNELS
+    assert top[0] == {"name": long_name[:90], "kind": "gemm", "count": 2, "ms": pytest.approx(1.0)}
+    assert [(k["name"], k["count"]) for k in top[1:3]] == [("kernel_13", 14), ("kernel_12", 13)]
+    assert top[1]["ms"] == pytest.approx(0.14)
+    assert "kernel_2" not in {k["name"] for k in top}
 
 # The proxy tables.
 

@@ -3,8 +3,9 @@
 :func:`kernel_kind` sorts a kernel name into one of :data:`KINDS`; :func:`step_breakdown` sums the GPU time of the
 kernels launched inside one ``step`` range (:func:`cs336_harness.analysis.trace.label_activities`) by kind, and
 adds the step's idle time: the range's wall time (the step ends with a device synchronisation, so it covers the
-GPU's work) less the union of its kernels' intervals. :func:`breakdown_markdown` renders rows that carry a
-breakdown as one table, a column per row.
+GPU's work) less the union of its kernels' intervals, and the kernels that took the most time, by name.
+:func:`breakdown_markdown` renders rows that carry a breakdown as one table, a column per row, and
+:func:`top_kernels_markdown` one row's kernels by name.
 
 Kinds, tried in this order (the first that matches names the kernel):
 
@@ -46,6 +47,8 @@ _ATTENTION = ("_attn_fwd", "_attn_bwd", "bwd_preprocess_kernel", "flash_fwd", "f
 _LOSS_OPTIMIZER = ("_softmax_grad_kernel", "adam")
 _GLUE_KERNELS = ("_rms_norm_", "_rope_kernel", "_silu_mul_", "triton_poi", "triton_red", "triton_per")
 _FAMILY_KINDS = {"copy": "copies_casts", "matmul": "gemm", "elementwise": "elementwise"}
+TOP_KERNELS = 12
+_NAME_CHARS = 90  # of a kernel's name in ``top_kernels``: C++ template names run to thousands
 
 
 def kernel_kind(name: str) -> str:
@@ -70,7 +73,9 @@ def step_breakdown(events: Sequence[dict[str, Any]], within: str = "step") -> di
 
     Returns ``kernel_ms`` (per kind of :data:`KINDS`, every kind present), ``kernel_total_ms``, ``step_wall_ms``
     (the range's wall time), ``idle_ms`` (wall time without any kernel running) and ``glue_share`` (of the kernel
-    time). Kernel time counts each kernel's own duration, so kernels overlapping on two streams count twice.
+    time) and ``top_kernels``: the :data:`TOP_KERNELS` names with the most kernel time, most first, each with its
+    ``kind``, ``count`` (launches in the step) and ``ms`` (their total), names cut to 90 characters. Kernel time
+    counts each kernel's own duration, so kernels overlapping on two streams count twice.
 
     Raises:
         ValueError: if the trace has no ``within`` range or no GPU kernel launched inside it.
@@ -87,15 +92,22 @@ def step_breakdown(events: Sequence[dict[str, Any]], within: str = "step") -> di
     if not acts:
         raise ValueError(f"no GPU kernel was launched inside the {within!r} range (a CPU trace?)")
     by_kind = dict.fromkeys(KINDS, 0.0)
+    by_name: dict[str, list[float]] = {}
     for a in acts:
         by_kind[kernel_kind(a["name"])] += a["dur"] / 1e3
+        count_ms = by_name.setdefault(a["name"], [0, 0.0])
+        count_ms[0] += 1
+        count_ms[1] += a["dur"] / 1e3
+    top = sorted(by_name.items(), key=lambda item: -item[1][1])[:TOP_KERNELS]
     total = sum(by_kind.values())
     busy = trace._union([(max(a["ts"], start), min(a["ts"] + a["dur"], end)) for a in acts
                          if a["ts"] + a["dur"] > start and a["ts"] < end])
     wall_ms = (end - start) / 1e3
     return {"kernel_ms": by_kind, "kernel_total_ms": total, "step_wall_ms": wall_ms,
             "idle_ms": max(0.0, wall_ms - trace._length(busy) / 1e3),
-            "glue_share": sum(by_kind[k] for k in GLUE_KINDS) / total}
+            "glue_share": sum(by_kind[k] for k in GLUE_KINDS) / total,
+            "top_kernels": [{"name": name[:_NAME_CHARS], "kind": kernel_kind(name), "count": count, "ms": ms}
+                            for name, (count, ms) in top]}
 
 
 def breakdown_markdown(rows: Sequence[dict[str, Any]], labels: Sequence[str]) -> str:
@@ -114,4 +126,15 @@ def breakdown_markdown(rows: Sequence[dict[str, Any]], labels: Sequence[str]) ->
     table.append({"kind": "idle", **{label: f"{b['idle_ms']:.4g}" for label, b in chosen}})
     table.append({"kind": "glue share", **{label: f"{b['glue_share']:.1%}" for label, b in chosen}})
     columns = [("kind", "kind (ms, share of kernel time)"), *((label, label) for label, _ in chosen)]
+    return markdown_table(table, columns)
+
+
+def top_kernels_markdown(breakdown: dict[str, Any]) -> str:
+    """One markdown table of a breakdown's ``top_kernels``: name, kind, launches, total and mean ms, share of the
+    step's kernel time."""
+    table = [{"kernel": k["name"], "kind": k["kind"], "count": k["count"], "ms": f"{k['ms']:.4g}",
+              "mean": f"{k['ms'] / k['count']:.4g}", "share": f"{k['ms'] / breakdown['kernel_total_ms']:.1%}"}
+             for k in breakdown["top_kernels"]]
+    columns = [("kernel", "kernel"), ("kind", "kind"), ("count", "launches"), ("ms", "ms"), ("mean", "ms each"),
+               ("share", "share of kernel time")]
     return markdown_table(table, columns)

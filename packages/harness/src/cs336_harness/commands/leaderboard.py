@@ -244,5 +244,7 @@ def run(args: argparse.Namespace) -> int:
                   + ", ".join(f"{p:.2f}" for p in row["peak_step_gib_per_rank"]))
         if row.get("breakdown"):
             print(f"\n{row['impl']}: GPU time of one step by kind (ms)\n"
-                  + kernel_kinds.breakdown_markdown([row], [row["impl"]]))
+                  + kernel_kinds.breakdown_markdown([row], [row["impl"]])
+                  + f"\n\n{row['impl']}: the kernels with the most GPU time in that step\n"
+                  + kernel_kinds.top_kernels_markdown(row["breakdown"]))
     return 0
