@@ -10,8 +10,8 @@ One program owns ``BLOCK_N`` keys of one (batch, key/value head) and runs three 
   (query tile, key tile): ``S^T = K Q^T`` and ``dP^T = V dO^T`` (keys as rows, so that P^T and dS^T are
   already the register A operands of the next two), ``dV += P^T dO``, ``dK += dS^T Q``, and
   ``dQ = dS K`` over all the program's keys. Both consumers write their dS^T rows to shared memory; with
-  d = 128 each computes half of dQ's columns, with d = 64 they take turns by query tile; dK's product is issued
-  after dQ's, so that the tensor cores run it while the consumer stages dQ. dQ is added in fp32
+  d = 128 each computes half of dQ's columns every tile, and issues dK's product after dQ's so that the tensor
+  cores run it while the consumer stages dQ; with d = 64 they take turns by query tile. dQ is added in fp32
   into a global accumulator by TMA reduce-adds (``cp.reduce.async.bulk.tensor``) from two staging buffers per
   consumer, so a consumer waits only for the reduce-add of two dQ tiles ago. dK and dV stay in registers
   until the end. The accumulator is ours alone, so its rows may be in any order: each dQ tile's rows are staged
@@ -207,6 +207,8 @@ def _bwd_consumer(
         fence_async_shared()
         mbarrier.arrive(ds_ready.index(slot))
         ds16 = gl.convert_layout(ds16, a_layout)
+        if not SPLIT_DQ:
+            dk = warpgroup_mma(ds16, q_smem, dk, is_async=True)
         if (t % 2 == CONSUMER) | SPLIT_DQ:
             if DETERMINISTIC and has_pending:
                 # Before this tile's lock is read, so that the release's fence waits for no load in flight.
@@ -215,8 +217,9 @@ def _bwd_consumer(
             # consumer has passed this tile's ds_ready wait (it is two arrivals behind at most).
             mbarrier.wait(ds_ready.index(slot), (t // 2) & 1)
             dq = warpgroup_mma(ds_bufs.index(slot).permute((1, 0)), k_dq, dq_zero, use_acc=False, is_async=True)
-            # Issued after dQ, so that the tensor cores run it while this consumer stages dQ (below).
-            dk = warpgroup_mma(ds16, q_smem, dk, is_async=True)
+            if SPLIT_DQ:
+                # Issued after dQ, so that the tensor cores run it while this consumer stages dQ (below).
+                dk = warpgroup_mma(ds16, q_smem, dk, is_async=True)
             if DETERMINISTIC:
                 half = CONSUMER if SPLIT_DQ else 0
                 lock = DQ_LOCKS + ((b * H_KV * GROUP + h).to(gl.int64) * n_tiles_q + i) * HALVES + half
@@ -227,8 +230,12 @@ def _bwd_consumer(
                     last = n_key_blocks - 1
                 # The first read of the lock overlaps the product.
                 landed = _load_acquire(lock)
-            # Groups retire in order: dV and dQ are done, dK may still run.
-            dq, p16 = warpgroup_mma_wait(1, deps=(dq, p16))
+            if SPLIT_DQ:
+                # Groups retire in order: dV and dQ are done, dK may still run.
+                dq, p16 = warpgroup_mma_wait(1, deps=(dq, p16))
+            else:
+                # Waits for every wgmma in flight; dK and dV pass through the wait after the branch.
+                dq, p16, ds16 = warpgroup_mma_wait(0, deps=(dq, p16, ds16))
             # A staging buffer is reused DQ_BUFFERS dQ tiles later, once its reduce-add has read it.
             if SPLIT_DQ:
                 dq_tile = dq_bufs.index(CONSUMER * DQ_BUFFERS + t % DQ_BUFFERS)
@@ -250,15 +257,13 @@ def _bwd_consumer(
             dq_tile.reshape([BLOCK_M, DQ_COLS]).store(dq)
             fence_async_shared()
             _tma_reduce_add(dq_desc, [b, h, i * BLOCK_M, CONSUMER * DQ_COLS if SPLIT_DQ else 0], dq_tile)
-            dk, ds16 = warpgroup_mma_wait(0, deps=(dk, ds16))
-        else:
-            dk = warpgroup_mma(ds16, q_smem, dk, is_async=True)
-            if DETERMINISTIC and has_pending:
-                # d = 64: the other consumer's tile; count this one's last as landed now rather than a tile later.
-                _release(pending)
-                has_pending = False
-            dk, ds16 = warpgroup_mma_wait(0, deps=(dk, ds16))
-        dv, p16 = warpgroup_mma_wait(0, deps=(dv, p16))
+            if SPLIT_DQ:
+                dk, ds16 = warpgroup_mma_wait(0, deps=(dk, ds16))
+        elif DETERMINISTIC and has_pending:
+            # d = 64: the other consumer's tile; count this one's last as landed now rather than a tile later.
+            _release(pending)
+            has_pending = False
+        dk, dv, p16, ds16 = warpgroup_mma_wait(0, deps=(dk, dv, p16, ds16))
         mbarrier.arrive(qdo_empty.index(stage))
 
     if DETERMINISTIC and has_pending:
