@@ -208,6 +208,7 @@ def _bwd_consumer(
         mbarrier.arrive(ds_ready.index(slot))
         ds16 = gl.convert_layout(ds16, a_layout)
         if not SPLIT_DQ:
+            # d = 64 issues dK first: dQ first measured slower there (writeup/results/attention_notes.md).
             dk = warpgroup_mma(ds16, q_smem, dk, is_async=True)
         if (t % 2 == CONSUMER) | SPLIT_DQ:
             if DETERMINISTIC and has_pending:
