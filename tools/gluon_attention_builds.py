@@ -47,11 +47,12 @@ def build_row(name: str, head_dim: int, is_causal: bool, deterministic: bool = F
     k = torch.zeros(1, 2, 1024, head_dim, dtype=torch.bfloat16)
     lse = torch.zeros(1, 4, 1024)
     if name == "fwd":
-        kernel, (args, constants) = forward._attn_fwd_kernel, forward.forward_args(q, k, k, q, lse, is_causal)
+        kernel = forward._attn_fwd_kernel
+        args, constants = forward.forward_args(q, k, k, q, lse, torch.zeros(1, dtype=torch.int32), is_causal, 1)
     else:
         kernel = backward._attn_bwd_kernel
         locks = torch.zeros(backward.dq_lock_count(q), dtype=torch.int32) if deterministic else None
-        args, constants = backward.backward_args(q, k, k, q, lse, lse, q.float(), k, k, locks, is_causal)
+        args, constants = backward.backward_args(q, k, k, q, lse, lse, q.float(), k, k, locks, is_causal, 1)
     compiled, sass = _compile(kernel, args, constants)
     return {"bench": "gluon_build", "kernel": name, "d": head_dim, "dtype": "bf16", "causal": is_causal,
             "deterministic": deterministic,

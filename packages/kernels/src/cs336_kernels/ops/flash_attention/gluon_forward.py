@@ -1,15 +1,20 @@
 """FlashAttention forward for Hopper (sm_90) in Gluon, warp-specialised as in FlashAttention-3 (Shah et al., 2024).
 
-One program owns ``2 * BLOCK_M`` query rows of one (batch, query head) and runs three partitions:
+The kernel is persistent: one program per SM takes query tiles of ``2 * BLOCK_M`` rows of one (batch, query head)
+from a queue (an atomic counter; the longest causal tiles first, heads in chunks whose K and V stay in the L2 cache:
+:func:`~cs336_kernels.ops.flash_attention.gluon_common.tile_coords`) until none is left, and runs three partitions:
 
-- a one-warp producer that loads the two Q tiles once and then streams K and V tiles by TMA into a
-  ``STAGES``-deep shared-memory ring, each slot guarded by "ready" mbarriers (the TMA completes them) and
-  "empty" mbarriers (both consumers release them);
+- a one-warp producer that claims the tiles, tells the consumers each one through shared memory, loads its two Q
+  tiles and streams its K and V tiles by TMA into a ``STAGES``-deep shared-memory ring, each slot guarded by
+  "ready" mbarriers (the TMA completes them) and "empty" mbarriers (both consumers release them). The ring runs
+  on from one query tile to the next, and the next Q is loaded as soon as both consumers have issued their last
+  ``Q K^T``, so a tile's last ``P V`` and epilogue overlap the next tile's loads;
 - two consumer warpgroups, one per ``BLOCK_M``-row Q tile, that run ``S = Q K^T`` and ``O += P V`` on the
   tensor cores with ``warpgroup_mma`` (wgmma) and the online softmax in fp32 with exp2 on the CUDA cores.
   A consumer issues the next tile's ``Q K^T`` and the current tile's ``P V`` back to back and computes the
   next softmax while ``P V`` runs (FA3's intra-warpgroup overlap); the two consumers also overlap each
-  other, since the warp schedulers interleave them.
+  other, since the warp schedulers interleave them. O leaves through a staging buffer of its own by a TMA store
+  that completes while the next tile runs.
 
 Conventions are those of :mod:`cs336_kernels.flash_attention`: (batch, heads, seq, d) tensors, grouped-query
 attention (query head ``h`` reads key/value head ``h // (Hq // Hkv)``), causal masking aligned top-left
@@ -45,35 +50,80 @@ from cs336_kernels.ops.flash_attention.gluon_common import (
     MAX_REGISTERS,
     PRODUCER_REGISTERS,
     check_inputs,
+    claim_tile,
     descriptor,
+    heads_per_chunk,
     mma_layout,
+    sm_count,
+    tile_coords,
     tma_ready,
 )
 
 # Per head dim: (BLOCK_M query rows per consumer warpgroup, BLOCK_N keys per tile, STAGES of the K/V ring).
-# One wgmma warpgroup covers 64 rows; the ring fills most of the 227 KiB of shared memory per block:
-# d = 128: 2 x 16 KiB Q + 2 x (32 + 32) KiB K/V; d = 64: 2 x 8 KiB Q + 3 x (16 + 16) KiB K/V.
+# One wgmma warpgroup covers 64 rows; with the Q and O staging buffers the ring fills most of the 227 KiB of shared
+# memory per block: d = 128: 2 x 16 KiB Q + 2 x 16 KiB O + 2 x (32 + 32) KiB K/V; d = 64: 2 x 8 KiB Q + 2 x 8 KiB O
+# + 3 x (16 + 16) KiB K/V.
 CONFIGS = {64: (64, 128, 3), 128: (64, 128, 2)}
+
+
+@gluon.jit
+def _key_tiles(q0, N_KEYS, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    # Key tiles [0, masked_from) are complete and wholly below the diagonal for the 2 * BLOCK_M rows from q0; tiles
+    # from there to n_tiles straddle the diagonal or the end of the keys; later tiles are never loaded.
+    if IS_CAUSAL:
+        n_tiles = gl.cdiv(gl.minimum(q0 + 2 * BLOCK_M, N_KEYS), BLOCK_N)
+        masked_from = gl.minimum(q0 // BLOCK_N, N_KEYS // BLOCK_N)
+    else:
+        n_tiles = gl.cdiv(N_KEYS, BLOCK_N)
+        masked_from = N_KEYS // BLOCK_N
+    return n_tiles, masked_from
+
+
 @gluon.jit
 def _producer(
-    q_desc, k_desc, v_desc, bufs, b, h, h_kv, q0, n_tiles,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    q_desc, k_desc, v_desc, bufs, tile_buf, COUNTER, n_m, BH, CHUNK, H_Q, GROUP, N_KEYS,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
 ):
-    q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty, v_empty = bufs
+    q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = bufs
+    id_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    n_total = n_m * BH
+    tile = gl.program_id(0)
+    it = 0  # ring position of the tile's first key tile
+    count = 0  # query tiles handed to the consumers so far
+    while tile < n_total:
+        # Both consumers are done with the Q buffers and have read the last tile index. A fresh mbarrier counts
+        # as having completed the phase before phase 0, so the first wait (and the first pass through the ring)
+        # does not block.
+        mbarrier.wait(q_empty.index(0), (count & 1) ^ 1)
+        tile_buf.store(gl.full([1], tile, gl.int32, layout=id_layout))
+        bh, pid_m = tile_coords(tile, n_m, BH, CHUNK, IS_CAUSAL)
+        b = bh // H_Q
+        h = bh % H_Q
+        h_kv = h // GROUP
+        q0 = pid_m * (2 * BLOCK_M)
+        n_tiles, masked_from = _key_tiles(q0, N_KEYS, BLOCK_M, BLOCK_N, IS_CAUSAL)
+        for c in gl.static_range(2):
+            mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [b, h, q0 + c * BLOCK_M, 0], q_ready.index(c), q_bufs.index(c))
+        for j in range(n_tiles):
+            stage = (it + j) % STAGES
+            phase = (((it + j) // STAGES) & 1) ^ 1
+            mbarrier.wait(k_empty.index(stage), phase)
+            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [b, h_kv, j * BLOCK_N, 0], k_ready.index(stage),
+                                            k_bufs.index(stage))
+            mbarrier.wait(v_empty.index(stage), phase)
+            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [b, h_kv, j * BLOCK_N, 0], v_ready.index(stage),
+                                            v_bufs.index(stage))
+        it += n_tiles
+        count += 1
+        tile = claim_tile(COUNTER) + gl.num_programs(0)
+    # No tile left: an index past the end tells the consumers to stop.
+    mbarrier.wait(q_empty.index(0), (count & 1) ^ 1)
+    tile_buf.store(gl.full([1], tile, gl.int32, layout=id_layout))
     for c in gl.static_range(2):
-        mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, h, q0 + c * BLOCK_M, 0], q_ready.index(c), q_bufs.index(c))
-    for j in range(n_tiles):
-        stage = j % STAGES
-        # A fresh mbarrier counts as having completed the phase before phase 0, so the first pass through
-        # the ring does not wait.
-        phase = ((j // STAGES) & 1) ^ 1
-        mbarrier.wait(k_empty.index(stage), phase)
-        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, h_kv, j * BLOCK_N, 0], k_ready.index(stage), k_bufs.index(stage))
-        mbarrier.wait(v_empty.index(stage), phase)
-        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [b, h_kv, j * BLOCK_N, 0], v_ready.index(stage), v_bufs.index(stage))
+        mbarrier.arrive(q_ready.index(c))
 
 
 @gluon.jit
@@ -96,11 +146,11 @@ def _scores(s, j, offs_m, masked_from, N_KEYS, qk_scale, m_i, s_layout: gl.const
 
 @gluon.jit
 def _consumer(
-    o_desc, L, bufs, b, h, H_Q, q0, n_tiles, masked_from, N_QUERIES, N_KEYS, qk_scale,
+    o_desc, L, bufs, o_bufs, tile_buf, n_m, BH, CHUNK, H_Q, N_QUERIES, N_KEYS, qk_scale,
     CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
 ):
-    q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty, v_empty = bufs
+    q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = bufs
     dtype: gl.constexpr = o_desc.dtype
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     o_layout: gl.constexpr = mma_layout(HEAD_DIM)
@@ -109,98 +159,112 @@ def _consumer(
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    id_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
 
-    row0 = q0 + CONSUMER * BLOCK_M
-    offs_m = row0 + gl.arange(0, BLOCK_M, layout=row_s)
     q_tile = q_bufs.index(CONSUMER)
     q_smem = q_tile.reshape([BLOCK_M, HEAD_DIM])
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+    o_tile = o_bufs.index(CONSUMER)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    n_total = n_m * BH
+    it = 0  # ring position of the tile's first key tile
+    count = 0  # query tiles done
     mbarrier.wait(q_ready.index(CONSUMER), 0)
+    tile = gl.max(tile_buf.load(id_layout), axis=0)
+    while tile < n_total:
+        pid_m = tile_coords(tile, n_m, BH, CHUNK, IS_CAUSAL)[1]
+        q0 = pid_m * (2 * BLOCK_M)
+        n_tiles, masked_from = _key_tiles(q0, N_KEYS, BLOCK_M, BLOCK_N, IS_CAUSAL)
+        offs_m = q0 + CONSUMER * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
+        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
 
-    # Tile 0: scores and probabilities only; its P V is issued together with tile 1's Q K^T.
-    mbarrier.wait(k_ready.index(0), 0)
-    s = warpgroup_mma(q_smem, k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
-                      use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(0, deps=(s,))
-    mbarrier.arrive(k_empty.index(0))
-    p, m_i = _scores(s, 0, offs_m, masked_from, N_KEYS, qk_scale, m_i, s_layout, BLOCK_N, IS_CAUSAL)
-    l_i = gl.sum(p, axis=1)
-    p16 = gl.convert_layout(p.to(dtype), p_layout)
-    for j in range(1, n_tiles):
-        stage = j % STAGES
-        prev = (j - 1) % STAGES
-        mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+        # Key tile 0: scores and probabilities only; its P V is issued together with tile 1's Q K^T.
+        stage = it % STAGES
+        mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
         s = warpgroup_mma(q_smem, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
                           use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-        acc = warpgroup_mma(p16, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-        # wgmma groups retire in order: one outstanding group means Q K^T is done and P V may still run.
-        s = warpgroup_mma_wait(1, deps=(s,))
+        s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(stage))
-        p, m_new = _scores(s, j, offs_m, masked_from, N_KEYS, qk_scale, m_i, s_layout, BLOCK_N, IS_CAUSAL)
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
-        mbarrier.arrive(v_empty.index(prev))
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p, m_i = _scores(s, 0, offs_m, masked_from, N_KEYS, qk_scale, m_i, s_layout, BLOCK_N, IS_CAUSAL)
+        l_i = gl.sum(p, axis=1)
         p16 = gl.convert_layout(p.to(dtype), p_layout)
-        m_i = m_new
-    last = (n_tiles - 1) % STAGES
-    mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
-    acc = warpgroup_mma(p16, v_bufs.index(last).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(acc,))
-    mbarrier.arrive(v_empty.index(last))
+        for j in range(1, n_tiles):
+            stage = (it + j) % STAGES
+            prev = (it + j - 1) % STAGES
+            mbarrier.wait(k_ready.index(stage), ((it + j) // STAGES) & 1)
+            s = warpgroup_mma(q_smem, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+                              use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
+            acc = warpgroup_mma(p16, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+            # wgmma groups retire in order: one outstanding group means Q K^T is done and P V may still run.
+            s = warpgroup_mma_wait(1, deps=(s,))
+            mbarrier.arrive(k_empty.index(stage))
+            p, m_new = _scores(s, j, offs_m, masked_from, N_KEYS, qk_scale, m_i, s_layout, BLOCK_N, IS_CAUSAL)
+            alpha = gl.exp2(m_i - m_new)
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
+            mbarrier.arrive(v_empty.index(prev))
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            p16 = gl.convert_layout(p.to(dtype), p_layout)
+            m_i = m_new
+        # Every Q K^T of this tile is done: the producer may load the next tile's Q while this one finishes.
+        mbarrier.arrive(q_empty.index(0))
+        last = (it + n_tiles - 1) % STAGES
+        mbarrier.wait(v_ready.index(last), ((it + n_tiles - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p16, v_bufs.index(last).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(last))
 
-    # Epilogue: O through this consumer's Q buffer (no wgmma reads it any more) and one TMA store, which
-    # clips rows past the end of the head; L by a masked store.
-    acc = acc / gl.convert_layout(l_i, row_o)[:, None]
-    q_smem.store(acc.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], q_tile)
-    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # natural-log units
-    gl.store(L + (b * H_Q + h).to(gl.int64) * N_QUERIES + offs_m, lse, mask=offs_m < N_QUERIES)
+        # Epilogue: O through this consumer's staging buffer once the previous tile's store has read it, then one
+        # TMA store, which clips rows past the end of the head (it completes while the next tile runs); L by a
+        # masked store.
+        acc = acc / gl.convert_layout(l_i, row_o)[:, None]
+        # The tile's coordinates again: cheaper than keeping them in registers through the loop.
+        bh, pid_m = tile_coords(tile, n_m, BH, CHUNK, IS_CAUSAL)
+        b = bh // H_Q
+        h = bh % H_Q
+        row0 = pid_m * (2 * BLOCK_M) + CONSUMER * BLOCK_M
+        offs_m = row0 + gl.arange(0, BLOCK_M, layout=row_s)
+        tma.store_wait(0)
+        gl.thread_barrier()
+        o_tile.reshape([BLOCK_M, HEAD_DIM]).store(acc.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], o_tile)
+        lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # natural-log units
+        gl.store(L + (b * H_Q + h).to(gl.int64) * N_QUERIES + offs_m, lse, mask=offs_m < N_QUERIES)
+        it += n_tiles
+        count += 1
+        mbarrier.wait(q_ready.index(CONSUMER), count & 1)
+        tile = gl.max(tile_buf.load(id_layout), axis=0)
     tma.store_wait(0)
 
 
 # Lengths and head counts only enter comparisons and offsets: one build serves them all.
-@gluon.jit(do_not_specialize=["H_Q", "GROUP", "N_QUERIES", "N_KEYS"])
+@gluon.jit(do_not_specialize=["n_m", "BH", "CHUNK", "H_Q", "GROUP", "N_QUERIES", "N_KEYS"])
 def _attn_fwd_kernel(
-    q_desc, k_desc, v_desc, o_desc, L,
-    H_Q, GROUP, N_QUERIES, N_KEYS, qk_scale,
+    q_desc, k_desc, v_desc, o_desc, L, COUNTER,
+    n_m, BH, CHUNK, H_Q, GROUP, N_QUERIES, N_KEYS, qk_scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
 ):
-    # Grid: (query tiles of 2 * BLOCK_M rows, batch * query heads). Causal tiles near the end have the most
-    # key tiles; start them first.
-    pid_m = gl.num_programs(0) - 1 - gl.program_id(0) if IS_CAUSAL else gl.program_id(0)
-    pid_bh = gl.program_id(1)
-    b = pid_bh // H_Q
-    h = pid_bh % H_Q
-    h_kv = h // GROUP
-    q0 = pid_m * (2 * BLOCK_M)
-    # Key tiles [0, masked_from) are complete and wholly below the diagonal; tiles from there to n_tiles
-    # straddle the diagonal or the end of the keys; later tiles are never loaded.
-    if IS_CAUSAL:
-        n_tiles = gl.cdiv(gl.minimum(q0 + 2 * BLOCK_M, N_KEYS), BLOCK_N)
-        masked_from = gl.minimum(q0 // BLOCK_N, N_KEYS // BLOCK_N)
-    else:
-        n_tiles = gl.cdiv(N_KEYS, BLOCK_N)
-        masked_from = N_KEYS // BLOCK_N
-
+    # Persistent: one program per SM takes query tiles of 2 * BLOCK_M rows (n_m per (batch, query head), BH heads)
+    # in the order of tile_coords until none is left, so that one tile's epilogue overlaps the next one's loads.
     dtype: gl.constexpr = q_desc.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    o_bufs = gl.allocate_shared_memory(dtype, [2] + o_desc.block_type.shape, o_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    tile_buf = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(2):
         mbarrier.init(q_ready.index(c), count=1)
+    # Both consumers release the Q buffers (and the tile index) once per tile.
+    mbarrier.init(q_empty.index(0), count=2)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -208,14 +272,15 @@ def _attn_fwd_kernel(
         mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(v_empty.index(i), count=2)
 
-    bufs = (q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, k_empty, v_empty)
+    bufs = (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty)
     gl.warp_specialize(
         [
-            (_consumer, (o_desc, L, bufs, b, h, H_Q, q0, n_tiles, masked_from, N_QUERIES, N_KEYS, qk_scale,
+            (_consumer, (o_desc, L, bufs, o_bufs, tile_buf, n_m, BH, CHUNK, H_Q, N_QUERIES, N_KEYS, qk_scale,
                          0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL)),
-            (_consumer, (o_desc, L, bufs, b, h, H_Q, q0, n_tiles, masked_from, N_QUERIES, N_KEYS, qk_scale,
+            (_consumer, (o_desc, L, bufs, o_bufs, tile_buf, n_m, BH, CHUNK, H_Q, N_QUERIES, N_KEYS, qk_scale,
                          1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL)),
-            (_producer, (q_desc, k_desc, v_desc, bufs, b, h, h_kv, q0, n_tiles, BLOCK_M, BLOCK_N, STAGES)),
+            (_producer, (q_desc, k_desc, v_desc, bufs, tile_buf, COUNTER, n_m, BH, CHUNK, H_Q, GROUP, N_KEYS,
+                         BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
         ],
         [4, 1],
         [CONSUMER_REGISTERS, PRODUCER_REGISTERS],
@@ -223,15 +288,19 @@ def _attn_fwd_kernel(
 
 
 def forward_args(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, is_causal: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, counter: torch.Tensor,
+    is_causal: bool, chunk: int,
 ) -> tuple[tuple, dict]:
-    """The forward kernel's arguments and constexprs for these tensors (for the launcher and offline builds)."""
-    heads_q, n_queries, head_dim = q.shape[1:]
+    """The forward kernel's arguments and constexprs for these tensors (for the launcher and offline builds):
+    ``counter`` is the zeroed int32 that counts the claimed query tiles, ``chunk`` the heads per chunk of
+    :func:`~cs336_kernels.ops.flash_attention.gluon_common.tile_coords`."""
+    batch, heads_q, n_queries, head_dim = q.shape
     heads_kv, n_keys = k.shape[1], k.shape[2]
     block_m, block_n, stages = CONFIGS[head_dim]
     args = (
-        descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(o, block_m), lse,
-        heads_q, heads_q // heads_kv, n_queries, n_keys, LOG2E / math.sqrt(head_dim),
+        descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(o, block_m), lse, counter,
+        triton.cdiv(n_queries, 2 * block_m), batch * heads_q, chunk, heads_q, heads_q // heads_kv, n_queries, n_keys,
+        LOG2E / math.sqrt(head_dim),
     )
     return args, {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages,
                   "IS_CAUSAL": is_causal}
@@ -256,7 +325,10 @@ def gluon_attention_forward(
     q, k, v = tma_ready(q), tma_ready(k), tma_ready(v)
     batch, heads_q, n_queries, _ = q.shape
     lse = torch.empty((batch, heads_q, n_queries), device=q.device, dtype=torch.float32)
-    args, constants = forward_args(q, k, v, o, lse, is_causal)
-    grid = (triton.cdiv(n_queries, 2 * constants["BLOCK_M"]), batch * heads_q)
-    _attn_fwd_kernel[grid](*args, **constants, num_warps=4, maxnreg=MAX_REGISTERS)
+    counter = torch.zeros(1, device=q.device, dtype=torch.int32)
+    # The programs of a query head read its key/value head's K and V.
+    chunk = heads_per_chunk(2 * k[0, 0].numel() * k.element_size(), q.device)
+    args, constants = forward_args(q, k, v, o, lse, counter, is_causal, chunk)
+    n_tiles = args[6] * args[7]
+    _attn_fwd_kernel[(min(n_tiles, sm_count(q.device)),)](*args, **constants, num_warps=4, maxnreg=MAX_REGISTERS)
     return o, lse
