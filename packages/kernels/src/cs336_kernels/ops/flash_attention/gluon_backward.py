@@ -60,9 +60,7 @@ from cs336_kernels.ops.flash_attention.gluon_common import (
     PRODUCER_REGISTERS,
     check_inputs,
     descriptor,
-    heads_per_chunk,
     mma_layout,
-    tile_coords,
     tma_ready,
 )
 
@@ -178,7 +176,7 @@ def _bwd_consumer(
     # `pending` is the lock of the last tile added and not yet counted, if `has_pending`.
     pending = DQ_LOCKS
     has_pending = False
-    n_key_blocks = gl.cdiv(N_KEYS, BLOCK_N)
+    n_key_blocks = gl.num_programs(0)
     mbarrier.wait(kv_ready.index(0), 0)
 
     for t in range(GROUP * n_q):
@@ -280,23 +278,21 @@ def _bwd_consumer(
 
 
 # Lengths and head counts only enter comparisons and offsets: one build serves them all.
-@gluon.jit(do_not_specialize=["H_KV", "CHUNK", "GROUP", "N_QUERIES", "N_KEYS"])
+@gluon.jit(do_not_specialize=["H_KV", "GROUP", "N_QUERIES", "N_KEYS"])
 def _attn_bwd_kernel(
     q_desc, k_desc, v_desc, do_desc, dq_desc, l_desc, d_desc, DK, DV, DQ_LOCKS,
     stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
-    H_KV, CHUNK, GROUP, N_QUERIES, N_KEYS, qk_scale, sm_scale,
+    H_KV, GROUP, N_QUERIES, N_KEYS, qk_scale, sm_scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr, DETERMINISTIC: gl.constexpr,
 ):
-    # Grid: one program per (key block, batch * key/value head), in the order of tile_coords. Causal programs
-    # with the first keys see the most queries and start first, except in deterministic mode: there the key
-    # blocks of a head start last first, the order in which they add into dQ, so that a program only ever waits
-    # for programs launched before it.
-    n_key_blocks = gl.cdiv(N_KEYS, BLOCK_N)
-    pid_bh, pid_n = tile_coords(gl.program_id(0), n_key_blocks, gl.num_programs(0) // n_key_blocks, CHUNK,
-                                DETERMINISTIC)
+    # Grid: (key tiles, batch * key/value heads). Causal programs with the first keys see the most queries
+    # and start first, except in deterministic mode: there the key blocks of a head start last first, the order
+    # in which they add into dQ, so that a program only ever waits for programs launched before it.
+    pid_bh = gl.program_id(1)
     b = pid_bh // H_KV
     h_kv = pid_bh % H_KV
+    pid_n = gl.num_programs(0) - 1 - gl.program_id(0) if DETERMINISTIC else gl.program_id(0)
     k0 = pid_n * BLOCK_N
     n_tiles_q = gl.cdiv(N_QUERIES, BLOCK_M)
     # Query tiles [q_first, q_first + n_q) see at least one of the keys; those below masked_until straddle
@@ -412,14 +408,12 @@ def _rows_ready(x: torch.Tensor) -> torch.Tensor:
 def backward_args(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
     dq_acc: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, dq_locks: torch.Tensor | None, is_causal: bool,
-    chunk: int,
 ) -> tuple[tuple, dict]:
     """The backward kernel's arguments and constexprs for these tensors (for the launcher and offline builds);
     ``lse`` and ``delta`` (batch, heads_q, seq_q) fp32 with 16-byte-aligned strides, ``dq_acc`` the zeroed fp32
     accumulator (batch, heads_q, seq_q rounded up to whole query tiles, d) that :func:`unstage_dq` reads, dK and
-    dV with a unit stride on d, ``dq_locks`` the zeroed int32 locks of the deterministic mode
-    (:func:`dq_lock_count` of them) or None for the default one, and ``chunk`` the key/value heads per chunk of
-    :func:`~cs336_kernels.ops.flash_attention.gluon_common.tile_coords`."""
+    dV with a unit stride on d, and ``dq_locks`` the zeroed int32 locks of the deterministic mode
+    (:func:`dq_lock_count` of them) or None for the default one."""
     heads_q, n_queries, head_dim = q.shape[1:]
     heads_kv, n_keys = k.shape[1], k.shape[2]
     block_m, block_n, stages = CONFIGS[head_dim]
@@ -430,7 +424,7 @@ def backward_args(
         descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(do, block_m), dq_desc,
         _row_descriptor(lse, block_m), _row_descriptor(delta, block_m), dk, dv, dq_locks,
         *dk.stride()[:3], *dv.stride()[:3],
-        heads_kv, chunk, heads_q // heads_kv, n_queries, n_keys, sm_scale * LOG2E, sm_scale,
+        heads_kv, heads_q // heads_kv, n_queries, n_keys, sm_scale * LOG2E, sm_scale,
     )
     return args, {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages,
                   "IS_CAUSAL": is_causal, "DQ_BUFFERS": DQ_BUFFERS, "DETERMINISTIC": dq_locks is not None}
@@ -484,9 +478,7 @@ def gluon_attention_backward(
     dq_locks = None
     if torch.are_deterministic_algorithms_enabled():
         dq_locks = torch.zeros(dq_lock_count(q), device=q.device, dtype=torch.int32)
-    # The programs of a key/value head stream the Q and dO of its query heads.
-    chunk = heads_per_chunk(2 * q[0, 0].numel() * q.element_size() * (heads_q // k.shape[1]), q.device)
-    args, constants = backward_args(q, k, v, do, lse, delta, dq_acc, dk, dv, dq_locks, is_causal, chunk)
-    grid = (triton.cdiv(k.shape[2], constants["BLOCK_N"]) * batch * k.shape[1],)
+    args, constants = backward_args(q, k, v, do, lse, delta, dq_acc, dk, dv, dq_locks, is_causal)
+    grid = (triton.cdiv(k.shape[2], constants["BLOCK_N"]), batch * k.shape[1])
     _attn_bwd_kernel[grid](*args, **constants, num_warps=4, maxnreg=MAX_REGISTERS)
     return unstage_dq(dq_acc, dq), dk, dv

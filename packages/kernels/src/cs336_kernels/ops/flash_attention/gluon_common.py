@@ -66,11 +66,10 @@ def descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
 
 @gluon.jit
 def tile_coords(tile, n_rows, n_heads, CHUNK, REVERSE: gl.constexpr):
-    """The (head, row) of the ``tile``-th program or tile of a grid of ``n_rows`` tile rows (query tiles or key
-    blocks) per head: heads go in chunks of ``CHUNK`` (a chunk's tensors stay in the L2 cache while its tiles run),
-    and within a chunk row by row, every head of the chunk at each row. Rows run from the last when ``REVERSE``.
-    With the heaviest causal rows first, the last programs to start are light ones from every head of the last
-    chunk rather than one head's heavy ones."""
+    """The (head, row) of the ``tile``-th tile of a persistent kernel's queue, with ``n_rows`` tile rows per head:
+    heads go in chunks of ``CHUNK`` (a chunk's tensors stay in the L2 cache while its tiles run), and within a
+    chunk row by row, every head of the chunk at each row; rows run from the last when ``REVERSE``. With the
+    heaviest causal rows first, the last tiles claimed are light ones from every head of the last chunk."""
     first = tile // (CHUNK * n_rows) * CHUNK
     heads = gl.minimum(CHUNK, n_heads - first)
     local = tile - first * n_rows
