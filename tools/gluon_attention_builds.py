@@ -48,7 +48,7 @@ def build_row(name: str, head_dim: int, is_causal: bool, deterministic: bool = F
     lse = torch.zeros(1, 4, 1024)
     if name == "fwd":
         kernel = forward._attn_fwd_kernel
-        args, constants = forward.forward_args(q, k, k, q, lse, torch.zeros(1, dtype=torch.int32), is_causal, 1)
+        args, constants = forward.forward_args(q, k, k, q, lse, torch.zeros(1, dtype=torch.int32), is_causal)
     else:
         kernel = backward._attn_bwd_kernel
         locks = torch.zeros(backward.dq_lock_count(q), dtype=torch.int32) if deterministic else None

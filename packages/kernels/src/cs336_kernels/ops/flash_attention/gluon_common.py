@@ -1,12 +1,9 @@
 """What the Gluon (sm_90) attention kernels of :mod:`~cs336_kernels.ops.flash_attention.gluon_forward` and
 :mod:`~cs336_kernels.ops.flash_attention.gluon_backward` share: where they apply, their input checks, TMA
-descriptors, the wgmma accumulator layout, the register split between producer and consumers, and the order in
-which programs take their tiles (:func:`tile_coords`, :func:`heads_per_chunk`).
+descriptors, the wgmma accumulator layout and the register split between producer and consumers.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 from triton.experimental import gluon
@@ -62,48 +59,3 @@ def descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
     # as zeros and writes there are dropped, whatever lies next in memory.
     block = [1, 1, block_rows, x.shape[-1]]
     return TensorDescriptor.from_tensor(x, block, gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[x.dtype]))
-
-
-@gluon.jit
-def tile_coords(tile, n_rows, n_heads, CHUNK, REVERSE: gl.constexpr):
-    """The (head, row) of the ``tile``-th tile of a persistent kernel's queue, with ``n_rows`` tile rows per head:
-    heads go in chunks of ``CHUNK`` (a chunk's tensors stay in the L2 cache while its tiles run), and within a
-    chunk row by row, every head of the chunk at each row; rows run from the last when ``REVERSE``. With the
-    heaviest causal rows first, the last tiles claimed are light ones from every head of the last chunk."""
-    first = tile // (CHUNK * n_rows) * CHUNK
-    heads = gl.minimum(CHUNK, n_heads - first)
-    local = tile - first * n_rows
-    row = local // heads
-    if REVERSE:
-        row = n_rows - 1 - row
-    return first + local % heads, row
-
-
-@gluon.jit
-def claim_tile(counter):
-    """The next unclaimed tile of a persistent kernel's queue (``counter`` counts those claimed; it starts at 0),
-    for the calling warp: lane 0 adds one and the warp shares what it read."""
-    return gl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 lane, t; mov.u32 lane, %laneid; setp.eq.u32 p, lane, 0; mov.b32 t, 0; "
-        "@p atom.global.add.u32 t, [$1], 1; shfl.sync.idx.b32 $0, t, 0, 31, -1; }",
-        "=r,l", [counter], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@functools.cache
-def _properties(index: int):
-    return torch.cuda.get_device_properties(index)
-
-
-def _device_properties(device: torch.device):
-    return _properties(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def sm_count(device: torch.device) -> int:
-    """How many SMs the GPU ``device`` has: the number of programs of a persistent kernel."""
-    return _device_properties(device).multi_processor_count
-
-
-def heads_per_chunk(head_bytes: int, device: torch.device) -> int:
-    """How many heads :func:`tile_coords` groups, given the bytes that the programs of one head stream from
-    memory: as many as fill half of ``device``'s L2 cache, at least one."""
-    return max(1, _device_properties(device).L2_cache_size // 2 // head_bytes)

@@ -1,8 +1,8 @@
 """FlashAttention forward for Hopper (sm_90) in Gluon, warp-specialised as in FlashAttention-3 (Shah et al., 2024).
 
 The kernel is persistent: one program per SM takes query tiles of ``2 * BLOCK_M`` rows of one (batch, query head)
-from a queue (an atomic counter; the longest causal tiles first, heads in chunks whose K and V stay in the L2 cache:
-:func:`~cs336_kernels.ops.flash_attention.gluon_common.tile_coords`) until none is left, and runs three partitions:
+from a queue (an atomic counter; head by head, the longest causal tiles of each head first: :func:`_tile_coords`)
+until none is left, and runs three partitions:
 
 - a one-warp producer that claims the tiles, tells the consumers each one through shared memory, loads its two Q
   tiles and streams its K and V tiles by TMA into a ``STAGES``-deep shared-memory ring, each slot guarded by
@@ -30,6 +30,7 @@ The kernels need an sm_90 GPU; they do not run in the Triton interpreter. Tests:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -50,12 +51,8 @@ from cs336_kernels.ops.flash_attention.gluon_common import (
     MAX_REGISTERS,
     PRODUCER_REGISTERS,
     check_inputs,
-    claim_tile,
     descriptor,
-    heads_per_chunk,
     mma_layout,
-    sm_count,
-    tile_coords,
     tma_ready,
 )
 
@@ -64,6 +61,27 @@ from cs336_kernels.ops.flash_attention.gluon_common import (
 # memory per block: d = 128: 2 x 16 KiB Q + 2 x 16 KiB O + 2 x (32 + 32) KiB K/V; d = 64: 2 x 8 KiB Q + 2 x 8 KiB O
 # + 3 x (16 + 16) KiB K/V.
 CONFIGS = {64: (64, 128, 3), 128: (64, 128, 2)}
+
+
+@gluon.jit
+def _claim_tile(counter):
+    # The next unclaimed tile of the queue (counter counts those claimed), for the calling warp: lane 0 adds one
+    # and the warp shares what it read.
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 lane, t; mov.u32 lane, %laneid; setp.eq.u32 p, lane, 0; mov.b32 t, 0; "
+        "@p atom.global.add.u32 t, [$1], 1; shfl.sync.idx.b32 $0, t, 0, 31, -1; }",
+        "=r,l", [counter], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _tile_coords(tile, n_m, IS_CAUSAL: gl.constexpr):
+    # The (batch * query head, query tile) of the tile-th tile of the queue. A head's programs share its K and V
+    # through the L2 cache; causal tiles near the end have the most key tiles and go first, so that the last tiles
+    # claimed are light ones.
+    pid_m = tile % n_m
+    if IS_CAUSAL:
+        pid_m = n_m - 1 - pid_m
+    return tile // n_m, pid_m
 
 
 @gluon.jit
@@ -81,7 +99,7 @@ def _key_tiles(q0, N_KEYS, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUS
 
 @gluon.jit
 def _producer(
-    q_desc, k_desc, v_desc, bufs, tile_buf, COUNTER, n_m, BH, CHUNK, H_Q, GROUP, N_KEYS,
+    q_desc, k_desc, v_desc, bufs, tile_buf, COUNTER, n_m, BH, H_Q, GROUP, N_KEYS,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
 ):
     q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = bufs
@@ -96,7 +114,7 @@ def _producer(
         # does not block.
         mbarrier.wait(q_empty.index(0), (count & 1) ^ 1)
         tile_buf.store(gl.full([1], tile, gl.int32, layout=id_layout))
-        bh, pid_m = tile_coords(tile, n_m, BH, CHUNK, IS_CAUSAL)
+        bh, pid_m = _tile_coords(tile, n_m, IS_CAUSAL)
         b = bh // H_Q
         h = bh % H_Q
         h_kv = h // GROUP
@@ -118,7 +136,7 @@ def _producer(
                                             v_bufs.index(stage))
         it += n_tiles
         count += 1
-        tile = claim_tile(COUNTER) + gl.num_programs(0)
+        tile = _claim_tile(COUNTER) + gl.num_programs(0)
     # No tile left: an index past the end tells the consumers to stop.
     mbarrier.wait(q_empty.index(0), (count & 1) ^ 1)
     tile_buf.store(gl.full([1], tile, gl.int32, layout=id_layout))
@@ -127,8 +145,8 @@ def _producer(
 
 
 @gluon.jit
-def _scores(s, j, offs_m, masked_from, N_KEYS, qk_scale, m_i, s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
-            IS_CAUSAL: gl.constexpr):
+def _scores(s, j, row0, masked_from, N_KEYS, qk_scale, m_i, s_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+            BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
     # Scores stay raw (unscaled) so that the row max needs no multiply and exp2(s * scale - m) is one FMA;
     # the scale (sm_scale * log2(e)) is positive, so max and scaling commute. Only tiles from masked_from on
     # straddle the diagonal or the end of the keys.
@@ -136,6 +154,7 @@ def _scores(s, j, offs_m, masked_from, N_KEYS, qk_scale, m_i, s_layout: gl.const
         offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         keep = offs_n[None, :] < N_KEYS
         if IS_CAUSAL:
+            offs_m = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
             keep = keep & (offs_m[:, None] >= offs_n[None, :])
         s = gl.where(keep, s, float("-inf"))
     # Key 0 is in the first tile and visible to every row, so m_new is finite from the first tile on.
@@ -146,7 +165,7 @@ def _scores(s, j, offs_m, masked_from, N_KEYS, qk_scale, m_i, s_layout: gl.const
 
 @gluon.jit
 def _consumer(
-    o_desc, L, bufs, o_bufs, tile_buf, n_m, BH, CHUNK, H_Q, N_QUERIES, N_KEYS, qk_scale,
+    o_desc, L, bufs, o_bufs, tile_buf, n_m, BH, H_Q, N_QUERIES, N_KEYS, qk_scale,
     CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
 ):
@@ -171,10 +190,10 @@ def _consumer(
     mbarrier.wait(q_ready.index(CONSUMER), 0)
     tile = gl.max(tile_buf.load(id_layout), axis=0)
     while tile < n_total:
-        pid_m = tile_coords(tile, n_m, BH, CHUNK, IS_CAUSAL)[1]
+        pid_m = _tile_coords(tile, n_m, IS_CAUSAL)[1]
         q0 = pid_m * (2 * BLOCK_M)
         n_tiles, masked_from = _key_tiles(q0, N_KEYS, BLOCK_M, BLOCK_N, IS_CAUSAL)
-        offs_m = q0 + CONSUMER * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
+        row0 = q0 + CONSUMER * BLOCK_M
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
 
@@ -185,7 +204,7 @@ def _consumer(
                           use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(stage))
-        p, m_i = _scores(s, 0, offs_m, masked_from, N_KEYS, qk_scale, m_i, s_layout, BLOCK_N, IS_CAUSAL)
+        p, m_i = _scores(s, 0, row0, masked_from, N_KEYS, qk_scale, m_i, s_layout, BLOCK_M, BLOCK_N, IS_CAUSAL)
         l_i = gl.sum(p, axis=1)
         p16 = gl.convert_layout(p.to(dtype), p_layout)
         for j in range(1, n_tiles):
@@ -199,7 +218,8 @@ def _consumer(
             # wgmma groups retire in order: one outstanding group means Q K^T is done and P V may still run.
             s = warpgroup_mma_wait(1, deps=(s,))
             mbarrier.arrive(k_empty.index(stage))
-            p, m_new = _scores(s, j, offs_m, masked_from, N_KEYS, qk_scale, m_i, s_layout, BLOCK_N, IS_CAUSAL)
+            p, m_new = _scores(s, j, row0, masked_from, N_KEYS, qk_scale, m_i, s_layout, BLOCK_M, BLOCK_N,
+                                IS_CAUSAL)
             alpha = gl.exp2(m_i - m_new)
             l_i = l_i * alpha + gl.sum(p, axis=1)
             acc, p16 = warpgroup_mma_wait(0, deps=(acc, p16))
@@ -220,7 +240,7 @@ def _consumer(
         # masked store.
         acc = acc / gl.convert_layout(l_i, row_o)[:, None]
         # The tile's coordinates again: cheaper than keeping them in registers through the loop.
-        bh, pid_m = tile_coords(tile, n_m, BH, CHUNK, IS_CAUSAL)
+        bh, pid_m = _tile_coords(tile, n_m, IS_CAUSAL)
         b = bh // H_Q
         h = bh % H_Q
         row0 = pid_m * (2 * BLOCK_M) + CONSUMER * BLOCK_M
@@ -240,15 +260,15 @@ def _consumer(
 
 
 # Lengths and head counts only enter comparisons and offsets: one build serves them all.
-@gluon.jit(do_not_specialize=["n_m", "BH", "CHUNK", "H_Q", "GROUP", "N_QUERIES", "N_KEYS"])
+@gluon.jit(do_not_specialize=["n_m", "BH", "H_Q", "GROUP", "N_QUERIES", "N_KEYS"])
 def _attn_fwd_kernel(
     q_desc, k_desc, v_desc, o_desc, L, COUNTER,
-    n_m, BH, CHUNK, H_Q, GROUP, N_QUERIES, N_KEYS, qk_scale,
+    n_m, BH, H_Q, GROUP, N_QUERIES, N_KEYS, qk_scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
 ):
     # Persistent: one program per SM takes query tiles of 2 * BLOCK_M rows (n_m per (batch, query head), BH heads)
-    # in the order of tile_coords until none is left, so that one tile's epilogue overlaps the next one's loads.
+    # in the order of _tile_coords until none is left, so that one tile's epilogue overlaps the next one's loads.
     dtype: gl.constexpr = q_desc.dtype
     q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     o_bufs = gl.allocate_shared_memory(dtype, [2] + o_desc.block_type.shape, o_desc.layout)
@@ -275,11 +295,11 @@ def _attn_fwd_kernel(
     bufs = (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty)
     gl.warp_specialize(
         [
-            (_consumer, (o_desc, L, bufs, o_bufs, tile_buf, n_m, BH, CHUNK, H_Q, N_QUERIES, N_KEYS, qk_scale,
+            (_consumer, (o_desc, L, bufs, o_bufs, tile_buf, n_m, BH, H_Q, N_QUERIES, N_KEYS, qk_scale,
                          0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL)),
-            (_consumer, (o_desc, L, bufs, o_bufs, tile_buf, n_m, BH, CHUNK, H_Q, N_QUERIES, N_KEYS, qk_scale,
+            (_consumer, (o_desc, L, bufs, o_bufs, tile_buf, n_m, BH, H_Q, N_QUERIES, N_KEYS, qk_scale,
                          1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL)),
-            (_producer, (q_desc, k_desc, v_desc, bufs, tile_buf, COUNTER, n_m, BH, CHUNK, H_Q, GROUP, N_KEYS,
+            (_producer, (q_desc, k_desc, v_desc, bufs, tile_buf, COUNTER, n_m, BH, H_Q, GROUP, N_KEYS,
                          BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
         ],
         [4, 1],
@@ -287,19 +307,23 @@ def _attn_fwd_kernel(
     )
 
 
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def forward_args(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, counter: torch.Tensor,
-    is_causal: bool, chunk: int,
+    is_causal: bool,
 ) -> tuple[tuple, dict]:
-    """The forward kernel's arguments and constexprs for these tensors (for the launcher and offline builds):
-    ``counter`` is the zeroed int32 that counts the claimed query tiles, ``chunk`` the heads per chunk of
-    :func:`~cs336_kernels.ops.flash_attention.gluon_common.tile_coords`."""
+    """The forward kernel's arguments and constexprs for these tensors (for the launcher and offline builds);
+    ``counter`` is the zeroed int32 that counts the claimed query tiles."""
     batch, heads_q, n_queries, head_dim = q.shape
     heads_kv, n_keys = k.shape[1], k.shape[2]
     block_m, block_n, stages = CONFIGS[head_dim]
     args = (
         descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(o, block_m), lse, counter,
-        triton.cdiv(n_queries, 2 * block_m), batch * heads_q, chunk, heads_q, heads_q // heads_kv, n_queries, n_keys,
+        triton.cdiv(n_queries, 2 * block_m), batch * heads_q, heads_q, heads_q // heads_kv, n_queries, n_keys,
         LOG2E / math.sqrt(head_dim),
     )
     return args, {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages,
@@ -326,9 +350,9 @@ def gluon_attention_forward(
     batch, heads_q, n_queries, _ = q.shape
     lse = torch.empty((batch, heads_q, n_queries), device=q.device, dtype=torch.float32)
     counter = torch.zeros(1, device=q.device, dtype=torch.int32)
-    # The programs of a query head read its key/value head's K and V.
-    chunk = heads_per_chunk(2 * k[0, 0].numel() * k.element_size(), q.device)
-    args, constants = forward_args(q, k, v, o, lse, counter, is_causal, chunk)
-    n_tiles = args[6] * args[7]
-    _attn_fwd_kernel[(min(n_tiles, sm_count(q.device)),)](*args, **constants, num_warps=4, maxnreg=MAX_REGISTERS)
+    args, constants = forward_args(q, k, v, o, lse, counter, is_causal)
+    n_tiles = triton.cdiv(n_queries, 2 * constants["BLOCK_M"]) * batch * heads_q
+    # One program per SM (none idle when there are fewer tiles).
+    n_programs = min(n_tiles, _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()))
+    _attn_fwd_kernel[(n_programs,)](*args, **constants, num_warps=4, maxnreg=MAX_REGISTERS)
     return o, lse
