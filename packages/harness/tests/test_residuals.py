@@ -87,5 +87,7 @@ def test_command_prints_the_block_and_shows_progress(tmp_path, capsys: pytest.Ca
     assert cli.main(["residuals", "--experiment", "rmsnorm", "--device", "cpu", "--out", str(out)]) == 0
     printed, err = capsys.readouterr()
     assert printed.startswith("tiny block (d_model 64, d_ff 256, 4 heads), batch 4, context 128, on cpu")
-    assert "residuals:" in err and "2/2" in err and "RMSNorm compiled" in err
+    # The bar shows its total from the start and the last measurement's name; whether it is redrawn at 2/2 before it
+    # clears itself depends on tqdm's refresh interval (a loaded machine skips that redraw).
+    assert "residuals:" in err and "/2" in err and "RMSNorm compiled" in err
     assert [(r["experiment"], r["variant"]) for r in read_rows(out)] == [("rmsnorm", "eager"), ("rmsnorm", "compiled")]
