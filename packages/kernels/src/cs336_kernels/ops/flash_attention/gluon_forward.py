@@ -119,7 +119,7 @@ def _producer(
         h = bh % H_Q
         h_kv = h // GROUP
         q0 = pid_m * (2 * BLOCK_M)
-        n_tiles, masked_from = _key_tiles(q0, N_KEYS, BLOCK_M, BLOCK_N, IS_CAUSAL)
+        n_tiles = _key_tiles(q0, N_KEYS, BLOCK_M, BLOCK_N, IS_CAUSAL)[0]
         for c in gl.static_range(2):
             mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [b, h, q0 + c * BLOCK_M, 0], q_ready.index(c), q_bufs.index(c))
