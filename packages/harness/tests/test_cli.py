@@ -201,6 +201,29 @@ def test_leaderboard_memory_plan_runs_nothing_and_counts_ours(no_run: None, caps
     assert float(ours[4]) <= 36 and plain[2] == "all" and plain[5] == "-"  # the baseline is not traced
 
 
+def test_leaderboard_offload_is_planned_and_its_host_copies_must_fit(no_run: None, monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture) -> None:
+    argv = ["leaderboard", "--proxy", "--num-layers", "3", "--glue", "triton", "--checkpoint", "offload:1",
+            "--memory-plan"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    ours = next(line.split() for line in out.splitlines() if line.split()[:1] == ["ours"])
+    assert ours[2] == "offload:1" and float(ours[3]) > 0  # planned; not traced (its copies are host memory)
+    assert "no value in any row: cap_gib, fake_tensor_peak_gib" in out
+    from cs336_harness.commands.leaderboard import _check_offload_fits
+
+    config = leaderboard_study.LeaderboardConfig(**leaderboard_study.PROXY_DEFAULTS, backend="nccl", glue="triton",
+                                                 checkpoint="offload:4")
+    block = leaderboard_study.memory_plan(config, None).block
+    monkeypatch.setattr(resources, "available_host_bytes", lambda: 16 * 2**30)
+    with pytest.raises(ValueError, match=re.escape(
+            f"--checkpoint offload:4 (4 blocks' saved activations in host memory on each of 1 ranks) needs at least "
+            f"{(4 * block.kept + resources.RANK_BASE_BYTES) / 2**30:.3g} GiB")):
+        _check_offload_fits(config)
+    monkeypatch.setattr(resources, "available_host_bytes", lambda: 64 * 2**30)
+    _check_offload_fits(config)
+
+
 @NO_CUDA
 def test_leaderboard_memory_plan_of_a_budget_needs_a_cap_without_a_gpu(no_run: None) -> None:
     with pytest.raises(SystemExit, match="--memory-plan of --checkpoint budget needs --memory-cap-gib"):

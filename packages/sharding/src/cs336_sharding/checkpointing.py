@@ -30,6 +30,11 @@ Policies (strings, as given to ``cs336 bench --checkpoint``):
   The model's own unfused attention is not such an op: pair it with ``sdpa`` or ``triton`` attention.
   ``attention:N``: the first N blocks so, the rest not checkpointed; ``attention:N+selective:M``: then the next M
   blocks ``selective``, the rest not checkpointed.
+- ``offload``: no block checkpointed, but what each block saves for its backward is copied to pinned host memory in
+  its forward and back in the backward of the block after it (:mod:`cs336_sharding.offload`), where the transfers
+  hide under compute; it recomputes nothing. ``offload:N``: the first N blocks so (their backward comes last, once
+  the later blocks have freed theirs); ``offload:N+selective:M``: then the next M blocks ``selective``, the rest
+  not checkpointed.
 
 Sized from a memory budget: :func:`policy_for_budget` picks the policy that recomputes least within a budget for
 activations, from what one block keeps in each mode (:class:`BlockMemory`: measured, or estimated by whoever knows
@@ -55,17 +60,22 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-POLICY_KINDS: tuple[str, ...] = ("none", "all", "group", "first", "sqrt", "nested", "selective", "attention")
+from cs336_sharding.offload import BlockOffload
+
+POLICY_KINDS: tuple[str, ...] = ("none", "all", "group", "first", "sqrt", "nested", "selective", "attention",
+                                 "offload")
+# Policies after which ``+selective:M`` may follow.
+_COMBINES = ("attention", "offload")
 # Group sizes tried by ``cs336 bench --checkpoint groups`` (those up to the model's depth).
 GROUP_SWEEP: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 16, 32)
 _NEEDS_ARG = {"group", "first"}
-_TAKES_ARG = {"group", "first", "nested", "attention", "selective"}
+_TAKES_ARG = {"group", "first", "nested", "attention", "selective", "offload"}
 
 
 @dataclass(frozen=True)
 class CheckpointPolicySpec:
-    """A parsed policy: ``kind`` from :data:`POLICY_KINDS`, its integer argument, if any, and for ``attention:N``
-    the number of ``selective`` blocks after the first N (``attention:N+selective:M``)."""
+    """A parsed policy: ``kind`` from :data:`POLICY_KINDS`, its integer argument, if any, and for ``attention:N`` and
+    ``offload:N`` the number of ``selective`` blocks after the first N (``attention:N+selective:M``)."""
 
     kind: str
     arg: int | None = None
@@ -81,26 +91,27 @@ class CheckpointPolicySpec:
         if self.arg is not None and self.arg < (2 if self.kind == "nested" else 1):
             raise ValueError(f"checkpoint policy {self.kind!r} needs a count >= {2 if self.kind == 'nested' else 1}, "
                              f"got {self.arg}")
-        if self.selective and (self.kind != "attention" or self.arg is None or self.selective < 1):
-            raise ValueError(f"'+selective:M' follows 'attention:N' with M >= 1; got {self.kind}:{self.arg} and "
-                             f"{self.selective}")
+        if self.selective and (self.kind not in _COMBINES or self.arg is None or self.selective < 1):
+            raise ValueError(f"'+selective:M' follows 'attention:N' or 'offload:N' with M >= 1; got "
+                             f"{self.kind}:{self.arg} and {self.selective}")
 
     def __str__(self) -> str:
         text = self.kind if self.arg is None else f"{self.kind}:{self.arg}"
         return f"{text}+selective:{self.selective}" if self.selective else text
 
     def per_block(self, num_blocks: int) -> list[str]:
-        """What each of ``num_blocks`` blocks is under ``first``, ``attention`` and ``selective`` policies:
-        ``checkpointed``, ``attention`` or ``selective`` (checkpointed, keeping those ops' outputs), or ``kept``.
+        """What each of ``num_blocks`` blocks is under ``first``, ``attention``, ``selective`` and ``offload``
+        policies: ``checkpointed``, ``attention`` or ``selective`` (checkpointed, keeping those ops' outputs),
+        ``offloaded`` or ``kept``.
 
         Raises:
             ValueError: for any other kind.
         """
         tier = {"all": "checkpointed", "first": "checkpointed", "attention": "attention", "selective": "selective",
-                "none": "kept"}.get(self.kind)
+                "offload": "offloaded", "none": "kept"}.get(self.kind)
         if tier is None:
-            raise ValueError(f"per-block tiers cover none, all, first:N, attention[:N[+selective:M]] and "
-                             f"selective[:N], got {self}")
+            raise ValueError(f"per-block tiers cover none, all, first:N, attention[:N[+selective:M]], "
+                             f"offload[:N[+selective:M]] and selective[:N], got {self}")
         first = num_blocks if self.arg is None else min(self.arg, num_blocks)
         then = min(self.selective, num_blocks - first)
         return [tier] * first + ["selective"] * then + ["kept"] * (num_blocks - first - then)
@@ -108,7 +119,8 @@ class CheckpointPolicySpec:
 
 def parse_policy(text: str | CheckpointPolicySpec) -> CheckpointPolicySpec:
     """Parse ``'none'``, ``'all'``, ``'group:4'``, ``'first:8'``, ``'sqrt'``, ``'nested:2'``, ``'selective'``,
-    ``'selective:4'``, ``'attention'``, ``'attention:2+selective:6'`` (a spec is returned as it is)."""
+    ``'selective:4'``, ``'attention'``, ``'attention:2+selective:6'``, ``'offload:4'``, ``'offload:2+selective:6'``
+    (a spec is returned as it is)."""
     if isinstance(text, CheckpointPolicySpec):
         return text
     if not isinstance(text, str):
@@ -116,9 +128,10 @@ def parse_policy(text: str | CheckpointPolicySpec) -> CheckpointPolicySpec:
     head, plus, tail = text.strip().partition("+")
     if plus:
         first, then = parse_policy(head), parse_policy(tail)
-        if first.kind != "attention" or first.arg is None or then.kind != "selective" or then.arg is None:
-            raise ValueError(f"checkpoint policy {text!r}: only 'attention:N+selective:M' combines two policies")
-        return CheckpointPolicySpec("attention", first.arg, then.arg)
+        if first.kind not in _COMBINES or first.arg is None or then.kind != "selective" or then.arg is None:
+            raise ValueError(f"checkpoint policy {text!r}: only 'attention:N+selective:M' and 'offload:N+selective:M' "
+                             "combine two policies")
+        return CheckpointPolicySpec(first.kind, first.arg, then.arg)
     kind, sep, count = text.strip().partition(":")
     if not sep:
         return CheckpointPolicySpec(kind, 2 if kind == "nested" else None)
@@ -168,6 +181,13 @@ class Segment:
         return sum(1 if isinstance(i, int) else i.num_blocks for i in self.items)
 
 
+@dataclass(frozen=True)
+class Offloaded:
+    """A block run whole, what it saves for its backward offloaded to host memory (``offload`` policies)."""
+
+    index: int
+
+
 def _nested(indices: list[int], branching: int) -> Segment:
     if len(indices) == 1:
         return Segment((indices[0],))
@@ -175,14 +195,15 @@ def _nested(indices: list[int], branching: int) -> Segment:
     return Segment(tuple(_nested(indices[i : i + size], branching) for i in range(0, len(indices), size)))
 
 
-def plan_segments(num_blocks: int, policy: str | CheckpointPolicySpec) -> tuple[int | Segment, ...]:
-    """What runs at the top level for ``policy``: a block index (run plainly) or a :class:`Segment`."""
+def plan_segments(num_blocks: int, policy: str | CheckpointPolicySpec) -> tuple[int | Segment | Offloaded, ...]:
+    """What runs at the top level for ``policy``: a block index (run plainly), a :class:`Segment` or an
+    :class:`Offloaded` block."""
     spec = parse_policy(policy)
     n = num_blocks
-    if spec.kind in ("none", "first", "attention", "selective"):
+    if spec.kind in ("none", "first", "attention", "selective", "offload"):
         tiers = spec.per_block(n)
-        return tuple(i if tier == "kept" else Segment((i,), "" if tier == "checkpointed" else tier)
-                     for i, tier in enumerate(tiers))
+        return tuple(i if tier == "kept" else Offloaded(i) if tier == "offloaded"
+                     else Segment((i,), "" if tier == "checkpointed" else tier) for i, tier in enumerate(tiers))
     if spec.kind == "nested":
         return (_nested(list(range(n)), spec.arg or 2),)
     size = {"all": 1, "sqrt": math.ceil(math.sqrt(n))}.get(spec.kind, spec.arg)
@@ -215,18 +236,29 @@ def _save_ops(saved: frozenset, skipped_operand: tuple[int, int] | None, ctx: ob
 
 class CheckpointedBlocks(nn.ModuleList):
     """The model's blocks, under their own indices, run in the checkpointed segments of ``plan``; a segment that
-    keeps ops' outputs (``attention``, ``selective``) keeps them from the forward instead of recomputing them."""
+    keeps ops' outputs (``attention``, ``selective``) keeps them from the forward instead of recomputing them. An
+    offloaded block's saved tensors start back to the device when the backward of the block after it starts."""
 
-    def __init__(self, blocks: nn.ModuleList, plan: tuple[int | Segment, ...], policy: str):
+    def __init__(self, blocks: nn.ModuleList, plan: tuple[int | Segment | Offloaded, ...], policy: str):
         super().__init__(blocks)
         self.plan = plan
         self.policy = policy
         self.saved_ops: dict[str, frozenset[torch._ops.OpOverload]] = {}
         self.down_projection = _down_projection_shape(blocks)
+        self.offloads = {item.index: BlockOffload(blocks[item.index]) for item in plan if isinstance(item, Offloaded)}
 
-    def _run(self, items: tuple[int | Segment, ...], x: torch.Tensor) -> torch.Tensor:
-        for item in items:
-            x = self[item](x) if isinstance(item, int) else self._checkpointed(item, x)
+    def _run(self, items: tuple[int | Segment | Offloaded, ...], x: torch.Tensor) -> torch.Tensor:
+        for position, item in enumerate(items):
+            if isinstance(item, int):
+                x = self[item](x)
+            elif isinstance(item, Offloaded):
+                with self.offloads[item.index].saving():
+                    x = self[item.index](x)
+            else:
+                x = self._checkpointed(item, x)
+            previous = items[position - 1] if position else None
+            if isinstance(previous, Offloaded) and x.requires_grad:
+                x.register_hook(self.offloads[previous.index].prefetch_hook)
         return x
 
     def _checkpointed(self, segment: Segment, x: torch.Tensor) -> torch.Tensor:
@@ -244,7 +276,7 @@ class CheckpointedBlocks(nn.ModuleList):
 
     def extra_repr(self) -> str:
         segments = sum(isinstance(i, Segment) for i in self.plan)
-        return f"policy={self.policy}, top_level_segments={segments}"
+        return f"policy={self.policy}, top_level_segments={segments}, offloaded={len(self.offloads)}"
 
 
 def apply_checkpointing(model: nn.Module, policy: str | CheckpointPolicySpec) -> nn.Module:
@@ -290,26 +322,38 @@ class BlockMemory:
         if not self.working >= 0:
             raise ValueError(f"need working >= 0 bytes, got {self.working}")
 
+    @property
+    def offloaded(self) -> int:
+        """Offloaded: its output, once the copies of what it saves have left for the host."""
+        return self.checkpointed
+
 
 def kept_bytes(memory: BlockMemory, num_blocks: int, policy: str | CheckpointPolicySpec) -> list[int]:
     """What each block keeps through the forward under ``policy`` (:meth:`CheckpointPolicySpec.per_block`).
 
     Raises:
-        ValueError: for a policy other than ``none``, ``all``, ``first:N``, ``attention[:N[+selective:M]]`` and
-            ``selective[:N]``.
+        ValueError: for a policy other than ``none``, ``all``, ``first:N``, ``attention[:N[+selective:M]]``,
+            ``offload[:N[+selective:M]]`` and ``selective[:N]``.
     """
     return [getattr(memory, tier) for tier in parse_policy(policy).per_block(num_blocks)]
 
 
 def activation_peak_bytes(memory: BlockMemory, num_blocks: int, policy: str | CheckpointPolicySpec) -> int:
     """The blocks' share of the peak under ``policy``, in the last block's backward: what every other block keeps,
-    the last block's activations (kept or recomputed) and its backward's working set.
+    the last block's activations (kept or recomputed) and its backward's working set. With offloaded blocks, the
+    larger of that and the backward of each block after an offloaded one: what the blocks up to it keep, its
+    activations and working set, and the offloaded block's activations coming back (the blocks after it have freed
+    theirs). The copies out are counted as done before the backward (the later blocks' forwards hide them).
 
     Raises:
-        ValueError: for a policy other than ``none``, ``all``, ``first:N``, ``attention[:N[+selective:M]]`` and
-            ``selective[:N]``.
+        ValueError: for a policy other than ``none``, ``all``, ``first:N``, ``attention[:N[+selective:M]]``,
+            ``offload[:N[+selective:M]]`` and ``selective[:N]``.
     """
-    return sum(kept_bytes(memory, num_blocks, policy)[:-1]) + memory.kept + memory.working
+    tiers = parse_policy(policy).per_block(num_blocks)
+    kept = kept_bytes(memory, num_blocks, policy)
+    fetches = [sum(kept[: i + 1]) + 2 * memory.kept + memory.working
+               for i in range(num_blocks - 1) if tiers[i] == "offloaded"]
+    return max([sum(kept[:-1]) + memory.kept + memory.working, *fetches])
 
 
 def policy_for_budget(memory: BlockMemory, num_blocks: int, budget_bytes: float, *,

@@ -36,6 +36,7 @@ import sys
 import torch
 from cs336_basics.config import PRESETS, ModelConfig
 from cs336_comms.process_group import RankDiedError, check_world_size
+from cs336_sharding.checkpointing import parse_policy
 
 from cs336_harness import resources
 from cs336_harness.analysis import kernel_kinds
@@ -84,9 +85,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention", default="triton", help=f"{' | '.join(leaderboard.ATTENTIONS)} (default triton)")
     parser.add_argument("--checkpoint", default="all",
                         help="activation checkpointing policy: none, all, group:K, first:N, sqrt, nested:B, "
-                             "selective[:N], attention[:N], attention:N+selective:M, or budget (the least "
-                             "recomputation that fits the memory cap) for ours (default all); the baselines' are their "
-                             "recipes' (plain all, strong budget)")
+                             "selective[:N], attention[:N], attention:N+selective:M, offload[:N], "
+                             "offload:N+selective:M (what the first N blocks save goes to pinned host memory), or "
+                             "budget (the least recomputation that fits the memory cap) for ours (default all); the "
+                             "baselines' are their recipes' (plain all, strong budget)")
     parser.add_argument("--glue", default="model",
                         help=f"{' | '.join(GLUES)}: RMSNorm, RoPE and SiLU-mul by the model's code, our Triton "
                              "kernels or torch.compile of their references (ours only; default model)")
@@ -159,6 +161,26 @@ def _check_cpu_run(config: leaderboard.LeaderboardConfig) -> None:
     resources.HostMemoryNeed(what, peak, ranks, spawned).check()
 
 
+def _check_offload_fits(config: leaderboard.LeaderboardConfig) -> None:
+    """That this machine's memory holds the host copies of what an ``offload`` policy's blocks save, on every rank
+    here (pinned on a GPU, so not swappable).
+
+    Raises:
+        ValueError: with what the ranks need and what there is.
+    """
+    if config.checkpoint == leaderboard.BUDGET:
+        return
+    spec = parse_policy(config.checkpoint)
+    if spec.kind != "offload":
+        return
+    layers = config.model_config.num_layers
+    blocks = min(spec.arg or layers, layers)
+    block = leaderboard.memory_plan(config, None).block
+    ranks, spawned = resources.ranks_here(config.world_size)
+    what = f"--checkpoint {spec} ({blocks} blocks' saved activations in host memory on each of {ranks} ranks)"
+    resources.HostMemoryNeed(what, {"host copies": blocks * block.kept}, ranks, spawned).check()
+
+
 def _print_memory_plans(configs: list[leaderboard.LeaderboardConfig]) -> int:
     """The ``--memory-plan`` table: each config's policy, cap and expected peak, and the fake-tensor count where it
     can be made (ours on one rank, eager).
@@ -215,6 +237,7 @@ def run(args: argparse.Namespace) -> int:
             leaderboard.check_runs_here(config)
             if config.resolved_backend == "gloo":
                 _check_cpu_run(config)
+            _check_offload_fits(config)
         if args.out:
             check_writable(args.out)
     except ValueError as e:

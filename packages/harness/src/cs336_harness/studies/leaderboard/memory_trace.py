@@ -10,6 +10,7 @@ storages of its second step (:class:`cs336_harness.analysis.live_memory.LiveMemo
 from __future__ import annotations
 
 import torch
+from cs336_sharding.checkpointing import parse_policy
 
 from cs336_harness.analysis.live_memory import LiveMemory, fake_tensors
 from cs336_harness.studies.leaderboard.config import BUDGET, LeaderboardConfig
@@ -18,8 +19,11 @@ from cs336_harness.studies.leaderboard.training import build_training, rank_batc
 
 def traceable(config: LeaderboardConfig) -> bool:
     """Whether :func:`traced_peak` can count ``config``: ours on one rank, eager (fake tensors run no collectives,
-    FSDP2 needs a process group, and Inductor decides what compiled code saves)."""
-    return config.world_size == 1 and config.impl == "ours" and not config.compile_blocks and config.glue != "compiled"
+    FSDP2 needs a process group, and Inductor decides what compiled code saves), not offloading (its copies live in
+    host memory, which the count of device tensors would take for the device's)."""
+    offloads = config.checkpoint != BUDGET and parse_policy(config.checkpoint).kind == "offload"
+    return (config.world_size == 1 and config.impl == "ours" and not config.compile_blocks
+            and config.glue != "compiled" and not offloads)
 
 
 def traced_peak(config: LeaderboardConfig, *, sites: bool = False) -> LiveMemory:
@@ -33,8 +37,9 @@ def traced_peak(config: LeaderboardConfig, *, sites: bool = False) -> LiveMemory
     """
     if not traceable(config):
         raise ValueError("traced_peak traces impl 'ours' on one rank, eager (Inductor decides what compiled code "
-                         f"saves); got impl {config.impl!r}, world_size {config.world_size}, compile_blocks "
-                         f"{config.compile_blocks}, glue {config.glue!r}")
+                         f"saves), not offloading; got impl {config.impl!r}, world_size {config.world_size}, "
+                         f"compile_blocks {config.compile_blocks}, glue {config.glue!r}, checkpoint "
+                         f"{config.checkpoint!r}")
     if config.checkpoint == BUDGET and config.memory_cap_gib is None:
         raise ValueError("traced_peak of checkpoint 'budget' needs memory_cap_gib (no device to take it from)")
     cpu = torch.device("cpu")
