@@ -329,7 +329,8 @@ def test_chunked_loss_is_the_cross_entropy_of_the_logits() -> None:
     ("void at::native::elementwise_kernel<128, 2, at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)>",
      "copies_casts"),
     ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<float, 4>", "copies_casts"),
-    ("Memcpy DtoD (Device -> Device)", "copies_casts"),
+    ("Memcpy DtoD (Device -> Device)", "copies_casts"), ("Memcpy DtoH (Device -> Pinned)", "host_transfers"),
+    ("Memcpy HtoD (Pinned -> Device)", "host_transfers"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>",
      "elementwise"),
     ("_rms_norm_bwd_kernel", "elementwise"), ("_rope_kernel", "elementwise"), ("triton_poi_fused_mul_0", "elementwise"),
@@ -354,13 +355,17 @@ def test_breakdown_sums_kernel_time_by_kind_and_finds_idle_time() -> None:
     kernels = [("gemm_x", 5, 10, 50),  # launched in the warmup: not counted
                ("_attn_fwd_kernel", 110, 120, 230), ("triton_poi_fused_add_0", 150, 300, 100),
                ("void at::native::elementwise_kernel<direct_copy_kernel_cuda>", 200, 400, 200),
-               ("sm90_xmma_gemm_bf16", 250, 700, 400)]
+               ("sm90_xmma_gemm_bf16", 250, 700, 400),
+               ("Memcpy DtoH (Device -> Pinned)", 260, 580, 150)]  # a copy engine's, through the gap: still idle
     for corr, (name, launch, start, dur) in enumerate(kernels):
-        events.append(_span("cudaLaunchKernel", launch, 2, cat="cuda_runtime", correlation=corr))
-        events.append(_span(name, start, dur, cat="kernel", correlation=corr, stream=7))
+        events.append(_span("cudaMemcpyAsync" if name.startswith("Memcpy") else "cudaLaunchKernel", launch, 2,
+                            cat="cuda_runtime", correlation=corr))
+        events.append(_span(name, start, dur, cat="gpu_memcpy" if name.startswith("Memcpy") else "kernel",
+                            correlation=corr, stream=7))
     b = kernel_kinds.step_breakdown(events)
     assert b["kernel_ms"] == pytest.approx({**dict.fromkeys(kernel_kinds.KINDS, 0.0), "attention": 0.23,
-                                            "elementwise": 0.1, "copies_casts": 0.2, "gemm": 0.4})
+                                            "elementwise": 0.1, "copies_casts": 0.2, "gemm": 0.4,
+                                            "host_transfers": 0.15})
     assert b["kernel_total_ms"] == pytest.approx(0.93) and b["step_wall_ms"] == pytest.approx(1.0)
     # Busy: 120-400 (attention and the overlapping add), 400-600, 700-1100: 880 of 1000 us.
     assert b["idle_ms"] == pytest.approx(0.12)
@@ -368,12 +373,16 @@ def test_breakdown_sums_kernel_time_by_kind_and_finds_idle_time() -> None:
     assert [(k["name"], k["kind"], k["count"]) for k in b["top_kernels"]] == [
         ("sm90_xmma_gemm_bf16", "gemm", 1), ("_attn_fwd_kernel", "attention", 1),
         ("void at::native::elementwise_kernel<direct_copy_kernel_cuda>", "copies_casts", 1),
-        ("triton_poi_fused_add_0", "elementwise", 1)]
-    assert [k["ms"] for k in b["top_kernels"]] == pytest.approx([0.4, 0.23, 0.2, 0.1])
+        ("Memcpy DtoH (Device -> Pinned)", "host_transfers", 1), ("triton_poi_fused_add_0", "elementwise", 1)]
+    assert [k["ms"] for k in b["top_kernels"]] == pytest.approx([0.4, 0.23, 0.2, 0.15, 0.1])
     top = kernel_kinds.top_kernels_markdown(b)
     assert "| sm90_xmma_gemm_bf16 | gemm | 1 | 0.4 | 0.4 | 43.0% |" in top
     table = kernel_kinds.breakdown_markdown([{"breakdown": b}, {"breakdown": None}], ["after", "none"])
     assert "| attention | 0.23 (24.7%) |" in table and "| glue share | 32.3% |" in table and "none" not in table
+    assert "| host transfers (copy engines, beside the kernels) | 0.15 |" in table
+    # A row from before host transfers were a kind.
+    old = {**b, "kernel_ms": {k: v for k, v in b["kernel_ms"].items() if k != "host_transfers"}}
+    assert "| attention | 0.23 (24.7%) |" in kernel_kinds.breakdown_markdown([{"breakdown": old}], ["old"])
     with pytest.raises(ValueError, match="no GPU kernel"):
         kernel_kinds.step_breakdown([_span("step", 0, 10)])
 

@@ -20,7 +20,10 @@ Kinds, tried in this order (the first that matches names the kernel):
 - by :func:`~cs336_harness.analysis.trace.kernel_class`: ``copies_casts`` (``copy``: direct and strided copies,
   ``cat``, dtype conversions, memcpy / memset), ``gemm`` (``matmul``), ``elementwise`` (ATen's elementwise
   kernels and fills);
-- ``communication``: NCCL; ``other``: the rest.
+- ``communication``: NCCL; ``other``: the rest;
+- ``host_transfers``: copies between pinned host memory and the device (``Memcpy HtoD`` / ``DtoH``, offloaded
+  activations), tried first. The copy engines run them beside the kernels, so they are not kernel time: neither in
+  ``kernel_total_ms`` nor in what keeps the GPU from being idle.
 
 The glue is copies and casts, elementwise and the mask: ``glue_share`` is their part of the kernel time.
 """
@@ -34,13 +37,13 @@ from cs336_harness.analysis import trace
 from cs336_harness.analysis.tables import markdown_table
 
 KINDS: tuple[str, ...] = ("attention", "gemm", "copies_casts", "elementwise", "causal_mask",
-                          "loss_optimizer_reductions", "communication", "other")
+                          "loss_optimizer_reductions", "communication", "other", "host_transfers")
 GLUE_KINDS: tuple[str, ...] = ("copies_casts", "elementwise", "causal_mask")
 KIND_LABELS: dict[str, str] = {
     "attention": "attention", "gemm": "GEMMs", "copies_casts": "copies and casts",
     "elementwise": "elementwise (incl. RMSNorm, RoPE, SiLU-mul)", "causal_mask": "the (T, T) causal mask",
     "loss_optimizer_reductions": "fused LM head + CE, AdamW, reductions", "communication": "communication",
-    "other": "other",
+    "other": "other", "host_transfers": "host transfers (copy engines, beside the kernels)",
 }
 _ATTENTION = ("_attn_fwd", "_attn_bwd", "bwd_preprocess_kernel", "flash_fwd", "flash_bwd", "pytorch_flash",
               "fmha", "cudnn_generated_fort_native_sdpa", "sdpa", "attention_kernel")
@@ -54,6 +57,8 @@ _NAME_CHARS = 90  # of a kernel's name in ``top_kernels``: C++ template names ru
 def kernel_kind(name: str) -> str:
     """The kind (:data:`KINDS`) of a GPU kernel, copy or memset named ``name``."""
     n = name.lower()
+    if n.startswith(("memcpy htod", "memcpy dtoh")):
+        return "host_transfers"
     if any(k in n for k in _ATTENTION):
         return "attention"
     if "triu_tril" in n:
@@ -75,7 +80,8 @@ def step_breakdown(events: Sequence[dict[str, Any]], within: str = "step") -> di
     (the range's wall time), ``idle_ms`` (wall time without any kernel running) and ``glue_share`` (of the kernel
     time) and ``top_kernels``: the :data:`TOP_KERNELS` names with the most kernel time, most first, each with its
     ``kind``, ``count`` (launches in the step) and ``ms`` (their total), names cut to 90 characters. Kernel time
-    counts each kernel's own duration, so kernels overlapping on two streams count twice.
+    counts each kernel's own duration, so kernels overlapping on two streams count twice; host transfers are
+    counted by kind and by name but are not kernel time.
 
     Raises:
         ValueError: if the trace has no ``within`` range or no GPU kernel launched inside it.
@@ -99,9 +105,9 @@ def step_breakdown(events: Sequence[dict[str, Any]], within: str = "step") -> di
         count_ms[0] += 1
         count_ms[1] += a["dur"] / 1e3
     top = sorted(by_name.items(), key=lambda item: -item[1][1])[:TOP_KERNELS]
-    total = sum(by_kind.values())
+    total = sum(ms for kind, ms in by_kind.items() if kind != "host_transfers")
     busy = trace._union([(max(a["ts"], start), min(a["ts"] + a["dur"], end)) for a in acts
-                         if a["ts"] + a["dur"] > start and a["ts"] < end])
+                         if a["ts"] + a["dur"] > start and a["ts"] < end and kernel_kind(a["name"]) != "host_transfers"])
     wall_ms = (end - start) / 1e3
     return {"kernel_ms": by_kind, "kernel_total_ms": total, "step_wall_ms": wall_ms,
             "idle_ms": max(0.0, wall_ms - trace._length(busy) / 1e3),
@@ -111,16 +117,18 @@ def step_breakdown(events: Sequence[dict[str, Any]], within: str = "step") -> di
 
 
 def breakdown_markdown(rows: Sequence[dict[str, Any]], labels: Sequence[str]) -> str:
-    """One markdown table: a line per kind (ms and share of kernel time), then idle and the glue's share, with a
-    column per row that has a ``breakdown`` (:func:`step_breakdown`); ``labels`` name the columns."""
+    """One markdown table: a line per kind (ms and share of kernel time; host transfers, not kernel time, in ms
+    alone), then idle and the glue's share, with a column per row that has a ``breakdown`` (:func:`step_breakdown`;
+    rows from before a kind existed show 0 for it); ``labels`` name the columns."""
     chosen = [(label, r["breakdown"]) for label, r in zip(labels, rows, strict=True) if r.get("breakdown")]
     table = []
     for kind in KINDS:
-        if not any(b["kernel_ms"][kind] for _, b in chosen):
+        if not any(b["kernel_ms"].get(kind) for _, b in chosen):
             continue
         line = {"kind": KIND_LABELS[kind]}
         for label, b in chosen:
-            line[label] = f"{b['kernel_ms'][kind]:.4g} ({b['kernel_ms'][kind] / b['kernel_total_ms']:.1%})"
+            ms = b["kernel_ms"].get(kind, 0.0)
+            line[label] = f"{ms:.4g}" if kind == "host_transfers" else f"{ms:.4g} ({ms / b['kernel_total_ms']:.1%})"
         table.append(line)
     table.append({"kind": "kernel time", **{label: f"{b['kernel_total_ms']:.4g}" for label, b in chosen}})
     table.append({"kind": "idle", **{label: f"{b['idle_ms']:.4g}" for label, b in chosen}})
