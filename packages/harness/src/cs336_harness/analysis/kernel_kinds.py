@@ -106,8 +106,9 @@ def step_breakdown(events: Sequence[dict[str, Any]], within: str = "step") -> di
         count_ms[1] += a["dur"] / 1e3
     top = sorted(by_name.items(), key=lambda item: -item[1][1])[:TOP_KERNELS]
     total = sum(ms for kind, ms in by_kind.items() if kind != "host_transfers")
-    busy = trace._union([(max(a["ts"], start), min(a["ts"] + a["dur"], end)) for a in acts
-                         if a["ts"] + a["dur"] > start and a["ts"] < end and kernel_kind(a["name"]) != "host_transfers"])
+    on_sms = [a for a in acts if kernel_kind(a["name"]) != "host_transfers"]
+    busy = trace._union([(max(a["ts"], start), min(a["ts"] + a["dur"], end)) for a in on_sms
+                         if a["ts"] + a["dur"] > start and a["ts"] < end])
     wall_ms = (end - start) / 1e3
     return {"kernel_ms": by_kind, "kernel_total_ms": total, "step_wall_ms": wall_ms,
             "idle_ms": max(0.0, wall_ms - trace._length(busy) / 1e3),
