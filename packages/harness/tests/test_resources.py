@@ -73,6 +73,13 @@ def test_activations_grow_with_what_the_step_keeps(more: dict, less: dict) -> No
                                                                                                  **{**base, **less})
 
 
+def test_offloaded_activations_count_in_host_memory_as_kept() -> None:
+    base = dict(dtype_bytes=4, attention="sdpa", backward=True, fused_loss=True)
+    kept = resources.activation_bytes(TINY, 4, checkpoint="none", **base)
+    assert resources.activation_bytes(TINY, 4, checkpoint="offload:1", **base) == kept
+    assert resources.activation_bytes(TINY, 4, checkpoint="all", **base) < kept
+
+
 # Runs each bench config in a fresh process and prints the growth of its peak resident memory over the run (the
 # kernel's high-water mark, reset just before) next to the estimate of cs336 bench.
 _MEASURE = """

@@ -91,13 +91,16 @@ def activation_bytes(config: ModelConfig, batch: int, *, dtype_bytes: int, atten
     """The activations of a ``BasicsTransformerLM`` step on ``batch`` sequences of ``config.context_length``
     tokens at its peak: with a backward, what the blocks keep under ``checkpoint`` and the last block's backward
     holds (policies :func:`~cs336_sharding.checkpointing.activation_peak_bytes` does not cover are counted as
-    ``all``, the least any policy keeps); without, one block's input and output. ``attention`` is a name of
+    ``all``, the least any policy keeps; ``offload`` ones as ``none``: here, in host memory, the copies weigh what
+    the blocks would keep); without, one block's input and output. ``attention`` is a name of
     :data:`cs336_harness.studies.attention_impls.ATTENTION_IMPLS`; ``eager``, ``annotated`` and ``compiled`` build
     the score matrices. An unfused loss adds the fp32 logits."""
     seq, layers = config.context_length, config.num_layers
     block = block_floor(config, batch, dtype_bytes)
     spec = parse_policy(checkpoint)
-    if spec.kind not in ("none", "all", "first", "attention"):
+    if spec.kind == "offload":
+        spec = parse_policy("none")
+    elif spec.kind not in ("none", "all", "first", "attention"):
         spec = parse_policy("all")
     kept_blocks = {"none": layers, "all": 0}.get(spec.kind, layers - min(spec.arg or layers, layers))
     kept_scores, working_scores = _SCORE_MATRICES.get(attention, (0, 0))

@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--loss", default="standard", help="standard | fused (fused linear + cross-entropy kernel)")
     r.add_argument("--checkpoint", type=csv_of(str), default=(),
                    help="comma list of none (default), all, group:K, first:N, sqrt, nested[:B], selective, attention, "
-                        "groups (= group:K for K in 1,2,3,4,6,8,16,32 up to num_layers)")
+                        "offload[:N] (saved activations to pinned host memory), groups (= group:K for K in "
+                        "1,2,3,4,6,8,16,32 up to num_layers)")
     r.add_argument("--sweep", action="store_true",
                    help=f"sizes {','.join(step_timing.SWEEP_SIZES)} x contexts "
                         f"{','.join(map(str, step_timing.SWEEP_CONTEXT_LENGTHS))} unless --size/--context-length given")
