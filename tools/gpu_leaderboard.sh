@@ -8,8 +8,10 @@
 # 2. the two PyTorch-only steps of the same call as baselines (FSDP2 per block, bf16 params and fp32 reduce, SDPA,
 #    chunked checkpointed LM head + CE, fused torch AdamW; plain: every block checkpointed; strong: compiled blocks
 #    and as many blocks un-checkpointed as fit);
-# 3. ours as before the glue kernels (the model's glue, the `attention` policy), the configuration of the earlier rows;
-# 4. the leaderboard GPU tests (a sharded step against one process over NCCL) five times in a row.
+# 3. ours with offload:14 (each rank's first 14 blocks' saved activations in pinned host memory, the other 20 kept
+#    whole: nothing recomputed; planned 135.2 GiB), against the budget's recomputation;
+# 4. ours as before the glue kernels (the model's glue, the `attention` policy), the configuration of the earlier rows;
+# 5. the leaderboard GPU tests (a sharded step against one process over NCCL) five times in a row.
 # Each run is its own process with its own timeout and --time-limit-s, so a slow one cannot take the others' rows
 # with it. Results in $OUT: leaderboard.jsonl (one row per run), log.txt.
 #   run (GPU machine, repo root): bash tools/gpu_leaderboard.sh
@@ -37,6 +39,7 @@ run_leaderboard() {  # run_leaderboard NAME [FLAGS...]: skipped when under 90 s 
     run_leaderboard "ours: glue kernels, budget checkpointing (cold caches, handout timing)" --glue triton \
     --checkpoint budget --handout-timing
   run_leaderboard "PyTorch-only baselines" --impl torch_native,torch_native_compiled
+  run_leaderboard "ours: offload:14 (handout timing)" --glue triton --checkpoint offload:14 --handout-timing
   run_leaderboard "ours before: model glue, attention checkpointing" --glue model --checkpoint attention
   for run in 1 2 3 4 5; do
     if [ "$(left)" -lt 60 ]; then echo "[skip: deadline] test run $run"; continue; fi

@@ -6,9 +6,11 @@
 #      selective:13 at 92 GiB, no block recomputing a matmul), profiled, with the handout's do_bench timing;
 #   2. the strong baseline (compiled blocks, as many not checkpointed as its plan fits the cap: first:7), profiled;
 #   3. the plain baseline (every block checkpointed, eager);
-#   4. ours with two blocks recomputing their matmuls (attention:2+selective:10, the budget's pick while selective
+#   4. ours with offload:4 (the first four blocks' saved activations in pinned host memory, the other ten kept whole:
+#      nothing recomputed), profiled, with do_bench: offloading against the budget's recomputation;
+#   5. ours with two blocks recomputing their matmuls (attention:2+selective:10, the budget's pick while selective
 #      blocks kept w2's output too): what the lighter selective blocks buy;
-#   5. ours with nothing recomputed (checkpoint none, about 110 GiB under a 130 GiB cap): what the cap still costs;
+#   6. ours with nothing recomputed (checkpoint none, about 110 GiB under a 130 GiB cap): what the cap still costs;
 # then the markdown tables from the rows, then the GPU tests of the proxy and of the memory plan (block memory and
 # the step's peak against the allocator, the glue kernels' step against the model's code in bf16, a small profiled
 # run of all three impls). Every run is its own process with its own timeout and --time-limit-s, none starts with
@@ -41,6 +43,7 @@ proxy() {  # proxy NAME MAX_S [FLAGS...]: one cs336 leaderboard --proxy run, ski
   proxy "ours: triton glue, budget checkpointing" 200 --glue triton --checkpoint budget --profile --handout-timing
   proxy "strong baseline: compiled blocks, budget" 200 --impl torch_native_compiled --profile
   proxy "plain baseline: every block checkpointed" 100 --impl torch_native
+  proxy "ours: offload:4" 100 --glue triton --checkpoint offload:4 --profile --handout-timing
   proxy "ours: attention:2+selective:10" 100 --glue triton --checkpoint attention:2+selective:10
   proxy "ours: no checkpointing, cap 130 GiB" 100 --glue triton --checkpoint none --memory-cap-gib 130
   if [ -s "$rows" ]; then
