@@ -81,8 +81,23 @@ def test_each_saved_tensor_is_copied_once_and_weights_stay() -> None:
     with offload.saving():
         block(x)
     assert [s.host.data_ptr() for s in offload._saved] == [h.data_ptr() for h in hosts]
+
     with pytest.raises(TypeError, match="the block"):
         BlockOffload(lambda t: t)
+
+
+def test_a_view_copied_contiguous_keeps_its_host_buffer() -> None:
+    offload, base = BlockOffload(torch.nn.Linear(1, 1)), torch.randn(1024, 1024, requires_grad=True)
+    hosts = []
+    for _ in range(2):
+        with offload.saving():
+            y = torch.sin(base[:, :512])  # sin saves its input: a column slice, not dense
+        (saved,) = offload._saved
+        assert saved.host.is_contiguous() and saved.host.shape == (1024, 512)
+        hosts.append(saved.host.data_ptr())
+        y.sum().backward()
+    assert hosts[0] == hosts[1]
+    torch.testing.assert_close(base.grad[:, :512], 2 * torch.cos(base.detach()[:, :512]))
 
 
 def test_offload_under_fsdp_leaves_the_gathered_weights_to_it() -> None:

@@ -75,7 +75,7 @@ class BlockOffload:
         self._saved: list[_Saved] = []
         self._by_view: dict[tuple, _Saved] = {}
         self._weights: set[int] | None = None
-        self._host: list[torch.Tensor] = []
+        self._host: list[tuple[tuple, torch.Tensor]] = []  # (shape, strides and dtype copied, pinned buffer)
 
     @property
     def offloaded_bytes(self) -> int:
@@ -112,16 +112,16 @@ class BlockOffload:
         return self._weights
 
     def _host_buffer(self, index: int, t: torch.Tensor) -> torch.Tensor:
-        if index < len(self._host):
-            host = self._host[index]
-            if host.shape == t.shape and host.stride() == t.stride() and host.dtype == t.dtype:
-                return host
-        # empty_like keeps t's strides when they are dense (a transposed view), so the copy back has them too.
+        key = (tuple(t.shape), t.stride(), t.dtype)
+        if index < len(self._host) and self._host[index][0] == key:
+            return self._host[index][1]
+        # empty_like keeps t's strides when they are dense (a transposed view), so the copy back has them too;
+        # otherwise it is contiguous.
         host = torch.empty_like(t, device="cpu", pin_memory=t.is_cuda)
         if index < len(self._host):
-            self._host[index] = host
+            self._host[index] = (key, host)
         else:
-            self._host.append(host)
+            self._host.append((key, host))
         return host
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor | _Saved:
