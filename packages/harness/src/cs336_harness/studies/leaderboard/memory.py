@@ -176,8 +176,9 @@ def block_memory(shape: BlockShape, batch: int, seq: int, *, dtype_bytes: int = 
       log-sum-exp (4 N h); with ``fused_qkv`` v is a view of the (N, 3 d) projection output, which it keeps
       whole (2 e N d more), and the matmul keeps the concatenated (3 d, d) weight (3 e d^2);
     - the output projection keeps the heads' outputs in (N, d) layout: with our kernels a view of the attention
-      output, which they write in the projections' (batch, seq, heads, head_dim) layout; with SDPA a copy (e N d),
-      as its output is (batch, heads, seq, head_dim)-contiguous (on the CPU, where the tests check it);
+      output, which they write in the layout of their q, the projections' (batch, seq, heads, head_dim) under our
+      RoPE; a copy (e N d) where the output is (batch, heads, seq, head_dim)-contiguous: SDPA's (on the CPU, where
+      the tests check it), and ours after the model's RoPE, which returns q heads-first contiguous;
     - SwiGLU: w1 and w3 keep the normed input (e N d); the gate keeps a = w1 x, sigmoid(a), a * sigmoid(a) and
       b = w3 x (4 e N f) in the model's code, a and b (2 e N f) in the kernel; w2 keeps the gate's output (e N f);
     - the block's output (e N d).
@@ -213,7 +214,7 @@ def block_memory(shape: BlockShape, batch: int, seq: int, *, dtype_bytes: int = 
         rope = 8 * seq
         gate = 2 * e * n * f
     # input, q k v o, SDPA's (N, d) copy; fused: q and k stay alive in the (N, 3d) output, and the (3d, d) weight
-    copy = e * n * d if attention == "sdpa" else 0
+    copy = e * n * d if attention == "sdpa" or glue == "model" else 0
     attention = (1 + 4) * e * n * d + copy + lse + ((2 * n + 3 * d) * e * d if fused_qkv else 0)
     ffn = e * n * d + gate + e * n * f
     kept = norms + rope + attention + ffn + out
