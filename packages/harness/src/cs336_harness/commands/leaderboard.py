@@ -173,8 +173,7 @@ def _check_offload_fits(config: leaderboard.LeaderboardConfig) -> None:
     spec = parse_policy(config.checkpoint)
     if spec.kind != "offload":
         return
-    layers = config.model_config.num_layers
-    blocks = min(spec.arg or layers, layers)
+    blocks = spec.per_block(config.model_config.num_layers).count("offloaded")
     block = leaderboard.memory_plan(config, None).block
     ranks, spawned = resources.ranks_here(config.world_size)
     what = f"--checkpoint {spec} ({blocks} blocks' saved activations in host memory on each of {ranks} ranks)"
