@@ -1,6 +1,7 @@
 """FlashAttention backward for Hopper (sm_90) in Gluon, warp-specialised as in FlashAttention-3 (Shah et al., 2024).
 
-One program owns ``BLOCK_N`` keys of one (batch, key/value head) and runs three partitions:
+One program owns ``BLOCK_N`` keys of one (batch, key/value head) and runs three partitions (four in deterministic
+mode, below):
 
 - a one-warp producer that loads the program's K and V tiles once, then streams the Q and dO tiles of every
   query head of the GQA group, with their rows of L and D, by TMA into a ``STAGES``-deep shared-memory ring
@@ -26,8 +27,9 @@ masked. The reduce-adds land in an order that varies from run to run, so dQ is n
 (dK and dV are: each program owns its keys and sums the query heads of its group in a fixed order), except under
 ``torch.use_deterministic_algorithms(True)``: then the key blocks of a head are launched last first and each
 adds into a dQ tile only once every later key block has (FlashAttention-3's deterministic mode), counted by a
-lock per tile that the adder releases once its reduce-add has completed. Launching the longest programs last
-and the waits cost some speed; dQ is then bitwise reproducible.
+lock per tile. A consumer hands each completed reduce-add to a one-warp releaser partition, which counts the tile's
+adds as landed (a GPU-scope release, whose fence would otherwise stall the consumer's warpgroup every tile).
+Launching the longest programs last and the waits cost some speed; dQ is then bitwise reproducible.
 
 The kernels need an sm_90 GPU; they do not run in the Triton interpreter.
 """
@@ -95,15 +97,37 @@ def _fence_async_global():
 
 
 @gluon.jit
-def _release(lock):
-    # Count this partition's last reduce-add into `lock`'s tile as landed once it has completed: written, not
-    # only read from shared memory (``cp.async.bulk.wait_group`` without ``.read``, which tma.store_wait does not
-    # emit). The thread that issued it waits; the barrier makes the others wait for it, and one of them releases.
+def _hand_over(ready, free, n):
+    # Hands this consumer's last reduce-add to the releaser once it has completed: written, not only read from
+    # shared memory (``cp.async.bulk.wait_group`` without ``.read``, which tma.store_wait does not emit). The
+    # thread that issued it waits, the fence orders its completion before the arrive, the barrier holds the
+    # others until then; `n` counts the hand-overs before this one, and the releaser must have taken the last.
     gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; mov.b32 $0, 0;", "=r", [], dtype=gl.int32,
                               is_pure=False, pack=1)
     _fence_async_global()
     gl.thread_barrier()
-    gl.atomic_add(lock, 1, sem="release", scope="gpu")
+    mbarrier.wait(free, (n & 1) ^ 1)
+    mbarrier.arrive(ready)
+
+
+@gluon.jit
+def _bwd_releaser(DQ_LOCKS, handed, taken, b, h_kv, H_KV, q_first, n_q, n_tiles_q, GROUP, SPLIT_DQ: gl.constexpr):
+    # Deterministic mode: counts each dQ tile's reduce-adds as landed, in the consumers' order, once the consumers
+    # have handed them over (both halves' with d = 128; with d = 64 the consumers take tiles in turn). The release
+    # (a GPU-scope fence before the add) waits here rather than in a consumer.
+    for t in range(GROUP * n_q):
+        h = h_kv * GROUP + t // n_q
+        lock = DQ_LOCKS + (b * H_KV * GROUP + h).to(gl.int64) * n_tiles_q + q_first + t % n_q
+        if SPLIT_DQ:
+            for c in gl.static_range(2):
+                mbarrier.wait(handed.index(c), t & 1)
+            gl.atomic_add(lock, 1, sem="release", scope="gpu")
+            for c in gl.static_range(2):
+                mbarrier.arrive(taken.index(c))
+        else:
+            mbarrier.wait(handed.index(t % 2), (t // 2) & 1)
+            gl.atomic_add(lock, 1, sem="release", scope="gpu")
+            mbarrier.arrive(taken.index(t % 2))
 
 
 @gluon.jit
@@ -139,8 +163,8 @@ def _store_rows(OUT, strides, x, b, h, rows, cols, N_ROWS):
 
 @gluon.jit
 def _bwd_consumer(
-    dq_desc, DK, DV, dk_strides, dv_strides, DQ_LOCKS, bufs, dq_bufs, b, h_kv, H_KV, pid_n, q_first, n_q,
-    n_tiles_q, masked_until, GROUP, N_KEYS, qk_scale, sm_scale,
+    dq_desc, DK, DV, dk_strides, dv_strides, DQ_LOCKS, bufs, dq_bufs, handed, taken, b, h_kv, H_KV, pid_n,
+    q_first, n_q, n_tiles_q, masked_until, GROUP, N_KEYS, qk_scale, sm_scale,
     CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     STAGES: gl.constexpr, DQ_BUFFERS: gl.constexpr, IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr,
 ):
@@ -151,7 +175,6 @@ def _bwd_consumer(
     # d = 64: the whole (64, 64) tile, one consumer per query tile in turn.
     SPLIT_DQ: gl.constexpr = HEAD_DIM == 128
     DQ_COLS: gl.constexpr = HEAD_DIM // 2 if SPLIT_DQ else HEAD_DIM
-    HALVES: gl.constexpr = 2 if SPLIT_DQ else 1
     k0 = pid_n * BLOCK_N
     s_layout: gl.constexpr = mma_layout(BLOCK_M)
     kv_layout: gl.constexpr = mma_layout(HEAD_DIM)
@@ -170,14 +193,19 @@ def _bwd_consumer(
     dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
     dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=kv_layout)
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=kv_layout)
-    # Deterministic dQ: each (query head, query tile, column half) has a lock counting the key blocks whose
-    # reduce-adds into it have landed. They add in descending key order (the launch order), each once the later
-    # key blocks have, and count theirs as landed one dQ tile later (the reduce-add has long completed by then).
-    # `pending` is the lock of the last tile added and not yet counted, if `has_pending`.
-    pending = DQ_LOCKS
+    # Deterministic dQ: each (query head, query tile) has a lock counting the key blocks whose reduce-adds into it
+    # have landed. They add in descending key order (the launch order), each once the later key blocks have, and
+    # hand theirs to the releaser one dQ tile later (the reduce-add has long completed by then), if `has_pending`;
+    # `n_handed` counts the hand-overs.
+    n_handed = 0
     has_pending = False
     n_key_blocks = gl.num_programs(0)
     mbarrier.wait(kv_ready.index(0), 0)
+    if HEAD_DIM == 64:
+        # This consumer's K and V rows as the register A operands of S^T and dP^T (16 registers a thread each,
+        # which d = 128 does not have to spare): the products then read only Q and dO from shared memory.
+        k_own = k_own.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+        v_own = v_own.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
 
     for t in range(GROUP * n_q):
         h = h_kv * GROUP + t // n_q
@@ -212,8 +240,8 @@ def _bwd_consumer(
             dk = warpgroup_mma(ds16, q_smem, dk, is_async=True)
         if (t % 2 == CONSUMER) | SPLIT_DQ:
             if DETERMINISTIC and has_pending:
-                # Before this tile's lock is read, so that the release's fence waits for no load in flight.
-                _release(pending)
+                _hand_over(handed.index(CONSUMER), taken.index(CONSUMER), n_handed)
+                n_handed += 1
             # dQ needs both consumers' dS^T rows. The slot is reused two tiles later; by then the other
             # consumer has passed this tile's ds_ready wait (it is two arrivals behind at most).
             mbarrier.wait(ds_ready.index(slot), (t // 2) & 1)
@@ -222,8 +250,7 @@ def _bwd_consumer(
                 # Issued after dQ, so that the tensor cores run it while this consumer stages dQ (below).
                 dk = warpgroup_mma(ds16, q_smem, dk, is_async=True)
             if DETERMINISTIC:
-                half = CONSUMER if SPLIT_DQ else 0
-                lock = DQ_LOCKS + ((b * H_KV * GROUP + h).to(gl.int64) * n_tiles_q + i) * HALVES + half
+                lock = DQ_LOCKS + (b * H_KV * GROUP + h).to(gl.int64) * n_tiles_q + i
                 # The key blocks that add before this one: those after it that see tile i.
                 if IS_CAUSAL:
                     last = gl.minimum(n_key_blocks - 1, (i * BLOCK_M + BLOCK_M - 1) // BLOCK_N)
@@ -246,7 +273,6 @@ def _bwd_consumer(
                 while landed < last - pid_n:
                     landed = _load_acquire(lock)
                 _fence_async_global()
-                pending = lock
                 has_pending = True
             else:
                 tma.store_wait(DQ_BUFFERS - 1)
@@ -261,14 +287,15 @@ def _bwd_consumer(
             if SPLIT_DQ:
                 dk, ds16 = warpgroup_mma_wait(0, deps=(dk, ds16))
         elif DETERMINISTIC and has_pending:
-            # d = 64: the other consumer's tile; count this one's last as landed now rather than a tile later.
-            _release(pending)
+            # d = 64: the other consumer's tile; hand this one's last over now rather than a tile later.
+            _hand_over(handed.index(CONSUMER), taken.index(CONSUMER), n_handed)
+            n_handed += 1
             has_pending = False
         dk, dv, p16, ds16 = warpgroup_mma_wait(0, deps=(dk, dv, p16, ds16))
         mbarrier.arrive(qdo_empty.index(stage))
 
     if DETERMINISTIC and has_pending:
-        _release(pending)
+        _hand_over(handed.index(CONSUMER), taken.index(CONSUMER), n_handed)
     # dK, dV rows past the end of the keys are dropped by the mask.
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
     rows = k0 + CONSUMER * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kv_layout))
@@ -319,6 +346,9 @@ def _attn_bwd_kernel(
     qdo_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # Deterministic mode: each consumer hands its completed reduce-adds to the releaser, which takes them.
+    handed = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    taken = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready.index(0), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(qdo_ready.index(s), count=1)
@@ -326,24 +356,50 @@ def _attn_bwd_kernel(
         mbarrier.init(qdo_empty.index(s), count=2)
     for s in gl.static_range(2):
         mbarrier.init(ds_ready.index(s), count=2)
+        if DETERMINISTIC:
+            mbarrier.init(handed.index(s), count=1)
+            mbarrier.init(taken.index(s), count=1)
 
     bufs = (k_buf, v_buf, q_bufs, do_bufs, l_bufs, d_bufs, ds_bufs, kv_ready, qdo_ready, qdo_empty, ds_ready)
     dk_strides = (stride_dkb, stride_dkh, stride_dkt)
     dv_strides = (stride_dvb, stride_dvh, stride_dvt)
-    gl.warp_specialize(
-        [
-            (_bwd_consumer, (dq_desc, DK, DV, dk_strides, dv_strides, DQ_LOCKS, bufs, dq_bufs, b, h_kv, H_KV,
-                             pid_n, q_first, n_q, n_tiles_q, masked_until, GROUP, N_KEYS, qk_scale, sm_scale, 0,
-                             BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DQ_BUFFERS, IS_CAUSAL, DETERMINISTIC)),
-            (_bwd_consumer, (dq_desc, DK, DV, dk_strides, dv_strides, DQ_LOCKS, bufs, dq_bufs, b, h_kv, H_KV,
-                             pid_n, q_first, n_q, n_tiles_q, masked_until, GROUP, N_KEYS, qk_scale, sm_scale, 1,
-                             BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DQ_BUFFERS, IS_CAUSAL, DETERMINISTIC)),
-            (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, l_desc, d_desc, bufs, b, h_kv, k0, q_first, n_q,
-                             GROUP, BLOCK_M, STAGES)),
-        ],
-        [4, 1],
-        [CONSUMER_REGISTERS, PRODUCER_REGISTERS],
-    )
+    # Deterministic mode adds the one-warp releaser.
+    if DETERMINISTIC:
+        gl.warp_specialize(
+            [
+                (_bwd_consumer, (dq_desc, DK, DV, dk_strides, dv_strides, DQ_LOCKS, bufs, dq_bufs, handed, taken, b,
+                                 h_kv, H_KV, pid_n, q_first, n_q, n_tiles_q, masked_until, GROUP, N_KEYS, qk_scale,
+                                 sm_scale, 0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DQ_BUFFERS, IS_CAUSAL,
+                                 DETERMINISTIC)),
+                (_bwd_consumer, (dq_desc, DK, DV, dk_strides, dv_strides, DQ_LOCKS, bufs, dq_bufs, handed, taken, b,
+                                 h_kv, H_KV, pid_n, q_first, n_q, n_tiles_q, masked_until, GROUP, N_KEYS, qk_scale,
+                                 sm_scale, 1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DQ_BUFFERS, IS_CAUSAL,
+                                 DETERMINISTIC)),
+                (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, l_desc, d_desc, bufs, b, h_kv, k0, q_first, n_q,
+                                 GROUP, BLOCK_M, STAGES)),
+                (_bwd_releaser, (DQ_LOCKS, handed, taken, b, h_kv, H_KV, q_first, n_q, n_tiles_q, GROUP,
+                                 HEAD_DIM == 128)),
+            ],
+            [4, 1, 1],
+            [CONSUMER_REGISTERS, PRODUCER_REGISTERS, PRODUCER_REGISTERS],
+        )
+    else:
+        gl.warp_specialize(
+            [
+                (_bwd_consumer, (dq_desc, DK, DV, dk_strides, dv_strides, DQ_LOCKS, bufs, dq_bufs, handed, taken, b,
+                                 h_kv, H_KV, pid_n, q_first, n_q, n_tiles_q, masked_until, GROUP, N_KEYS, qk_scale,
+                                 sm_scale, 0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DQ_BUFFERS, IS_CAUSAL,
+                                 DETERMINISTIC)),
+                (_bwd_consumer, (dq_desc, DK, DV, dk_strides, dv_strides, DQ_LOCKS, bufs, dq_bufs, handed, taken, b,
+                                 h_kv, H_KV, pid_n, q_first, n_q, n_tiles_q, masked_until, GROUP, N_KEYS, qk_scale,
+                                 sm_scale, 1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DQ_BUFFERS, IS_CAUSAL,
+                                 DETERMINISTIC)),
+                (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, l_desc, d_desc, bufs, b, h_kv, k0, q_first, n_q,
+                                 GROUP, BLOCK_M, STAGES)),
+            ],
+            [4, 1],
+            [CONSUMER_REGISTERS, PRODUCER_REGISTERS],
+        )
 
 
 @triton.jit
@@ -431,9 +487,9 @@ def backward_args(
 
 
 def dq_lock_count(q: torch.Tensor) -> int:
-    """The deterministic mode's locks for queries like ``q``: one per (batch, query head, query tile, dQ half)."""
+    """The deterministic mode's locks for queries like ``q``: one per (batch, query head, query tile)."""
     batch, heads_q, n_queries, head_dim = q.shape
-    return batch * heads_q * triton.cdiv(n_queries, CONFIGS[head_dim][0]) * (2 if head_dim == 128 else 1)
+    return batch * heads_q * triton.cdiv(n_queries, CONFIGS[head_dim][0])
 
 
 def gluon_attention_backward(
