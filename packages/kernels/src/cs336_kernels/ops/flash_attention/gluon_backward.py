@@ -111,23 +111,25 @@ def _hand_over(ready, free, n):
 
 
 @gluon.jit
-def _bwd_releaser(DQ_LOCKS, handed, taken, b, h_kv, H_KV, q_first, n_q, n_tiles_q, GROUP, SPLIT_DQ: gl.constexpr):
-    # Deterministic mode: counts each dQ tile's reduce-adds as landed, in the consumers' order, once the consumers
-    # have handed them over (both halves' with d = 128; with d = 64 the consumers take tiles in turn). The release
-    # (a GPU-scope fence before the add) waits here rather than in a consumer.
-    for t in range(GROUP * n_q):
-        h = h_kv * GROUP + t // n_q
-        lock = DQ_LOCKS + (b * H_KV * GROUP + h).to(gl.int64) * n_tiles_q + q_first + t % n_q
-        if SPLIT_DQ:
-            for c in gl.static_range(2):
-                mbarrier.wait(handed.index(c), t & 1)
-            gl.atomic_add(lock, 1, sem="release", scope="gpu")
-            for c in gl.static_range(2):
-                mbarrier.arrive(taken.index(c))
-        else:
-            mbarrier.wait(handed.index(t % 2), (t // 2) & 1)
-            gl.atomic_add(lock, 1, sem="release", scope="gpu")
-            mbarrier.arrive(taken.index(t % 2))
+def _bwd_releaser(DQ_LOCKS, handed, taken, b, h_kv, H_KV, q_first, n_q, n_tiles_q, GROUP, SPLIT_DQ: gl.constexpr,
+                  DETERMINISTIC: gl.constexpr):
+    # Deterministic mode (otherwise it returns at once): counts each dQ tile's reduce-adds as landed, in the
+    # consumers' order, once the consumers have handed them over (both halves' with d = 128; with d = 64 the
+    # consumers take tiles in turn). The release (a GPU-scope fence before the add) waits here, not in a consumer.
+    if DETERMINISTIC:
+        for t in range(GROUP * n_q):
+            h = h_kv * GROUP + t // n_q
+            lock = DQ_LOCKS + (b * H_KV * GROUP + h).to(gl.int64) * n_tiles_q + q_first + t % n_q
+            if SPLIT_DQ:
+                for c in gl.static_range(2):
+                    mbarrier.wait(handed.index(c), t & 1)
+                gl.atomic_add(lock, 1, sem="release", scope="gpu")
+                for c in gl.static_range(2):
+                    mbarrier.arrive(taken.index(c))
+            else:
+                mbarrier.wait(handed.index(t % 2), (t // 2) & 1)
+                gl.atomic_add(lock, 1, sem="release", scope="gpu")
+                mbarrier.arrive(taken.index(t % 2))
 
 
 @gluon.jit
@@ -363,43 +365,24 @@ def _attn_bwd_kernel(
     bufs = (k_buf, v_buf, q_bufs, do_bufs, l_bufs, d_bufs, ds_bufs, kv_ready, qdo_ready, qdo_empty, ds_ready)
     dk_strides = (stride_dkb, stride_dkh, stride_dkt)
     dv_strides = (stride_dvb, stride_dvh, stride_dvt)
-    # Deterministic mode adds the one-warp releaser.
-    if DETERMINISTIC:
-        gl.warp_specialize(
-            [
-                (_bwd_consumer, (dq_desc, DK, DV, dk_strides, dv_strides, DQ_LOCKS, bufs, dq_bufs, handed, taken, b,
-                                 h_kv, H_KV, pid_n, q_first, n_q, n_tiles_q, masked_until, GROUP, N_KEYS, qk_scale,
-                                 sm_scale, 0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DQ_BUFFERS, IS_CAUSAL,
-                                 DETERMINISTIC)),
-                (_bwd_consumer, (dq_desc, DK, DV, dk_strides, dv_strides, DQ_LOCKS, bufs, dq_bufs, handed, taken, b,
-                                 h_kv, H_KV, pid_n, q_first, n_q, n_tiles_q, masked_until, GROUP, N_KEYS, qk_scale,
-                                 sm_scale, 1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DQ_BUFFERS, IS_CAUSAL,
-                                 DETERMINISTIC)),
-                (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, l_desc, d_desc, bufs, b, h_kv, k0, q_first, n_q,
-                                 GROUP, BLOCK_M, STAGES)),
-                (_bwd_releaser, (DQ_LOCKS, handed, taken, b, h_kv, H_KV, q_first, n_q, n_tiles_q, GROUP,
-                                 HEAD_DIM == 128)),
-            ],
-            [4, 1, 1],
-            [CONSUMER_REGISTERS, PRODUCER_REGISTERS, PRODUCER_REGISTERS],
-        )
-    else:
-        gl.warp_specialize(
-            [
-                (_bwd_consumer, (dq_desc, DK, DV, dk_strides, dv_strides, DQ_LOCKS, bufs, dq_bufs, handed, taken, b,
-                                 h_kv, H_KV, pid_n, q_first, n_q, n_tiles_q, masked_until, GROUP, N_KEYS, qk_scale,
-                                 sm_scale, 0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DQ_BUFFERS, IS_CAUSAL,
-                                 DETERMINISTIC)),
-                (_bwd_consumer, (dq_desc, DK, DV, dk_strides, dv_strides, DQ_LOCKS, bufs, dq_bufs, handed, taken, b,
-                                 h_kv, H_KV, pid_n, q_first, n_q, n_tiles_q, masked_until, GROUP, N_KEYS, qk_scale,
-                                 sm_scale, 1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DQ_BUFFERS, IS_CAUSAL,
-                                 DETERMINISTIC)),
-                (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, l_desc, d_desc, bufs, b, h_kv, k0, q_first, n_q,
-                                 GROUP, BLOCK_M, STAGES)),
-            ],
-            [4, 1],
-            [CONSUMER_REGISTERS, PRODUCER_REGISTERS],
-        )
+    gl.warp_specialize(
+        [
+            (_bwd_consumer, (dq_desc, DK, DV, dk_strides, dv_strides, DQ_LOCKS, bufs, dq_bufs, handed, taken, b,
+                             h_kv, H_KV, pid_n, q_first, n_q, n_tiles_q, masked_until, GROUP, N_KEYS, qk_scale,
+                             sm_scale, 0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DQ_BUFFERS, IS_CAUSAL,
+                             DETERMINISTIC)),
+            (_bwd_consumer, (dq_desc, DK, DV, dk_strides, dv_strides, DQ_LOCKS, bufs, dq_bufs, handed, taken, b,
+                             h_kv, H_KV, pid_n, q_first, n_q, n_tiles_q, masked_until, GROUP, N_KEYS, qk_scale,
+                             sm_scale, 1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DQ_BUFFERS, IS_CAUSAL,
+                             DETERMINISTIC)),
+            (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, l_desc, d_desc, bufs, b, h_kv, k0, q_first, n_q,
+                             GROUP, BLOCK_M, STAGES)),
+            (_bwd_releaser, (DQ_LOCKS, handed, taken, b, h_kv, H_KV, q_first, n_q, n_tiles_q, GROUP,
+                             HEAD_DIM == 128, DETERMINISTIC)),
+        ],
+        [4, 1, 1],
+        [CONSUMER_REGISTERS, PRODUCER_REGISTERS, PRODUCER_REGISTERS],
+    )
 
 
 @triton.jit
