@@ -194,19 +194,13 @@ def _consumer(
         q0 = pid_m * (2 * BLOCK_M)
         n_tiles, masked_from = _key_tiles(q0, N_KEYS, BLOCK_M, BLOCK_N, IS_CAUSAL)
         row0 = q0 + CONSUMER * BLOCK_M
-        if HEAD_DIM == 64:
-            # The Q rows as the register A operand of every Q K^T (16 registers a thread, which d = 128 does not
-            # have to spare): the products then read only K from shared memory.
-            q_a = q_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
-        else:
-            q_a = q_smem
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
 
         # Key tile 0: scores and probabilities only; its P V is issued together with tile 1's Q K^T.
         stage = it % STAGES
         mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
-        s = warpgroup_mma(q_a, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+        s = warpgroup_mma(q_smem, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
                           use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(stage))
@@ -217,7 +211,7 @@ def _consumer(
             stage = (it + j) % STAGES
             prev = (it + j - 1) % STAGES
             mbarrier.wait(k_ready.index(stage), ((it + j) // STAGES) & 1)
-            s = warpgroup_mma(q_a, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+            s = warpgroup_mma(q_smem, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
                               use_acc=False, is_async=True)
             mbarrier.wait(v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
             acc = warpgroup_mma(p16, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
