@@ -23,8 +23,8 @@ Conventions:
 - ``L`` is the natural-log logsumexp of the scaled scores, fp32, shaped like ``Q`` without its last dim.
 - The Triton backward pass is two kernels without atomics, so it is deterministic; ``backward="auto"`` (the default)
   runs it off sm_90 and the faster Gluon one on sm_90, whose dQ reduce-adds take a fixed order under
-  ``torch.use_deterministic_algorithms(True)`` (bitwise-reproducible gradients at some speed; in that mode
-  ``auto`` runs it at head dim 128 only, where it is the faster).
+  ``torch.use_deterministic_algorithms(True)`` (bitwise-reproducible gradients at some speed, still faster than
+  the Triton kernels).
 - fp32 inputs use true fp32 products (``input_precision="ieee"``), not TF32.
 
 Run the tests with ``uv run pytest packages/kernels/tests/test_flash_attention.py`` (on CPU they use

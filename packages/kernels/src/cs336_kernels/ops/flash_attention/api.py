@@ -56,15 +56,13 @@ def forward_impl(q: torch.Tensor, forward: ForwardImpl) -> str:
 
 def backward_impl(q: torch.Tensor, backward: BackwardImpl) -> str:
     """The backward that runs for queries like ``q``: ``backward`` itself unless it is ``"auto"``, which picks
-    ``"gluon"`` where the Gluon kernels apply, else ``"triton"``; under ``torch.use_deterministic_algorithms(True)``
-    (both are bitwise reproducible then) ``"gluon"`` only at head dim 128, where its deterministic mode is the
-    faster of the two (at 64 its lock waits come twice as often per FLOP and the Triton kernels are faster)."""
+    ``"gluon"`` where the Gluon kernels apply, else ``"triton"``; also under
+    ``torch.use_deterministic_algorithms(True)``, where both are bitwise reproducible and the Gluon one's
+    deterministic mode is the faster at head dims 64 and 128."""
     if backward not in BACKWARD_IMPLS:
         raise ValueError(f"backward must be one of {', '.join(BACKWARD_IMPLS)}, got {backward!r}")
     if backward != "auto":
         return backward
-    if torch.are_deterministic_algorithms_enabled() and q.shape[-1] != 128:
-        return "triton"
     return "gluon" if gluon_applies(q) else "triton"
 
 
@@ -134,8 +132,7 @@ def flash_attention(
         q: (batch, seq_q, d) or (batch, heads_q, seq_q, d); fp16, bf16 or fp32; d in [16, 256].
         k, v: (batch, seq_k, d) or (batch, heads_kv, seq_k, d) with heads_q a multiple of heads_kv.
         is_causal: mask keys after the query, aligned top-left (query i sees keys 0..i).
-        backward: "auto" (the default: "gluon" where it applies, in deterministic mode only at head dim 128, else
-            "triton"; see :func:`backward_impl`),
+        backward: "auto" (the default: "gluon" where it applies, else "triton"; see :func:`backward_impl`),
             "gluon" (sm_90, fp16/bf16, d 64 or 128: five matmuls per tile pair, dQ by fp32 reduce-adds, which land
             in a fixed order, so that dQ is reproducible bit for bit, only under
             ``torch.use_deterministic_algorithms(True)``; the faster one on an H200), "triton" (separate dK/dV and
