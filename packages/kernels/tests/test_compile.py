@@ -27,7 +27,11 @@ from cs336_kernels import (
 )
 from cs336_kernels.ops.flash_attention import flash_attention_backward_op, flash_attention_op
 from cs336_kernels.ops.fused_adamw import fused_adamw_step_op
-from cs336_kernels.ops.fused_linear_cross_entropy import linear_cross_entropy_backward_op, linear_cross_entropy_op
+from cs336_kernels.ops.fused_linear_cross_entropy import (
+    linear_cross_entropy_backward_op,
+    linear_cross_entropy_op,
+    scale_inplace,
+)
 from cs336_kernels.ops.rms_norm import add_rms_norm_op, rms_norm_backward_op, rms_norm_op
 from cs336_kernels.ops.rope import rope_op
 from cs336_kernels.ops.swiglu import silu_mul_backward_op, silu_mul_op
@@ -186,6 +190,8 @@ def _opcheck_cases() -> list:
         pytest.param(linear_cross_entropy_backward_op, (hidden.detach(), weight.detach(), targets,
                                                         torch.rand(13, device=DEVICE), -100, None, True, False),
                      id="linear_cross_entropy_backward"),
+        pytest.param(scale_inplace, (_randn(3, 70, seed=10, requires_grad=False), torch.tensor(0.5, device=DEVICE)),
+                     id="scale_inplace"),
         pytest.param(flash_attention_op, (qa, ka, va, True, "auto", "auto"), id="flash_attention_forward"),
         *(pytest.param(flash_attention_backward_op, (qa.detach(), ka.detach(), va.detach(), oa.detach(), grad,
                                                      lse.detach(), True, backward),

@@ -14,6 +14,7 @@ from cs336_kernels.ops.fused_linear_cross_entropy import (
     chunk_rows,
     fused_linear_cross_entropy,
     linear_cross_entropy_reference,
+    scale_inplace,
 )
 
 # Relative error ||out - ref|| / ||ref|| allowed, by input dtype (the reference is float64 or float32).
@@ -157,6 +158,45 @@ def test_second_backward_raises():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="one backward"):
         loss.backward()
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_upstream_gradient_other_than_one(reduction):
+    # The forward's gradients are scaled by grad_loss in the backward (skipped on the device when it is 1).
+    hidden, weight, targets = _inputs((2, 9), 12, 101, torch.float64, "cpu", seed=7)
+    loss = fused_linear_cross_entropy(hidden, weight, targets, reduction, IGNORE, chunk_size=5)
+    (0.37 * loss).backward()
+    h_ref = hidden.detach().clone().requires_grad_()
+    w_ref = weight.detach().clone().requires_grad_()
+    (0.37 * linear_cross_entropy_reference(h_ref, w_ref, targets, reduction, IGNORE)).backward()
+    assert _rel_err(hidden.grad, h_ref.grad) < REL_TOL[torch.float64]
+    assert _rel_err(weight.grad, w_ref.grad) < REL_TOL[torch.float64]
+
+
+def _check_scale_inplace(dtype: torch.dtype, s: float, device: str) -> None:
+    # The product in fp32 (float64) with s unrounded, rounded once, over more than one block.
+    x = torch.randn(8192 + 77, dtype=torch.float64, device=device).to(dtype)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    s_tensor = torch.tensor(s, dtype=acc, device=device)
+    expected = (x.to(acc) * s_tensor).to(dtype)
+    scale_inplace(x, s_tensor)
+    assert torch.equal(x, expected)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("s", [1.0, 0.37, -3.1])
+def test_scale_inplace_is_the_fp32_product(dtype, s):
+    # On a CPU this is also eager x.mul_(s); the interpreter does not round bf16 as a GPU does (GPU test below).
+    _check_scale_inplace(dtype, s, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("s", [1.0, 0.37])
+def test_scale_inplace_is_the_fp32_product_on_gpu(dtype, s):
+    _check_scale_inplace(dtype, s, "cuda")
 
 
 @pytest.mark.parametrize(

@@ -111,6 +111,30 @@ def softmax_grad_inplace(logits: torch.Tensor, targets: torch.Tensor, losses: to
         )
 
 
+@triton.jit
+def _scale_inplace_kernel(X, S, n, ACC: tl.constexpr, BLOCK: tl.constexpr):
+    # A product with exactly 1 changes no value, so for loss.backward() (grad_loss 1) no byte moves.
+    s = tl.load(S).to(ACC)
+    if s != 1.0:
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(X + offs, mask=mask)
+        tl.store(X + offs, (x.to(ACC) * s).to(X.dtype.element_ty), mask=mask)
+
+
+@torch.library.custom_op("cs336::scale_inplace", mutates_args=("x",))
+def scale_inplace(x: torch.Tensor, s: torch.Tensor) -> None:
+    """``x.mul_(s)`` for a contiguous x and a 0-d fp32 (float64) s: the product in fp32 (float64 for float64 x)
+    with s unrounded, as Inductor and eager PyTorch on a CPU compute it (eager CUDA rounds s to x's dtype first),
+    reading s on the device so that s == 1 costs only the launch."""
+    n = x.numel()
+    if n:
+        block = 8192
+        acc = tl.float64 if x.dtype == torch.float64 else tl.float32
+        with device_context(x):
+            _scale_inplace_kernel[(triton.cdiv(n, block),)](x, s, n, ACC=acc, BLOCK=block, num_warps=8)
+
+
 def chunk_rows(num_tokens: int, vocab: int, element_size: int, chunk_size: int | None) -> int:
     """Tokens per chunk: the fewest equal chunks within the budget, rounded up to a multiple of 128 rows (which
     stays within the budget, itself rounded down to a multiple of 128 first)."""
@@ -141,7 +165,10 @@ def _loss_and_grads(
     losses = torch.empty(num_tokens, dtype=acc_dtype, device=hidden.device)
     write_grad = need_grad_hidden or need_grad_weight
     grad_hidden = torch.empty_like(hidden) if need_grad_hidden else None
-    grad_weight = torch.zeros_like(weight) if need_grad_weight else None
+    grad_weight = None
+    if need_grad_weight:
+        # The first chunk's product is written, later ones added: no memset and one read of grad_weight fewer.
+        grad_weight = torch.empty_like(weight) if num_tokens else torch.zeros_like(weight)
     if scale is None:
         scale = losses  # never read: the kernel only reads SCALE when it writes gradients
     rows = chunk_rows(num_tokens, vocab, hidden.element_size(), chunk_size)
@@ -157,7 +184,10 @@ def _loss_and_grads(
         if need_grad_hidden:
             torch.mm(logits, weight, out=grad_hidden[start:end])
         if need_grad_weight:
-            grad_weight.addmm_(logits.t(), h)
+            if start == 0:
+                torch.mm(logits.t(), h, out=grad_weight)
+            else:
+                grad_weight.addmm_(logits.t(), h)
     return losses, grad_hidden, grad_weight
 
 
@@ -249,10 +279,13 @@ def _backward(ctx, grad_loss: torch.Tensor, _grad_h: torch.Tensor, _grad_w: torc
         # 32,768 tokens x a 151,936 x 4,096 bf16 head, at the moment the saved activations peak). Traced by
         # functionalization (torch.compile's AOTAutograd, opcheck), an op's outputs must not change, so the
         # product is a new tensor there.
-        # Eager PyTorch rounds the 0-d grad_loss to the gradients' dtype before the product; Inductor multiplies by
-        # it in fp32. The two agree for loss.backward() (grad_loss 1), and differ by an ulp now and then otherwise.
-        scale = torch.mul if isinstance(grad_loss, FunctionalTensor) else torch.Tensor.mul_
-        grad_hidden, grad_weight = (scale(g, grad_loss) for g in grads)
+        # Both paths multiply by the fp32 grad_loss unrounded, so eager and compiled gradients agree bit for bit.
+        if isinstance(grad_loss, FunctionalTensor):
+            grad_hidden, grad_weight = (torch.mul(g, grad_loss) for g in grads)
+        else:
+            for g in grads:
+                scale_inplace(g, grad_loss)
+            grad_hidden, grad_weight = grads
         del grads
     return (grad_hidden if need_h else None, grad_weight if need_w else None, None, None, None, None, None, None)
 
