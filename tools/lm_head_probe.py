@@ -84,6 +84,7 @@ def whole_op_rows(n: int, d: int, v: int, chunk_sizes: list[int]) -> list[dict]:
         extra = (torch.cuda.max_memory_allocated() - base) / 2**30
         hidden.grad = weight.grad = None
         ms = float(do_bench(step, warmup=100, rep=1500, grad_to_none=[hidden, weight], return_mode="median"))
+        hidden.grad = weight.grad = None
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
