@@ -14,6 +14,17 @@ from cs336_harness.device import CPU_CONTEXT_LENGTH
 from cs336_harness.results import RowKind, read_rows_of
 
 
+def attention_shape(text: str) -> tuple[int, int, int, int]:
+    """An argparse ``type`` for an attention shape ``b,h,s,d``: four positive ints."""
+    try:
+        shape = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 4 or min(shape) <= 0:
+        raise argparse.ArgumentTypeError(f"expected four positive ints b,h,s,d, got {text!r}")
+    return shape
+
+
 def csv_of(convert: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
     """An argparse ``type`` for a non-empty comma-separated list, each item passed through ``convert``."""
 

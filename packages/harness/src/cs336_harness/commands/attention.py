@@ -4,6 +4,7 @@ Examples::
 
     bash tools/gpu.sh python3 -m cs336_harness.cli attention --out writeup/results/attention.jsonl
     bash tools/gpu.sh python3 -m cs336_harness.cli attention --part anchors
+    bash tools/gpu.sh python3 -m cs336_harness.cli attention --part anchors --anchor-impls ours,sdpa,fa4
     uv run cs336 attention --quick --part flash            # a few sizes only, within a minute or two
     uv run cs336 attention --markdown writeup/results/attention_*.jsonl   # tables from saved rows
     uv run cs336 attention --markdown writeup/results/attention_*.jsonl --fill writeup/sections/04-attention.md
@@ -19,6 +20,7 @@ import torch
 from cs336_harness.commands._shared import (
     add_markdown_arguments,
     add_quiet_argument,
+    attention_shape,
     csv_of,
     markdown_requested,
     print_markdown,
@@ -68,6 +70,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-ms", type=int, default=d.warmup_ms, help="do_bench warm-up (default 10)")
     parser.add_argument("--rep-ms", type=int, default=d.rep_ms, help="do_bench repetition (default 50)")
     parser.add_argument("--anchor-rep-ms", type=int, default=d.anchor_rep_ms, help="anchors part (default 1000)")
+    parser.add_argument("--anchor-shapes", type=attention_shape, nargs="+", default=d.anchor_shapes, metavar="B,H,S,D",
+                        help="anchors part: the shapes (default the three anchors)")
+    parser.add_argument("--anchor-impls", type=csv_of(str), default=d.anchor_impls,
+                        help=f"anchors part: comma list of implementations (default all: {','.join(d.anchor_impls)})")
     parser.add_argument("--precompile-jobs", type=int, default=d.precompile_jobs,
                         help="compile our kernels' autotuning candidates in this many processes first")
     parser.add_argument("--out", default=None, help="append each row (with provenance) to this JSONL file")
@@ -88,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
         config = AttentionBenchConfig(
             parts=tuple(args.part or PARTS), batch=args.batch, flash_dtypes=args.flash_dtypes,
             warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, anchor_rep_ms=args.anchor_rep_ms,
+            anchor_shapes=tuple(args.anchor_shapes), anchor_impls=args.anchor_impls,
             precompile_jobs=args.precompile_jobs, **sizes,
         )
         if args.out:

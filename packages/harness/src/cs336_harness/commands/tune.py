@@ -17,18 +17,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from cs336_harness.commands._shared import add_quiet_argument
+from cs336_harness.commands._shared import add_quiet_argument, attention_shape
 from cs336_harness.results import check_writable
-
-
-def _shape(text: str) -> tuple[int, int, int, int]:
-    try:
-        shape = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        shape = ()
-    if len(shape) != 4 or min(shape) <= 0:
-        raise argparse.ArgumentTypeError(f"expected four positive ints b,h,s,d, got {text!r}")
-    return shape
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="append rows (with provenance) to this JSONL file")
     parser.add_argument("--rep-ms", type=int, default=1000, help="do_bench repetition for the variants rows")
     parser.add_argument("--precompile-jobs", type=int, default=4, help="processes compiling candidates first")
-    parser.add_argument("--shapes", type=_shape, nargs="+", default=None, metavar="B,H,S,D",
+    parser.add_argument("--shapes", type=attention_shape, nargs="+", default=None, metavar="B,H,S,D",
                         help="shapes to tune at (default: the two anchors and two more)")
     parser.add_argument("--builds", action="store_true",
                         help="no GPU: compile every config for sm_90 and record registers and spills")

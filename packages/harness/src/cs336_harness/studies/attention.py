@@ -17,7 +17,13 @@ Parts (handout section 4):
   ``ours_deterministic`` (the same under ``torch.use_deterministic_algorithms(True)``: the Gluon backward's dQ
   reduce-adds in a fixed order), ``triton`` (Triton forward and backward), ``gluon`` (Gluon forward and
   backward), ``sdpa`` (PyTorch's default backend, cuDNN on an H200), ``sdpa_flash`` (its FlashAttention-2
-  backend) and ``flex`` (FlexAttention under ``torch.compile`` with a causal block mask).
+  backend), ``flex`` (FlexAttention under ``torch.compile`` with a causal block mask), and ``fa4`` and
+  ``fa4_deterministic`` (FlashAttention-4's CuTe DSL kernels, ``flash_attn.cute.flash_attn_func`` of the
+  ``flash-attn-4`` package, by default and with ``deterministic=True``), which take (batch, seq, heads, d) and are
+  given the same tensors through transposes. Where ``flash_attn.cute`` does not import, each FA4 row has
+  ``status = "skipped"`` and a ``note`` saying why; ``fa4_version`` is the package's version where known.
+  ``anchor_shapes`` and ``anchor_impls`` narrow the part to some shapes and implementations. A row whose
+  implementation raised has ``status = "error"`` and the exception in ``error``; the other rows still run.
 
 FLOPs of causal attention (two matmuls of 2*s*s*d FLOPs per head, half of the score matrix kept by the mask;
 the backward pass has five such matmuls, so 2.5x the forward)::
@@ -32,7 +38,9 @@ Usage::
 
 from __future__ import annotations
 
+import importlib.metadata
 import multiprocessing
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,9 +60,12 @@ PARTS: tuple[str, ...] = ("pytorch", "compiled", "flash", "anchors")
 ANCHOR_SHAPES: tuple[tuple[int, int, int, int], ...] = ((1, 32, 32768, 128), (1, 16, 16384, 64), (4, 32, 4096, 128))
 ANCHOR_TARGET_MS = {(1, 16, 16384, 64): 4.0}  # fwd+bwd; the 32k shape's target is 0.95x SDPA's time
 # What the anchors part times and its table shows, in this order.
-ANCHOR_IMPLS: tuple[str, ...] = ("ours", "ours_deterministic", "triton", "gluon", "sdpa", "sdpa_flash", "flex")
-# Timed under torch.use_deterministic_algorithms(True), which the backward reads when it runs.
-DETERMINISTIC_IMPLS: tuple[str, ...] = ("ours_deterministic",)
+ANCHOR_IMPLS: tuple[str, ...] = ("ours", "ours_deterministic", "triton", "gluon", "sdpa", "sdpa_flash", "flex", "fa4",
+                                  "fa4_deterministic")
+# Timed under torch.use_deterministic_algorithms(True), which our backward reads when it runs (FA4 takes a flag).
+DETERMINISTIC_IMPLS: tuple[str, ...] = ("ours_deterministic", "fa4_deterministic")
+# FlashAttention-4, timed only where flash_attn.cute imports (it is not a dependency of this workspace).
+FA4_IMPLS: tuple[str, ...] = ("fa4", "fa4_deterministic")
 
 
 @dataclass(frozen=True)
@@ -70,6 +81,8 @@ class AttentionBenchConfig:
     warmup_ms: int = 10
     rep_ms: int = 50
     anchor_rep_ms: int = 1000
+    anchor_shapes: tuple[tuple[int, int, int, int], ...] = ANCHOR_SHAPES
+    anchor_impls: tuple[str, ...] = ANCHOR_IMPLS
     precompile_jobs: int = 0
 
     def __post_init__(self) -> None:
@@ -90,6 +103,12 @@ class AttentionBenchConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.precompile_jobs < 0:
             raise ValueError(f"precompile_jobs must be >= 0, got {self.precompile_jobs}")
+        if not self.anchor_shapes or any(len(s) != 4 or min(s) <= 0 for s in self.anchor_shapes):
+            raise ValueError(f"anchor shapes must be non-empty (batch, heads, seq, d) of positive ints, got "
+                             f"{self.anchor_shapes}")
+        unknown_impls = set(self.anchor_impls) - set(ANCHOR_IMPLS)
+        if not self.anchor_impls or unknown_impls:
+            raise ValueError(f"anchor impls must be a non-empty subset of {ANCHOR_IMPLS}, got {self.anchor_impls}")
 
 
 def causal_attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> dict[str, float]:
@@ -122,9 +141,41 @@ def _flex(seq: int, device: torch.device) -> Callable[[torch.Tensor, torch.Tenso
     return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
 
 
+def fa4_attention() -> tuple[Callable[..., Any] | None, str | None]:
+    """FlashAttention-4's ``flash_attn_func`` (package ``flash-attn-4``), or None and why it cannot be used."""
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception as e:  # noqa: BLE001 (any import failure means: no FA4 rows)
+        return None, f"flash_attn.cute is not importable: {type(e).__name__}: {e}"
+    return flash_attn_func, None
+
+
+def _fa4_version() -> str | None:
+    try:
+        return importlib.metadata.version("flash-attn-4")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _fa4(deterministic: bool) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    fa4, why_not = fa4_attention()
+    if fa4 is None:
+        raise RuntimeError(why_not)
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # FA4 takes (batch, seq, heads, d) and returns (out, lse): the same memory, seen through transposes.
+        out, _ = fa4(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
+                     deterministic=deterministic)
+        return out.transpose(1, 2)
+
+    return attention
+
+
 def _impl(name: str, seq: int, device: torch.device) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
                                                                    torch.Tensor]:
     """Causal attention over (b, h, s, d) tensors by the implementation ``name``."""
+    if name in FA4_IMPLS:
+        return _fa4(deterministic=name == "fa4_deterministic")
     if name == "pytorch":
         mask = _causal_mask(seq, device)
         return lambda q, k, v: _plain(q, k, v, mask)
@@ -235,22 +286,39 @@ def flash_rows(
 ) -> Iterator[dict[str, Any]]:
     """Rows (``bench``) of forward, backward and forward+backward do_bench medians and TFLOP/s of each implementation
     of ``impl_names`` at ``shape`` (batch, heads, seq, head_dim), causal, in ``dtype_name``; ``cfg`` gives the
-    warm-up time, ``rep_ms`` the repetition time."""
+    warm-up time, ``rep_ms`` the repetition time. FA4 rows say why where FA4 does not import."""
     batch, heads, seq, head_dim = shape
     device = torch.device("cuda")
-    gen = torch.Generator(device=device).manual_seed(seq * 1000 + head_dim)
-    q, k, v = (torch.randn(shape, device=device, dtype=DTYPES[dtype_name], generator=gen).requires_grad_()
-               for _ in range(3))
+    fa4_missing = fa4_attention()[1] if set(impl_names) & set(FA4_IMPLS) else None
+    inputs: tuple[torch.Tensor, ...] = ()
     flops = causal_attention_flops(batch, heads, seq, head_dim)
     for name in impl_names:
         row = {"bench": bench, "impl": name, "dtype": dtype_name, "batch": batch, "heads": heads, "seq": seq,
                "d": head_dim, "causal": True, "rep_ms": rep_ms}
+        if name in FA4_IMPLS:
+            if fa4_missing is not None:
+                yield row | {"status": "skipped", "note": fa4_missing}
+                continue
+            row["fa4_version"] = _fa4_version()
+        if not inputs:  # allocated once, for the first implementation that runs
+            gen = torch.Generator(device=device).manual_seed(seq * 1000 + head_dim)
+            inputs = tuple(torch.randn(shape, device=device, dtype=DTYPES[dtype_name], generator=gen).requires_grad_()
+                           for _ in range(3))
         before = torch.are_deterministic_algorithms_enabled()
         torch.use_deterministic_algorithms(name in DETERMINISTIC_IMPLS)
         try:
-            row |= _measure(_impl(name, seq, device), q, k, v, rep_ms, cfg)
+            row |= _measure(_impl(name, seq, device), *inputs, rep_ms, cfg)
+        except Exception as e:  # noqa: BLE001 (one failing implementation must not lose the other rows)
+            row |= {"status": "error", "error": f"{type(e).__name__}: {e}"}
         finally:
             torch.use_deterministic_algorithms(before)
+        if row.get("status") == "error":
+            print(f"cs336 attention: {name} at {shape} failed: {row['error']}", file=sys.stderr)
+            for t in inputs:
+                t.grad = None
+            torch.cuda.empty_cache()
+            yield row
+            continue
         for mode in ("fwd", "bwd", "fwd_bwd"):
             ms = row[f"{mode}_ms"]
             row[f"{mode}_tflops"] = None if ms is None else flops[mode] / (ms * 1e-3) / 1e12
@@ -287,7 +355,7 @@ def run_attention_bench(
         if "flash" in cfg.parts:
             jobs += [((1, 1, 256, d), dt) for dt in cfg.flash_dtypes for d in cfg.flash_head_dims]
         if "anchors" in cfg.parts:
-            jobs += [((b, h, 256, d), "bf16") for b, h, _, d in ANCHOR_SHAPES]
+            jobs += list(dict.fromkeys(((b, h, 256, d), "bf16") for b, h, _, d in cfg.anchor_shapes))
         precompile(jobs, cfg.precompile_jobs)
     rows: list[dict[str, Any]] = []
 
@@ -297,10 +365,10 @@ def run_attention_bench(
             on_row(row)
 
     if "anchors" in cfg.parts:
-        for shape in ANCHOR_SHAPES:
-            for row in flash_rows(shape, "bf16", ANCHOR_IMPLS, cfg.anchor_rep_ms, cfg, "anchors"):
+        for shape in cfg.anchor_shapes:
+            for row in flash_rows(shape, "bf16", cfg.anchor_impls, cfg.anchor_rep_ms, cfg, "anchors"):
                 row["target_fwd_bwd_ms"] = ANCHOR_TARGET_MS.get(shape)
-                if row["fwd_bwd_tflops"] is not None:
+                if row.get("fwd_bwd_tflops") is not None:
                     row["fraction_of_772_tflops"] = row["fwd_bwd_tflops"] * 1e12 / H200_BF16_MATMUL_FLOPS
                 emit(row)
     if "flash" in cfg.parts:
@@ -382,9 +450,10 @@ def attention_tables(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
                               "compiled bwd (ms)", "bwd speed-up", "eager saved by one fwd (GiB)",
                               "compiled saved by one fwd (GiB)"], strict=True)))
         )
-    # Anchor rows accumulate over sessions; the table shows the latest run of each (shape, impl).
+    # Anchor rows accumulate over sessions; the table shows the latest timed run of each (shape, impl).
     latest: dict[tuple, dict[str, Any]] = {}
-    for r in sorted((r for r in rows if r.get("bench") == "anchors" and r["impl"] in ANCHOR_IMPLS),
+    for r in sorted((r for r in rows if r.get("bench") == "anchors" and r["impl"] in ANCHOR_IMPLS
+                     and r.get("status") not in ("skipped", "error")),
                     key=lambda r: r.get("date", "")):
         latest[(r["batch"], r["heads"], r["seq"], r["d"], r["impl"])] = r
     anchors = sorted(latest.values(), key=lambda r: (-r["seq"] * r["d"], ANCHOR_IMPLS.index(r["impl"])))
