@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from cs336_harness.cli import parse_args
 from cs336_harness.studies.attention import (
     AttentionBenchConfig,
-    _impl,
+    anchor_impl,
     attention_markdown,
     causal_attention_flops,
     flash_rows,
@@ -126,7 +126,7 @@ def test_fa4_adapter_passes_batch_seq_heads_d_and_the_deterministic_flag(monkeyp
     q, k, v = torch.randn(3, 2, 5, 37, 16, dtype=torch.float64).unbind(0)  # (batch, heads, seq, d)
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     for name, deterministic in (("fa4", False), ("fa4_deterministic", True)):
-        out = _impl(name, 37, torch.device("cpu"))(q, k, v)
+        out = anchor_impl(name, 37, torch.device("cpu"))(q, k, v)
         assert out.shape == q.shape
         torch.testing.assert_close(out, expected)
         assert calls.pop() == ((2, 37, 5, 16), True, deterministic)

@@ -171,9 +171,11 @@ def _fa4(deterministic: bool) -> Callable[[torch.Tensor, torch.Tensor, torch.Ten
     return attention
 
 
-def _impl(name: str, seq: int, device: torch.device) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
-                                                                   torch.Tensor]:
-    """Causal attention over (b, h, s, d) tensors by the implementation ``name``."""
+def anchor_impl(name: str, seq: int, device: torch.device) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
+                                                                       torch.Tensor]:
+    """Causal attention over (b, h, s, d) tensors by the implementation ``name`` (of :data:`ANCHOR_IMPLS` or
+    ``pytorch``); the ``*_deterministic`` ones of ours need ``torch.use_deterministic_algorithms(True)`` around the
+    call, as :data:`DETERMINISTIC_IMPLS` says."""
     if name in FA4_IMPLS:
         return _fa4(deterministic=name == "fa4_deterministic")
     if name == "pytorch":
@@ -307,7 +309,7 @@ def flash_rows(
         before = torch.are_deterministic_algorithms_enabled()
         torch.use_deterministic_algorithms(name in DETERMINISTIC_IMPLS)
         try:
-            row |= _measure(_impl(name, seq, device), *inputs, rep_ms, cfg)
+            row |= _measure(anchor_impl(name, seq, device), *inputs, rep_ms, cfg)
         except Exception as e:  # noqa: BLE001 (one failing implementation must not lose the other rows)
             row |= {"status": "error", "error": f"{type(e).__name__}: {e}"}
         finally:

@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# Our attention against FlashAttention-4 (issue 40) on one H200, in one call of about 8 minutes, most important first:
+#   1. `cs336 attention --part anchors`, bf16, causal: ours, cuDNN (sdpa) and FA4 in one process, forward, backward
+#      and forward + backward at (1, 32, 32768, 128), (4, 32, 4096, 128), (1, 16, 16384, 64), (1, 32, 16384, 128);
+#   2. the same at (1, 32, 32768, 128) for ours and FA4, each by default and deterministic, in one process;
+#   3. Nsight Compute (--set full, --clock-control none) on one launch of each backward kernel, ours
+#      (_attn_bwd_kernel) and FA4's (FlashAttentionBackwardSm90), at (1, 32, 16384, 128): warp-state stalls, scheduler
+#      and pipe statistics, instruction mix, shared-memory wavefronts and bank conflicts, occupancy, launch stats;
+#   4. every kernel of one forward + backward of ours, FA4 and cuDNN at (1, 32, 16384, 128), timed by torch.profiler;
+#   5. Nsight Compute on both forward kernels at (1, 16, 16384, 64).
+# FA4 comes from $PEERS (default /tmp/peers, laid out there by ../shared/peers/install.sh); where it does not import,
+# its rows say why and its profiles are skipped. Its compiled kernels are cached on disk, so steps 2-5 reuse step 1's.
+# Each step is its own process with its own timeout, none starts after $FA4_DEADLINE_S seconds (default 470) or
+# without the time it needs, so what finished comes back. Results in $OUT (at most 8 files):
+#   attention_anchors.jsonl (steps 1-2; append to writeup/results/attention_anchors.jsonl),
+#   attention_kernels.jsonl (step 4), ncu_bwd_details.csv, ncu_bwd_raw.csv (every metric of both launches),
+#   ncu_bwd_source.tgz (per-instruction SASS counters and stall samples of both), ncu_fwd.tgz (the same three for the
+#   forward), ncu_reports.tgz (the two backward .ncu-rep files, if under 16 MiB), log.txt.
+#   run (GPU machine, repo root): bash tools/gpu_attention_fa4.sh
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+OUT="${OUT:-$root/gpu_out}"
+mkdir -p "$OUT"
+work="$(mktemp -d)"
+deadline=$(($(date +%s) + ${FA4_DEADLINE_S:-470}))
+left() { echo $((deadline - $(date +%s))); }
+export CS336_CALL_ID="${CS336_CALL_ID:-$(date -u +%Y%m%dT%H%M%SZ)-fa4-$$}"  # one id for every row of this call
+export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}"
+PEERS="${PEERS:-/tmp/peers}"
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PEERS:$PEERS/nvidia_cutlass_dsl/dsl_packages"
+export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR="$work/fa4_cache"
+py=(bash tools/gpu.sh python3)
+shapes=(1,32,32768,128 4,32,4096,128 1,16,16384,64 1,32,16384,128)
+
+step() {  # step NAME NEEDS_S MAX_S CMD...: CMD under a timeout, skipped when fewer than NEEDS_S seconds are left
+  local name="$1" needs="$2" max="$3"; shift 3
+  if [ "$(left)" -lt "$needs" ]; then echo "[skip: deadline] $name ($(left) s left)"; return 1; fi
+  local limit=$(($(left) - 5))
+  [ "$limit" -gt "$max" ] && limit=$max
+  echo "== $name (limit ${limit} s, $(left) s left)"
+  timeout "$limit" "$@" || { echo "== $name FAILED or timed out (rc $?)"; return 1; }
+}
+
+ncu_launch() {  # ncu_launch NAME REGEX SHAPE IMPL: the second launch of the kernel REGEX names (-s 1 skips the warm-up's)
+  local name="$1" regex="$2" shape="$3" impl="$4"
+  step "ncu $name" 60 150 bash tools/gpu.sh ncu --clock-control none --set full -k "regex:$regex" -s 1 -c 1 -f \
+    -o "$work/$name" python3 tools/attention_peers_profile.py --impls "$impl" --shape "$shape"
+}
+
+export_ncu() {  # export_ncu NAME...: details, raw metrics and per-instruction SASS pages of each report that exists
+  local name
+  for name in "$@"; do
+    [ -f "$work/$name.ncu-rep" ] || continue
+    ncu -i "$work/$name.ncu-rep" --page details --csv --print-details all > "$work/$name.details.csv" 2>/dev/null \
+      || ncu -i "$work/$name.ncu-rep" --page details --csv > "$work/$name.details.csv"
+    ncu -i "$work/$name.ncu-rep" --page raw --csv --print-metric-instances values > "$work/$name.raw.csv" 2>/dev/null \
+      || ncu -i "$work/$name.ncu-rep" --page raw --csv > "$work/$name.raw.csv"
+    ncu -i "$work/$name.ncu-rep" --page source --csv --print-source sass > "$work/$name.source.csv" \
+      || echo "== source page of $name FAILED"
+  done
+}
+
+join_csv() {  # join_csv DEST PART...: the parts that exist, one after another (each keeps its header line)
+  local dest="$1"; shift
+  local part
+  for part in "$@"; do [ -s "$part" ] && cat "$part"; done > "$dest"
+  [ -s "$dest" ] || rm -f "$dest"
+}
+
+pack() {  # pack DEST FILE...: a gzipped tar of the files that exist, named without their folder
+  local dest="$1"; shift
+  local present=() f
+  for f in "$@"; do [ -s "$f" ] && present+=("$(basename "$f")"); done
+  [ ${#present[@]} -gt 0 ] && tar czf "$dest" -C "$work" "${present[@]}"
+}
+
+{
+  nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.limit --format=csv
+  echo "call id $CS336_CALL_ID commit $(cat .commit 2>/dev/null || echo unknown)"
+  "${py[@]}" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  timeout 120 "${py[@]}" -c "import importlib.metadata as m, flash_attn.cute; print('FA4', m.version('flash-attn-4'), \
+'cutlass-dsl', m.version('nvidia-cutlass-dsl'))" 2>&1 | tail -2
+  ncu --version | tail -1
+
+  step "1. anchors: ours, cuDNN, FA4 at four shapes" 120 330 "${py[@]}" -m cs336_harness.cli attention --part anchors \
+    --anchor-impls ours,sdpa,fa4 --anchor-shapes "${shapes[@]}" --quiet --out "$OUT/attention_anchors.jsonl"
+  step "2. anchors: default and deterministic at 32k" 90 150 "${py[@]}" -m cs336_harness.cli attention --part anchors \
+    --anchor-impls ours,ours_deterministic,fa4,fa4_deterministic --anchor-shapes 1,32,32768,128 --quiet \
+    --out "$OUT/attention_anchors.jsonl"
+
+  ncu_launch bwd_ours '^_attn_bwd_kernel' 1,32,16384,128 ours
+  ncu_launch bwd_fa4 'FlashAttentionBackwardSm90' 1,32,16384,128 fa4
+  export_ncu bwd_ours bwd_fa4
+  join_csv "$OUT/ncu_bwd_details.csv" "$work/bwd_ours.details.csv" "$work/bwd_fa4.details.csv"
+  join_csv "$OUT/ncu_bwd_raw.csv" "$work/bwd_ours.raw.csv" "$work/bwd_fa4.raw.csv"
+  pack "$OUT/ncu_bwd_source.tgz" "$work/bwd_ours.source.csv" "$work/bwd_fa4.source.csv"
+
+  step "4. kernel times of one forward + backward" 45 90 "${py[@]}" tools/attention_peers_profile.py \
+    --impls ours,fa4,sdpa --shape 1,32,16384,128 --out "$OUT/attention_kernels.jsonl"
+
+  ncu_launch fwd_ours '^_attn_fwd_kernel' 1,16,16384,64 ours
+  ncu_launch fwd_fa4 'FlashAttentionForwardSm90' 1,16,16384,64 fa4
+  export_ncu fwd_ours fwd_fa4
+  pack "$OUT/ncu_fwd.tgz" "$work"/fwd_ours.{details,raw,source}.csv "$work"/fwd_fa4.{details,raw,source}.csv
+
+  pack "$OUT/ncu_reports.tgz" "$work"/bwd_{ours,fa4}.ncu-rep
+  for f in "$OUT"/*; do  # what comes back is at most 16 MiB a file
+    if [ "$(stat -c %s "$f")" -gt $((16 * 1024 * 1024)) ]; then echo "== $(basename "$f") is over 16 MiB: removed"; rm -f "$f"; fi
+  done
+  if [ -s "$OUT/attention_anchors.jsonl" ]; then
+    echo "== anchors"
+    "${py[@]}" -m cs336_harness.cli attention --markdown "$OUT/attention_anchors.jsonl" 2>&1 | tail -30
+  fi
+  echo "== done ($(left) s left)"
+  ls -la "$OUT"
+} 2>&1 | tee "$OUT/log.txt"
+rm -rf "$work"
