@@ -34,7 +34,7 @@ def main() -> int:
     lines = [line for line in run.stdout.splitlines() if line.strip()]
     row = {"what": f"the quick test suite's wall time, {os.cpu_count()} CPU cores", "wall_s": round(wall, 1),
            "pytest_summary": lines[-1] if lines else "", "returncode": run.returncode}
-    append_rows(args.out, [row], provenance([Path(__file__).name, *command[1:]]))
+    append_rows(args.out, [row], provenance())
     print(f"{wall:.1f} s wall: {row['pytest_summary']}")
     return run.returncode
 

@@ -47,3 +47,28 @@ def test_check_writable_leaves_no_file_behind_and_keeps_an_existing_one(tmp_path
         results.check_writable("/proc/nope/x.jsonl")
     with pytest.raises(ValueError, match="cannot write to"):
         results.check_writable(tmp_path)  # a folder, not a file
+
+
+def test_command_line_is_what_a_user_types_from_the_repository_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    root = results._REPO_ROOT
+    cli = root / "packages/harness/src/cs336_harness/cli.py"
+    monkeypatch.setenv("OUT", "/root/out")
+    # `python -m cs336_harness.cli` (tools/gpu.sh, torchrun) and the entry point are both `cs336`
+    assert results.command_line([str(cli), "bench", "--out", "/root/out/rows.jsonl"]) == (
+        "cs336 bench --out $OUT/rows.jsonl")
+    assert results.command_line(["/somewhere/.venv/bin/cs336", "ddp", f"--trace-dir={root}/traces"]) == (
+        "cs336 ddp --trace-dir=traces")
+    assert results.command_line([str(root / "tools/copy_census.py"), "--out", str(root / "writeup/results/x.jsonl"),
+                                 "--shapes", "1,2;3,4", "--out-dir", "/root/out"]) == (
+        "uv run python tools/copy_census.py --out writeup/results/x.jsonl --shapes '1,2;3,4' --out-dir $OUT")
+    assert results.command_line(["tools/determinism_cost.py"]) == "uv run python tools/determinism_cost.py"
+    # a path outside the repository and $OUT is what the user typed; without $OUT nothing is read as inside it
+    assert results.command_line([str(cli), "bench", "--out", "/data/r.jsonl"]) == "cs336 bench --out /data/r.jsonl"
+    monkeypatch.delenv("OUT")
+    assert results.command_line([str(cli), "bench", "--out", "/root/out/r"]) == "cs336 bench --out /root/out/r"
+
+
+def test_provenance_names_the_command_as_typed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("sys.argv", [str(results._REPO_ROOT / "packages/harness/src/cs336_harness/cli.py"),
+                                     "leaderboard", "--proxy", "--out", str(results._REPO_ROOT / "rows.jsonl")])
+    assert results.provenance()["command"] == "cs336 leaderboard --proxy --out rows.jsonl"

@@ -27,6 +27,7 @@ _REPO_ROOT = Path(__file__).resolve().parents[4]
 # session's first commit); a post-commit hook (tools/install-hooks.sh) keeps the current commit in this
 # untracked file so rows there still say it.
 _COMMIT_FILE = _REPO_ROOT / ".commit"
+_CLI = Path(__file__).resolve().with_name("cli.py")
 
 
 def _git(*args: str) -> str | None:
@@ -57,9 +58,43 @@ def device_name() -> str:
     return f"cpu ({platform.processor() or platform.machine()})"
 
 
+def command_line(argv: Sequence[str]) -> str:
+    """``argv`` as a user types it from the repository root: ``cs336 ...`` for the CLI (its entry point, or its module
+    run as ``python -m cs336_harness.cli``), ``uv run python PATH ...`` for a Python script, with each absolute path
+    inside the repository made relative to it and each inside ``$OUT`` (the GPU machine's output folder) written as
+    ``$OUT/...``, so that a row names no folder of the machine that ran it."""
+    if not argv:
+        return ""
+    head, *args = argv
+    if head.endswith("cs336") or Path(head).resolve() == _CLI:
+        words = ["cs336"]
+    elif head.endswith(".py"):
+        words = ["uv", "run", "python", _word(head)]
+    else:
+        words = [_word(head)]
+    return " ".join([*words, *map(_word, args)])
+
+
+def _word(arg: str) -> str:
+    """One shell word of :func:`command_line`; an absolute path also as the value of ``--flag=PATH``."""
+    flag, value = arg.split("=", 1) if arg.startswith("-") and "=" in arg else ("", arg)
+    prefix = flag + "=" if flag else ""
+    if not value.startswith("/"):
+        return shlex.quote(arg)
+    path = Path(value).resolve()
+    out = os.environ.get("OUT")
+    if path.is_relative_to(_REPO_ROOT):
+        return shlex.quote(prefix + str(path.relative_to(_REPO_ROOT)))
+    if out and path.is_relative_to(Path(out).resolve()):
+        rest = str(path.relative_to(Path(out).resolve()))
+        return (shlex.quote(prefix) if prefix else "") + "$OUT" + (shlex.quote("/" + rest) if rest != "." else "")
+    return shlex.quote(arg)
+
+
 def provenance(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """What every results row carries: command, device, versions, commit, UTC date, and the call id shared by the
-    rows of one call on the GPU machine (``CS336_CALL_ID``, set by ``tools/gpu.sh``; None elsewhere)."""
+    """What every results row carries: command (:func:`command_line` of ``argv``, default ``sys.argv``), device,
+    versions, commit, UTC date, and the call id shared by the rows of one call on the GPU machine (``CS336_CALL_ID``,
+    set by ``tools/gpu.sh``; None elsewhere)."""
     try:
         import triton
 
@@ -68,7 +103,7 @@ def provenance(argv: Sequence[str] | None = None) -> dict[str, Any]:
         triton_version = None
     argv = list(sys.argv if argv is None else argv)
     return {
-        "command": shlex.join(["cs336", *argv[1:]] if argv and argv[0].endswith("cs336") else argv),
+        "command": command_line(argv),
         "device": device_name(),
         "torch": torch.__version__,
         "triton": triton_version,

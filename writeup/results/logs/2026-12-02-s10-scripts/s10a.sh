@@ -1,2 +1,0 @@
-#!/usr/bin/env bash
-bash tools/gpu_leaderboard_proxy.sh
