@@ -1,7 +1,7 @@
 """Where the backward thread spends its CPU time in bf16 DDP steps: a markdown table from profiler traces.
 
 Reads the traces `cs336 ddp --trace-dir` wrote (one profiled step on rank 0 per variant), counts the
-host-side events that start inside the step's `backward` range (cs336_harness.profiling.host_op_times) and
+host-side events that start inside the step's `backward` range (cs336_harness.analysis.trace.host_op_times) and
 prints calls, total and median per event for each trace. Used for writeup section 5:
 
     uv run python tools/ddp_host_ops.py writeup/results/traces/ddp_bf16_{nocomm,bucketed_25mb,torch_ddp_25mb}.json.gz

@@ -482,7 +482,7 @@ def gluon_attention_backward(
     """dQ, dK, dV from the warp-specialised sm_90 kernel, given the forward's output and logsumexp.
 
     Args:
-        q, k, v, is_causal: as for :func:`~cs336_kernels.gluon_attention.forward.gluon_attention_forward`.
+        q, k, v, is_causal: as for :func:`~cs336_kernels.ops.flash_attention.gluon_forward.gluon_attention_forward`.
         o: the forward's output, shaped like q.
         do: the gradient of the loss with respect to o, shaped like q.
         lse: the forward's logsumexp, (batch, heads_q, seq_q), fp32, natural log.

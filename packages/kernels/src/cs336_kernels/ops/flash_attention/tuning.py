@@ -9,7 +9,7 @@ TMA (tensor descriptors); those are kept only where TMA can run (Hopper or newer
 
 Public: :data:`KERNELS`, :data:`TMA_FLAGS`, :func:`listed_configs`, :func:`autotuned_kernel` (to read
 what the autotuner timed and picked) and :func:`extra_configs` (to widen the lists for a sweep, as
-``python -m cs336_harness.attention_tuning`` does). Under the interpreter every kernel has one tiny config.
+the harness's ``cs336 tune`` does). Under the interpreter every kernel has one tiny config.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ KERNELS = ("fwd", "dkdv", "dq")
 Entry = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
 Regime = tuple[int, int]  # (bytes per element, padded head dim)
 
-# 16-bit d = 64 and d = 128 hold the two fastest configs of the wide sweep (cs336_harness.attention_tuning,
+# 16-bit d = 64 and d = 128 hold the two fastest configs of the wide sweep (``cs336 tune``,
 # rows in writeup/results/attention_tuning.jsonl); the other entries are sm_90 builds with few register
 # spills. fp32 runs on FMA units, not tensor cores, and needs far smaller tiles. BLOCK_M counts queries and
 # BLOCK_N keys in every kernel; the forward and dQ kernels loop over key tiles and need BLOCK_N | BLOCK_M,
