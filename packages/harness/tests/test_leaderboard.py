@@ -22,12 +22,13 @@ import torch.nn.functional as F
 from cs336_basics.config import ModelConfig
 from cs336_basics.model import BasicsTransformerLM
 from cs336_comms.process_group import spawn
-from cs336_harness import cli
+from cs336_harness import cli, device
 from cs336_harness.device import GIB
 from cs336_harness.studies import leaderboard
 from cs336_harness.studies.attention_impls import get_attention
 from cs336_harness.studies.leaderboard import LeaderboardConfig
 from cs336_sharding.checkpointing import activation_peak_bytes, apply_checkpointing
+from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import the checks module by name
 
@@ -168,11 +169,22 @@ def test_config_rejects_bf16_on_cpu() -> None:
         LeaderboardConfig(**{**leaderboard.CPU_DEFAULTS, "backend": "gloo", "compute_dtype": "bf16"})
 
 
-def test_flops_formula_counts_matmuls_and_causal_attention() -> None:
-    config = ModelConfig.from_preset("tiny", vocab_size=37, context_length=5)  # d 64, d_ff 256, 2 layers, 4 heads
-    matmuls = 6 * (3 * 5) * (2 * (4 * 64 * 64 + 3 * 64 * 256) + 37 * 64)
-    attention = 2 * 4 * 3 * 4 * 5**2 * 16 / 2 * 3.5
-    assert leaderboard.step_flops(config, global_batch=3) == pytest.approx(matmuls + attention)
+def test_flops_formula_is_what_a_step_of_the_model_multiplies() -> None:
+    """PyTorch's FLOP counter over one forward and backward of the model (eager attention, which computes the scores
+    a causal mask discards) counts the formula's model FLOPs plus that discarded half: three times (forward and
+    backward) half of Q K^T and P V."""
+    config = ModelConfig.from_preset("tiny", vocab_size=37, context_length=9)  # d 64, 2 layers, 4 heads of 16
+    model = BasicsTransformerLM.from_config(config)
+    ids = torch.randint(0, 37, (3, 9))
+    with FlopCounterMode(display=False) as counter:
+        F.cross_entropy(model(ids).flatten(0, 1), ids.flatten()).backward()
+    masked = 3 * (4 * 3 * 4 * 9**2 * 16) / 2 * config.num_layers
+    assert counter.get_total_flops() == leaderboard.step_flops(config, global_batch=3) + masked
+
+
+def test_mfu_is_over_the_named_gpus_measured_ceiling() -> None:
+    assert device.mfu(3 * 772e12, 1.5, 2, "NVIDIA H200") == pytest.approx(1.0)
+    assert device.mfu(1e15, 1.0, 1, "NVIDIA H100 80GB HBM3") is None  # no measured ceiling: no ratio against another's
 
 
 @pytest.mark.slow

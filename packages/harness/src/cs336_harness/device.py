@@ -1,4 +1,5 @@
-"""The one home of device facts the studies share: dtype names, synchronisation, the H200's measured ceilings.
+"""The one home of device facts the studies share: dtype names, synchronisation, the measured ceilings of a GPU and
+the model FLOPs utilisation against them.
 
 A dtype name means one thing everywhere: ``fp32`` is float32 compute, ``bf16`` and ``fp16`` the 16-bit types
 (as autocast or FSDP compute dtype, whichever the study uses).
@@ -18,6 +19,16 @@ CPU_CONTEXT_LENGTH = 128
 # higher, so utilisation against them would be lower.
 H200_BF16_MATMUL_FLOPS = 772e12
 H200_COPY_BYTES_PER_S = 4.24e12
+# The measured bf16 matmul ceiling of each GPU, by its torch.cuda.get_device_name(): what MFU divides by.
+BF16_MATMUL_FLOPS: dict[str, float] = {"NVIDIA H200": H200_BF16_MATMUL_FLOPS}
+
+
+def mfu(model_flops: float, seconds: float, num_gpus: int, gpu_name: str) -> float | None:
+    """Model FLOPs utilisation: ``model_flops`` done in ``seconds`` on ``num_gpus`` GPUs named ``gpu_name``, over
+    their measured bf16 matmul ceiling (:data:`BF16_MATMUL_FLOPS`); None for a GPU whose ceiling was not measured
+    (another GPU's ceiling would make the ratio meaningless)."""
+    peak = BF16_MATMUL_FLOPS.get(gpu_name)
+    return None if peak is None else model_flops / (seconds * num_gpus * peak)
 
 
 def dtype_of(name: str) -> torch.dtype:

@@ -2,7 +2,7 @@
 
 A writeup section holds ``<!-- table:NAME -->`` ... ``<!-- /table:NAME -->``; :func:`fill_tables`
 replaces what lies between with a freshly generated table, so numbers in the text are never typed
-by hand. ``tools/harness_tables.py`` builds the tables of sections 2 and 3 this way.
+by hand. :mod:`cs336_harness.writeup` builds the writeup's tables this way.
 """
 
 from __future__ import annotations

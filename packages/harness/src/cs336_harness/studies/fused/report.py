@@ -8,7 +8,7 @@ from typing import Any
 from cs336_harness.analysis.tables import markdown_table
 
 
-def _latest_run(rows: Sequence[dict[str, Any]], bench: str) -> list[dict[str, Any]]:
+def latest_run(rows: Sequence[dict[str, Any]], bench: str) -> list[dict[str, Any]]:
     """Rows of ``bench`` from its most recent run (rows of one run share their provenance date)."""
     picked = [r for r in rows if r.get("bench") == bench]
     latest = max((r.get("date", "") for r in picked), default="")
@@ -19,7 +19,7 @@ def fused_markdown(rows: Sequence[dict[str, Any]]) -> str:
     """The writeup's tables from the latest run of each benchmark: AdamW, linear + cross-entropy, its stages,
     and one table per glue op."""
     parts = []
-    adamw = _latest_run(rows, "adamw")
+    adamw = latest_run(rows, "adamw")
     if adamw:
         p = adamw[0]
         parts.append(
@@ -31,7 +31,7 @@ def fused_markdown(rows: Sequence[dict[str, Any]]) -> str:
                 ["impl", "median_ms", "speedup_vs_torch_fused", "floor_fraction", "achieved_tbps"],
                 ["implementation", "median (ms)", "vs torch fused", "floor / time", "TB/s moved"], strict=True)))
         )
-    ce = _latest_run(rows, "linear_ce")
+    ce = latest_run(rows, "linear_ce")
     if ce:
         p = ce[0]
         parts.append(
@@ -45,7 +45,7 @@ def fused_markdown(rows: Sequence[dict[str, Any]]) -> str:
                  "loss rel. err vs fp32", "grad h rel. err", "grad W rel. err"], strict=True))
                 + ([("note", "note")] if any(r.get("note") for r in ce) else []))
         )
-    for p in _latest_run(rows, "linear_ce_parts"):
+    for p in latest_run(rows, "linear_ce_parts"):
         stages = [
             {"stage": name.replace("_", " "), "ms": p[f"{name}_ms"],
              "rate": f"{p[name + '_tflops']:.0f} TFLOP/s" if name.endswith("mm")
@@ -56,7 +56,7 @@ def fused_markdown(rows: Sequence[dict[str, Any]]) -> str:
             f"Fused stages, {p['num_chunks']} chunks of {p['chunk_rows']} tokens (one chunk timed, times the count)."
             "\n\n" + markdown_table(stages, [("stage", "stage"), ("ms", "total (ms)"), ("rate", "rate")])
         )
-    glue = _latest_run(rows, "glue")
+    glue = latest_run(rows, "glue")
     for op in dict.fromkeys(r["op"] for r in glue):
         picked = [{**r, "note": r.get("error") or r.get("note")} for r in glue if r["op"] == op]
         p = picked[0]

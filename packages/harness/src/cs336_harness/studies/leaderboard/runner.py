@@ -3,8 +3,8 @@
 It runs ``warmup`` untimed and ``steps`` timed steps (devices synchronised and the ranks at a barrier before and
 after each) and returns one row: step time (the maximum over ranks of each rank's median, and the maximum of all),
 tokens per second, model FLOPs utilisation (:func:`~cs336_harness.studies.leaderboard.flops.step_flops` against the
-H200's measured bf16 matmul rate) and peak memory per rank. With ``profile``, one more step runs under
-torch.profiler and the row gets its GPU time by kind of kernel (``breakdown``,
+running GPU's measured bf16 matmul rate, :func:`cs336_harness.device.mfu`) and peak memory per rank. With
+``profile``, one more step runs under torch.profiler and the row gets its GPU time by kind of kernel (``breakdown``,
 :func:`cs336_harness.analysis.kernel_kinds.step_breakdown`; GPU only). Past ``time_limit_s`` no new step starts
 and :class:`TimeLimitExceeded` is raised. On CPU (gloo) the Triton kernels run in the Triton interpreter,
 so only fp32 compute is allowed there (bf16 ``tl.dot`` is wrong in the interpreter).
@@ -27,7 +27,7 @@ from cs336_comms.process_group import current_device, run_ranks
 
 from cs336_harness import instrument
 from cs336_harness.analysis import kernel_kinds, trace
-from cs336_harness.device import GIB, H200_BF16_MATMUL_FLOPS
+from cs336_harness.device import GIB, mfu
 from cs336_harness.progress import progress_bar
 from cs336_harness.studies.leaderboard.config import LeaderboardConfig
 from cs336_harness.studies.leaderboard.flops import step_flops
@@ -209,7 +209,7 @@ def run_leaderboard(config: LeaderboardConfig, progress: Callable[[str], None] |
                            "backend": config.resolved_backend, "params": model_config.num_params,
                            "tokens_per_step": tokens, "model_flops_per_step": flops, **result}
     row["tokens_per_s"] = tokens / row["step_s"]
-    row["mfu"] = flops / (row["step_s"] * config.world_size * H200_BF16_MATMUL_FLOPS) if on_gpu else None
+    row["mfu"] = mfu(flops, row["step_s"], config.world_size, torch.cuda.get_device_name()) if on_gpu else None
     if on_gpu:
         row["peak_step_gib"] = max(row["peak_step_gib_per_rank"])
         row["peak_init_gib"] = max(row["peak_init_gib_per_rank"])

@@ -1,0 +1,27 @@
+"""The writeup's tables (``cs336_harness.writeup``) are the ones its sections hold: every table between markers is
+what the committed rows build, so a number in a table cannot drift from its rows; and the leaderboard's MFU is
+computed from a row's shape and step time against the ceiling of the GPU the row names."""
+
+import pytest
+from cs336_basics.config import ModelConfig
+from cs336_harness import writeup
+from cs336_harness.analysis.tables import fill_tables
+from cs336_harness.studies.leaderboard.flops import step_flops
+
+
+def test_the_sections_hold_the_tables_the_rows_build() -> None:
+    for section, tables in writeup.build_tables().items():
+        (path,) = (writeup.ROOT / "writeup" / "sections").glob(f"{section}-*.md")
+        text = path.read_text()
+        assert fill_tables(text, tables) == text, f"{path.name} is stale: uv run python tools/harness_tables.py"
+
+
+def test_row_mfu_counts_model_flops_against_the_rows_gpu() -> None:
+    shape = {"d_model": 64, "d_ff": 256, "num_layers": 2, "num_heads": 4, "vocab_size": 37, "context_length": 9}
+    flops = step_flops(ModelConfig(**shape), 3)
+    row = {**shape, "global_batch": 3, "world_size": 2, "step_s": 0.25, "device": "2x NVIDIA H200",
+           "model_flops_per_step": 2 * flops, "mfu": 0.9}  # what a row stores is not read
+    assert writeup.model_flops(row) == flops
+    assert writeup.row_mfu(row) == pytest.approx(flops / (0.25 * 2 * 772e12))
+    assert writeup.row_mfu({**row, "device": "NVIDIA H200"}) == writeup.row_mfu(row)
+    assert writeup.row_mfu({**row, "device": "2x NVIDIA A100-SXM4-80GB"}) is None
