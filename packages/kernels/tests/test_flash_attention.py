@@ -181,7 +181,7 @@ def test_backward_with_tma_loads_matches_reference(monkeypatch, shape_q, shape_k
 
 
 @pytest.mark.parametrize(("n_queries", "head_dim"), [(128, 64), (70, 128)])
-def test_the_gluon_backwards_dq_accumulator_is_unstaged_in_row_order(n_queries, head_dim):
+def test_the_gluon_backwards_dq_accumulator_is_unstaged_in_row_order_and_scaled(n_queries, head_dim):
     # The Gluon backward stages row 8a + 4b + 2c + d of every 64-row dQ tile at row 8a + 4c + 2d + b.
     rows = -(-n_queries // 64) * 64
     dq = torch.randn(2, 3, rows, head_dim, generator=torch.Generator().manual_seed(0)).to(DEVICE)
@@ -192,12 +192,12 @@ def test_the_gluon_backwards_dq_accumulator_is_unstaged_in_row_order(n_queries, 
     # Into a (batch, seq, heads, d) tensor seen as (batch, heads, seq, d), as the backward writes dQ for a model.
     # fp16: the interpreter rounds bf16 its own way.
     out = torch.full((2, n_queries, 3, head_dim), float("nan"), dtype=torch.float16, device=DEVICE).transpose(1, 2)
-    assert unstage_dq(staged, out) is out
-    torch.testing.assert_close(out, dq[:, :, :n_queries].half(), rtol=0, atol=0)
+    assert unstage_dq(staged, out, 0.125) is out
+    torch.testing.assert_close(out, (dq[:, :, :n_queries] * 0.125).half(), rtol=0, atol=0)
     with pytest.raises(ValueError, match="multiple of 64"):
-        unstage_dq(staged[:, :, :-1].contiguous(), out[:, :, 1:])
+        unstage_dq(staged[:, :, :-1].contiguous(), out[:, :, 1:], 1.0)
     with pytest.raises(ValueError, match="unit stride"):
-        unstage_dq(staged, out.transpose(2, 3).contiguous().transpose(2, 3))
+        unstage_dq(staged, out.transpose(2, 3).contiguous().transpose(2, 3), 1.0)
 
 
 def test_outputs_and_gradients_take_the_layout_of_their_inputs():

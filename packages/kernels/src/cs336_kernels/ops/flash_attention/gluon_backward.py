@@ -18,18 +18,20 @@ mode, below):
   until the end. The accumulator is ours alone, so its rows may be in any order: each dQ tile's rows are staged
   permuted within groups of eight (:func:`staged_row`), which makes the consumers' fp32 stores into the 128-byte
   swizzled staging buffers free of bank conflicts, and one pass (:func:`unstage_dq`) puts them back in order
-  while it casts dQ to the inputs' dtype.
+  while it scales dQ and casts it to the inputs' dtype.
 
-``P^T = exp2(S^T * scale * log2(e) - L * log2(e))`` is recomputed from the forward's logsumexp and
-``dS^T = P^T * (dP^T - D)`` uses ``D = rowsum(dO * O)``. Rows past the end of a head read as zeros by TMA,
-so they add nothing to any product and need no masks; only tiles that straddle the causal diagonal are
-masked. The reduce-adds land in an order that varies from run to run, so dQ is not bitwise reproducible
-(dK and dV are: each program owns its keys and sums the query heads of its group in a fixed order), except under
-``torch.use_deterministic_algorithms(True)``: then the key blocks of a head are launched last first and each
-adds into a dQ tile only once every later key block has (FlashAttention-3's deterministic mode), counted by a
-lock per tile. A consumer hands each completed reduce-add to a one-warp releaser partition, which counts the tile's
-adds as landed (a GPU-scope release, whose fence would otherwise stall the consumer's warpgroup every tile).
-Launching the longest programs last and the waits cost some speed; dQ is then bitwise reproducible.
+``P^T = exp2(S^T * scale * log2(e) - L * log2(e))`` is recomputed from the forward's logsumexp (read as
+``L * log2(e)``, made once per row before the kernel) and ``dS^T = P^T * (dP^T - D)`` uses ``D = rowsum(dO * O)``.
+The softmax scale of dK = scale * dS^T Q and dQ = scale * dS K is applied once to each output element (dK at the
+end, dQ in the unstaging pass) rather than to every element of every dS^T tile: one multiply fewer per score.
+Rows past the end of a head read as zeros by TMA, so they add nothing to any product and need no masks; only tiles
+that straddle the causal diagonal are masked. The reduce-adds land in an order that varies from run to run, so dQ is
+not bitwise reproducible (dK and dV are: each program owns its keys and sums the query heads of its group in a fixed
+order), except under ``torch.use_deterministic_algorithms(True)``: then the key blocks of a head are launched last
+first and each adds into a dQ tile only once every later key block has (FlashAttention-3's deterministic mode),
+counted by a lock per tile. A consumer hands each completed reduce-add to a one-warp releaser partition, which counts
+the tile's adds as landed (a GPU-scope release, whose fence would otherwise stall the consumer's warpgroup every
+tile). Launching the longest programs last and the waits cost some speed; dQ is then bitwise reproducible.
 
 The kernels need an sm_90 GPU; they do not run in the Triton interpreter.
 """
@@ -223,7 +225,7 @@ def _bwd_consumer(
         s_t = warpgroup_mma_wait(1, deps=(s_t,))
         # Query rows past the end read L = D = 0 (TMA fills them with zeros); their Q and dO rows are zeros
         # too, so they add nothing.
-        lse2 = l_bufs.index(stage).reshape([BLOCK_M]).load(col_s) * 1.4426950408889634  # log2(e)
+        lse2 = l_bufs.index(stage).reshape([BLOCK_M]).load(col_s)  # L * log2(e)
         p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
         if i < masked_until:  # never without the causal mask: masked_until is 0 then
             p_t = gl.where(offs_q[None, :] >= offs_k[:, None], p_t, 0.0)
@@ -231,8 +233,7 @@ def _bwd_consumer(
         dv = warpgroup_mma(p16, do_smem, dv, is_async=True)
         dp_t = warpgroup_mma_wait(1, deps=(dp_t,))
         delta = d_bufs.index(stage).reshape([BLOCK_M]).load(col_s)
-        # dS^T carries the softmax scale, so that dK and dQ come out scaled.
-        ds16 = (p_t * (dp_t - delta[None, :]) * sm_scale).to(dtype)
+        ds16 = (p_t * (dp_t - delta[None, :])).to(dtype)
         ds_bufs.index(slot).slice(CONSUMER * KEYS, KEYS, dim=0).store(ds16)
         fence_async_shared()
         mbarrier.arrive(ds_ready.index(slot))
@@ -301,7 +302,7 @@ def _bwd_consumer(
     # dK, dV rows past the end of the keys are dropped by the mask.
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
     rows = k0 + CONSUMER * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kv_layout))
-    _store_rows(DK, dk_strides, dk.to(dtype), b, h_kv, rows, offs_d, N_KEYS)
+    _store_rows(DK, dk_strides, (dk * sm_scale).to(dtype), b, h_kv, rows, offs_d, N_KEYS)
     _store_rows(DV, dv_strides, dv.to(dtype), b, h_kv, rows, offs_d, N_KEYS)
     tma.store_wait(0)
 
@@ -392,10 +393,11 @@ def staged_row(r):
 
 
 @triton.jit
-def _dq_unstage_kernel(ACC, DQ, stride_b, stride_h, stride_t, HEADS, N_QUERIES, ROWS, HEAD_DIM: tl.constexpr,
-                       BLOCK_M: tl.constexpr):
+def _dq_unstage_kernel(ACC, DQ, scale, stride_b, stride_h, stride_t, HEADS, N_QUERIES, ROWS,
+                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
     # ACC: (batch * heads, ROWS, HEAD_DIM) fp32 whose BLOCK_M-row tiles hold their rows in staged order; DQ:
-    # (batch, heads, N_QUERIES, HEAD_DIM) with these strides, in row order. Each program moves one tile of one head.
+    # (batch, heads, N_QUERIES, HEAD_DIM) with these strides, in row order, times scale. Each program moves one
+    # tile of one head.
     bh = tl.program_id(1).to(tl.int64)
     r = tl.arange(0, BLOCK_M)
     row0 = tl.program_id(0) * BLOCK_M
@@ -403,13 +405,13 @@ def _dq_unstage_kernel(ACC, DQ, stride_b, stride_h, stride_t, HEADS, N_QUERIES, 
     acc = tl.load(ACC + (bh * ROWS + row0 + staged_row(r))[:, None] * HEAD_DIM + cols[None, :])
     rows = row0 + r
     out = DQ + (bh // HEADS) * stride_b + (bh % HEADS) * stride_h + rows[:, None].to(tl.int64) * stride_t
-    tl.store(out + cols[None, :], acc.to(DQ.dtype.element_ty), mask=(rows < N_QUERIES)[:, None])
+    tl.store(out + cols[None, :], (acc * scale).to(DQ.dtype.element_ty), mask=(rows < N_QUERIES)[:, None])
 
 
-def unstage_dq(acc: torch.Tensor, dq: torch.Tensor) -> torch.Tensor:
-    """Writes into ``dq`` (batch, heads, n_queries, d), any strides with a unit one on d, the backward's fp32
-    accumulator ``acc`` (batch, heads, rows, d; rows a multiple of the query tile and at least n_queries, each
-    tile's rows in :func:`staged_row` order) in row order and ``dq``'s dtype; returns ``dq``."""
+def unstage_dq(acc: torch.Tensor, dq: torch.Tensor, scale: float) -> torch.Tensor:
+    """Writes into ``dq`` (batch, heads, n_queries, d), any strides with a unit one on d, ``scale`` times the
+    backward's fp32 accumulator ``acc`` (batch, heads, rows, d; rows a multiple of the query tile and at least
+    n_queries, each tile's rows in :func:`staged_row` order), in row order and ``dq``'s dtype; returns ``dq``."""
     batch, heads, rows, head_dim = acc.shape
     block_m = CONFIGS[head_dim][0]
     n_queries = dq.shape[2]
@@ -419,7 +421,7 @@ def unstage_dq(acc: torch.Tensor, dq: torch.Tensor) -> torch.Tensor:
     if dq.shape != (batch, heads, n_queries, head_dim) or dq.stride(-1) != 1:
         raise ValueError(f"dq must be ({batch}, {heads}, n_queries, {head_dim}) with a unit stride on d; got "
                          f"{tuple(dq.shape)} with strides {dq.stride()}")
-    _dq_unstage_kernel[(rows // block_m, batch * heads)](acc, dq, *dq.stride()[:3], heads, n_queries, rows,
+    _dq_unstage_kernel[(rows // block_m, batch * heads)](acc, dq, scale, *dq.stride()[:3], heads, n_queries, rows,
                                                          HEAD_DIM=head_dim, BLOCK_M=block_m)
     return dq
 
@@ -435,24 +437,15 @@ def _padded_rows(shape: torch.Size, device: torch.device) -> torch.Tensor:
     return torch.empty((batch, heads, -(-n // 4) * 4), device=device, dtype=torch.float32)[..., :n]
 
 
-def _rows_ready(x: torch.Tensor) -> torch.Tensor:
-    aligned = x.data_ptr() % 16 == 0 and x.stride(-1) == 1 and all(s % 4 == 0 for s in x.stride()[:-1])
-    if aligned:
-        return x
-    padded = _padded_rows(x.shape, x.device)
-    padded.copy_(x)
-    return padded
-
-
 def backward_args(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse2: torch.Tensor, delta: torch.Tensor,
     dq_acc: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, dq_locks: torch.Tensor | None, is_causal: bool,
 ) -> tuple[tuple, dict]:
     """The backward kernel's arguments and constexprs for these tensors (for the launcher and offline builds);
-    ``lse`` and ``delta`` (batch, heads_q, seq_q) fp32 with 16-byte-aligned strides, ``dq_acc`` the zeroed fp32
-    accumulator (batch, heads_q, seq_q rounded up to whole query tiles, d) that :func:`unstage_dq` reads, dK and
-    dV with a unit stride on d, and ``dq_locks`` the zeroed int32 locks of the deterministic mode
-    (:func:`dq_lock_count` of them) or None for the default one."""
+    ``lse2`` (the forward's logsumexp times log2(e)) and ``delta`` (batch, heads_q, seq_q) fp32 with 16-byte-aligned
+    strides, ``dq_acc`` the zeroed fp32 accumulator (batch, heads_q, seq_q rounded up to whole query tiles, d) that
+    :func:`unstage_dq` reads and scales, dK and dV with a unit stride on d, and ``dq_locks`` the zeroed int32 locks
+    of the deterministic mode (:func:`dq_lock_count` of them) or None for the default one."""
     heads_q, n_queries, head_dim = q.shape[1:]
     heads_kv, n_keys = k.shape[1], k.shape[2]
     block_m, block_n, stages = CONFIGS[head_dim]
@@ -461,7 +454,7 @@ def backward_args(
     dq_desc = TensorDescriptor.from_tensor(dq_acc, dq_block, gl.NVMMASharedLayout.get_default_for(dq_block, gl.float32))
     args = (
         descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(do, block_m), dq_desc,
-        _row_descriptor(lse, block_m), _row_descriptor(delta, block_m), dk, dv, dq_locks,
+        _row_descriptor(lse2, block_m), _row_descriptor(delta, block_m), dk, dv, dq_locks,
         *dk.stride()[:3], *dv.stride()[:3],
         heads_kv, heads_q // heads_kv, n_queries, n_keys, sm_scale * LOG2E, sm_scale,
     )
@@ -501,7 +494,7 @@ def gluon_attention_backward(
         )
     if lse.shape != q.shape[:-1] or lse.dtype != torch.float32 or lse.device != q.device:
         raise ValueError(f"lse must be fp32 {tuple(q.shape[:-1])} on {q.device}; got {lse.dtype} {tuple(lse.shape)}")
-    lse = _rows_ready(lse)
+    lse2 = torch.mul(lse, LOG2E, out=_padded_rows(lse.shape, q.device))  # the kernel's exponent is in base 2
     dq, dk, dv = output_like(q), output_like(k), output_like(v)
     q, k, v, do = tma_ready(q), tma_ready(k), tma_ready(v), tma_ready(do)
     batch, heads_q, n_queries, head_dim = q.shape
@@ -517,7 +510,7 @@ def gluon_attention_backward(
     dq_locks = None
     if torch.are_deterministic_algorithms_enabled():
         dq_locks = torch.zeros(dq_lock_count(q), device=q.device, dtype=torch.int32)
-    args, constants = backward_args(q, k, v, do, lse, delta, dq_acc, dk, dv, dq_locks, is_causal)
+    args, constants = backward_args(q, k, v, do, lse2, delta, dq_acc, dk, dv, dq_locks, is_causal)
     grid = (triton.cdiv(k.shape[2], constants["BLOCK_N"]), batch * k.shape[1])
     _attn_bwd_kernel[grid](*args, **constants, num_warps=4, maxnreg=MAX_REGISTERS)
-    return unstage_dq(dq_acc, dq), dk, dv
+    return unstage_dq(dq_acc, dq, 1.0 / math.sqrt(head_dim)), dk, dv
