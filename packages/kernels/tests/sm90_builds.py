@@ -1,8 +1,8 @@
-"""Compile the RMSNorm (alone and with the residual add folded in), RoPE and SiLU-mul kernels for sm_90 without a
-GPU and print what ptxas made of them.
+"""Compile the RMSNorm (alone and with the residual add folded in, and its weight-gradient reduction), RoPE and
+SiLU-mul kernels for sm_90 without a GPU and print what ptxas made of them.
 
-Each kernel is specialised as its launcher specialises it at the leaderboard shapes (bf16, d_model 4096,
-head_dim 128 with 32 heads; the SiLU-mul kernels do not specialise on d_ff; unit strides as constants,
+Each kernel is specialised as its launcher specialises it (default launches) at the leaderboard shapes (bf16,
+d_model 4096, head_dim 128 with 32 heads; the SiLU-mul kernels do not specialise on d_ff; unit strides as constants,
 16-divisible pointers and sizes) and built by ``triton.compile`` for ``GPUTarget("cuda", 90, 32)``; cuobjdump
 then reads registers per thread and the local-memory spill stores and loads in the SASS. One JSON row per build
 on stdout::
@@ -50,20 +50,30 @@ def build(name: str, kernel: Any, types: dict[str, str], constants: dict[str, An
 def rows() -> list[dict]:
     d_model, head_dim, heads = 4096, 128, 32
     out = []
-    block_d, warps = rms_norm.launch_settings(d_model)
+    block_d = triton.next_power_of_2(d_model)
     for w in ("bf16", "fp32"):
         for add in (False, True):  # the norm alone (no delta, h, dh: None), and with the residual add folded in
             name = "add_rms_norm" if add else "rms_norm"
             fwd_add, bwd_add = ({"DELTA": "*bf16", "H": "*bf16"}, {"DH": "*bf16"}) if add else ({}, {})
-            out.append(build(f"{name}_fwd (weight {w})", rms_norm._rms_norm_fwd_kernel,
-                             {"X": "*bf16", "W": f"*{w}", "Y": "*bf16", "RSTD": "*fp32", "stride_x": "i32",
-                              "stride_delta": "i32", "D": "i32", "eps": "fp32", **fwd_add},
-                             {"BLOCK_D": block_d, "ADD": add, **({} if add else {"DELTA": None, "H": None})}, warps))
-            out.append(build(f"{name}_bwd (weight {w})", rms_norm._rms_norm_bwd_kernel,
-                             {"DY": "*bf16", "X": "*bf16", "W": f"*{w}", "RSTD": "*fp32", "DX": "*bf16",
-                              "DW_PARTIAL": "*fp32", "stride_dy": "i32", "stride_dh": "i32", "stride_x": "i32",
-                              "n_rows": "i32", "rows_per_program": "i32", "D": "i32", **bwd_add},
-                             {"BLOCK_D": block_d, "ADD": add, **({} if add else {"DH": None})}, warps))
+            for direction, backward in (("fwd", False), ("bwd", True)):
+                launch = rms_norm.launch_settings(d_model, backward=backward)
+                constants = {"BLOCK_ROWS": launch.block_rows, "BLOCK_D": block_d, "STAGES": launch.stages, "ADD": add}
+                if backward:
+                    kernel, types = rms_norm._rms_norm_bwd_kernel, {
+                        "DY": "*bf16", "X": "*bf16", "W": f"*{w}", "RSTD": "*fp32", "DX": "*bf16",
+                        "DW_PARTIAL": "*fp32", "stride_dy": "i32", "stride_dh": "i32", "stride_x": "i32",
+                        "n_rows": "i32", "D": "i32", **bwd_add}
+                    constants |= {} if add else {"DH": None}
+                else:
+                    kernel, types = rms_norm._rms_norm_fwd_kernel, {
+                        "X": "*bf16", "W": f"*{w}", "Y": "*bf16", "RSTD": "*fp32", "stride_x": "i32",
+                        "stride_delta": "i32", "n_rows": "i32", "D": "i32", "eps": "fp32", **fwd_add}
+                    constants |= {} if add else {"DELTA": None, "H": None}
+                row = build(f"{name}_{direction} (weight {w})", kernel, types, constants, launch.num_warps)
+                out.append({**row, "programs_per_sm": launch.programs_per_sm})
+    out.append(build("rms_norm_dw_reduce (weight bf16)", rms_norm._dw_reduce_kernel,
+                     {"PARTIAL": "*fp32", "DW": "*bf16", "n_partials": "i32", "D": "i32"},
+                     {"BLOCK_P": rms_norm._REDUCE_PARTIALS, "BLOCK_N": rms_norm._REDUCE_COLUMNS}, 4))
     settings = rope.launch_settings(head_dim, heads, heads)
     rope_warps = settings.pop("num_warps")
     for inverse in (False, True):

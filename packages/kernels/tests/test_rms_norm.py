@@ -12,7 +12,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cs336_kernels.ops.rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
+from cs336_kernels.ops.rms_norm import (
+    Launch,
+    add_rms_norm,
+    add_rms_norm_reference,
+    launch_settings,
+    num_programs,
+    reduce_weight_grad,
+    rms_norm,
+    rms_norm_backward,
+    rms_norm_backward_rows,
+    rms_norm_forward,
+    rms_norm_reference,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # ||ours - float64|| / ||float64|| allowed, by the dtype the result is rounded to (one rounding of an fp32 value,
@@ -276,3 +288,101 @@ def test_add_leaderboard_shape_bf16_on_gpu(w_dtype):
     for name, got, same, expected in zip(ADD_NAMES, ours, eager, exact, strict=True):
         # Never less accurate than PyTorch running the model's add and norm in bf16.
         assert _rel_err(got, expected) <= 1.01 * _rel_err(same, expected) + FP32_ORDER_SLACK, name
+
+
+# Launches other than the defaults (the GPU sweep's candidates, tools/glue_sweep.py): several rows per block with a
+# ragged last block (23 rows), a pipelined loop, and rows spread over the interpreter's 3 programs unevenly.
+LAUNCHES = [Launch(block_rows=4, num_warps=4, programs_per_sm=1, stages=2),
+            Launch(block_rows=2, num_warps=8, programs_per_sm=2, stages=3),
+            Launch(block_rows=8, num_warps=4, programs_per_sm=4, stages=1)]
+
+
+def _strided_rows(rows, d, dtype, seed):
+    """(rows, d) with a unit column stride and rows d + 13 apart: a column slice, as the launchers accept it."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    wide = torch.randn(rows, d + 13, generator=gen, device=DEVICE) * 2 + 0.3
+    return wide.to(dtype)[:, 5:5 + d]
+
+
+@pytest.mark.parametrize("launch", LAUNCHES, ids=["4-rows-2-stages", "2-rows-3-stages", "8-rows-1-stage"])
+@pytest.mark.parametrize(("dtype", "w_dtype"), [(torch.float32, torch.float32), (torch.float16, torch.bfloat16)])
+@pytest.mark.parametrize("add", [False, True], ids=["norm", "add"])
+def test_launches_match_float64_reference(launch, dtype, w_dtype, add):
+    rows, d = 23, 37
+    x, dy = _strided_rows(rows, d, dtype, seed=6), _strided_rows(rows, d, dtype, seed=7)
+    delta, dh = (_strided_rows(rows, d, dtype, seed=s) if add else None for s in (8, 9))
+    w = (1 + 0.5 * torch.randn(d, generator=torch.Generator(device=DEVICE).manual_seed(10), device=DEVICE)).to(w_dtype)
+    assert x.stride() == (d + 13, 1)
+    y, rstd, h = rms_norm_forward(x, w, 1e-5, delta, launch=launch)
+    dx, dw = rms_norm_backward(dy, x if h is None else h, w, rstd, dh, launch=launch)
+    if add:
+        assert torch.equal(h, x + delta)  # one fp32 add, one rounding, as PyTorch's
+    hr = (x if h is None else h).double().requires_grad_()
+    w64 = w.double().requires_grad_()
+    y64 = rms_norm_reference(hr, w64)
+    y64.backward(dy.double())
+    dx64 = hr.grad if dh is None else hr.grad + dh.double()
+    rstd64 = hr.detach().pow(2).mean(-1).add(1e-5).rsqrt()
+    tol = REL_TOL[dtype]
+    for name, got, want in (("y", y, y64), ("rstd", rstd, rstd64), ("dx", dx, dx64), ("dw", dw, w64.grad)):
+        assert _rel_err(got, want) < max(tol, REL_TOL[got.dtype]), (name, _rel_err(got, want))
+    assert y.dtype == dx.dtype == dtype and dw.dtype == w_dtype and rstd.dtype == torch.float32
+
+
+@pytest.mark.parametrize("launch", LAUNCHES[:2], ids=["4-rows-2-stages", "2-rows-3-stages"])
+def test_add_launch_is_the_unfused_launch_bit_for_bit(launch):
+    # fp16: the interpreter rounds it to nearest as PyTorch does (see test_add_is_the_unfused_add_and_norm...).
+    rows, d = 23, 37
+    x, delta, dy, dh = (_strided_rows(rows, d, torch.float16, seed=s) for s in (11, 12, 13, 14))
+    w = torch.rand(d, generator=torch.Generator(device=DEVICE).manual_seed(15), device=DEVICE) + 0.5
+    y, rstd, h = rms_norm_forward(x, w, 1e-5, delta, launch=launch)
+    y_unfused, rstd_unfused, _ = rms_norm_forward(x + delta, w, 1e-5, launch=launch)
+    assert torch.equal(y, y_unfused) and torch.equal(rstd, rstd_unfused)
+    dx, dw = rms_norm_backward(dy, h, w, rstd, dh, launch=launch)
+    dx_norm, dw_unfused = rms_norm_backward(dy, h, w, rstd, launch=launch)
+    assert torch.equal(dx, dx_norm + dh) and torch.equal(dw, dw_unfused)
+
+
+def test_backward_rows_and_weight_grad_reduction():
+    rows, d = 23, 37
+    x, dy = _strided_rows(rows, d, torch.float32, seed=16), _strided_rows(rows, d, torch.float32, seed=17)
+    w = torch.rand(d, device=DEVICE) + 0.5
+    launch = LAUNCHES[0]
+    _, rstd, _ = rms_norm_forward(x, w, 1e-5, launch=launch)
+    dx, partial = rms_norm_backward_rows(dy, x, w, rstd, launch=launch)
+    # one fp32 row per program, together the whole dw
+    assert partial.shape == (num_programs(launch, rows, x.device), d) and partial.dtype == torch.float32
+    xhat = x.double() * rstd.double()[:, None]
+    assert _rel_err(partial.sum(0), (dy.double() * xhat).sum(0)) < REL_TOL[torch.float32]
+    assert torch.equal(reduce_weight_grad(partial, torch.float32), rms_norm_backward(dy, x, w, rstd, launch=launch)[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_weight_grad_reduction_of_many_partials(dtype):
+    # 150 partial rows: two full blocks of 64 and a ragged one; 70 columns: two full blocks of 32 and a ragged one.
+    gen = torch.Generator(device=DEVICE).manual_seed(18)
+    partial = torch.randn(150, 70, generator=gen, device=DEVICE)
+    dw = reduce_weight_grad(partial, dtype)
+    assert dw.dtype == dtype and dw.shape == (70,)
+    want = partial.double().sum(0)
+    assert _rel_err(dw, want) < max(REL_TOL[torch.float32], REL_TOL[dtype])
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [({"block_rows": 3}, "block_rows must be a power of two, got 3"), ({"num_warps": 0}, "num_warps must be a power"),
+     ({"num_warps": 64}, "num_warps must be at most 32, got 64"), ({"programs_per_sm": 0}, "programs_per_sm must be"),
+     ({"stages": 0}, "stages must be positive, got 0")],
+)
+def test_launch_rejects_bad_settings(change, message):
+    with pytest.raises(ValueError, match=message):
+        Launch(**{"block_rows": 1, "num_warps": 8, "programs_per_sm": 2, "stages": 3, **change})
+
+
+def test_default_launches():
+    # Short rows batched to about 4096 values per block, pipelining only where two blocks ahead fit in shared memory.
+    assert launch_settings(4096, backward=True) == Launch(1, 8, 2, 3)
+    assert launch_settings(4096, backward=False) == Launch(1, 8, 4, 3)
+    assert launch_settings(37, backward=False) == Launch(64, 8, 4, 3)
+    assert launch_settings(5000, backward=True) == Launch(1, 16, 2, 3)
+    assert launch_settings(65536, backward=True) == Launch(1, 32, 2, 1)

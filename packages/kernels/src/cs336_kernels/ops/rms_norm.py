@@ -8,14 +8,31 @@ which is what ``cs336_basics.model.RMSNorm.forward`` computes: it upcasts x, and
 bf16/fp16 weight to fp32 (FSDP hands the norm a weight in the compute dtype), so the product is rounded once.
 A float64 weight is rounded to fp32 inside the kernel (the module would multiply in float64 before the cast).
 
-Forward: one program per row; it stores y and the row's rstd (fp32). Only x and rstd are saved for the
-backward, never the normalised x. Backward, with g = dy * w in fp32 and xhat = x * rstd:
+Only x and rstd (fp32, one per row) are saved for the backward, never the normalised x. Backward, with
+g = dy * w in fp32 and xhat = x * rstd:
 
     dx = rstd * (g - xhat * mean(g * xhat)),   dw = sum over rows of dy * xhat
 
-A fixed number of programs (two per SM on CUDA) each walk a contiguous block of rows, compute dx row by row and
-keep their share of dw in an fp32 register accumulator; the (programs, d) fp32 partial sums are then reduced by
-one ``sum`` and returned in the weight's dtype.
+Both directions are bound by memory traffic: per row the forward reads x and writes y, the backward reads x and dy
+and writes dx (8 KB and 16 KB read per row at d = 4096 in bf16). A row's reduction cannot start before all of the
+row has arrived, and its stores wait for the reduction, so a program that loads one row at a time leaves DRAM idle
+while it reduces; keeping it busy takes, per SM, about (bandwidth x latency / SMs) bytes of loads in flight at all
+times. So both kernels are persistent and software-pipelined: ``programs_per_sm`` programs per SM each walk blocks
+of ``block_rows`` rows (program p takes blocks p, p + programs, ...), and the loop is ``tl.range`` with
+``num_stages``, so the loads of the next ``stages - 1`` blocks travel to shared memory (cp.async) while the current
+block is reduced and stored. At d = 4096 the backward holds w, its dw share and one row of x and dy in fp32
+registers (about 120 per thread at 8 warps, ``tests/sm90_builds.py``): two such programs share an SM, and the
+pipeline, not more programs, is what keeps rows in flight.
+
+The weight gradient: each program sums its rows' dy * xhat in an fp32 register accumulator and stores it as one row
+of a (programs, d) fp32 buffer (every program has rows, so the buffer needs no memset); a second kernel sums those
+rows in a fixed order, one program per 32 columns (128 at d = 4096, so no SM walks all of it), and writes dw in the
+weight's dtype. That buffer, 4 * programs * d bytes written and read once (4.3 MB at 264 programs and d = 4096), is
+all the reduction adds to the traffic of dx: the weight gradient's own kernel reads no row.
+
+Each direction's launch (``Launch``: rows per block, warps, programs per SM, pipeline stages) is a parameter of its
+launcher, with defaults from ``launch_settings``; ``tools/glue_sweep.py`` times the alternatives at the proxy's shape
+on a GPU.
 
     y = rms_norm(x, weight, eps=1e-5)      # x (..., d) fp32/fp16/bf16, weight (d,)
 
@@ -28,7 +45,8 @@ rounded h. The backward gets dh (h's gradient from the residual path) with dy an
 
 as the gradient of both x and delta: the rounding of the norm's own gradient, then autograd's accumulation of the
 two gradients of h, so the result is bit for bit the unfused add, ``rms_norm`` and autograd's sum. Both directions
-are the kernels above with an ``ADD`` constexpr (one kernel per direction).
+are the kernels above with an ``ADD`` constexpr, launched as ``rms_norm`` launches them: the same layout reduces
+each row in the same order, and the same programs take the same rows, so dw's partial sums are the same too.
 
     h, y = add_rms_norm(x, delta, weight, eps=1e-5)
 
@@ -39,6 +57,7 @@ float64 for the tests' oracle); tests and benchmarks import them.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -53,111 +72,210 @@ WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 MAX_D = 65536
 # The interpreter runs programs one after another: a few are enough to exercise the partial sums.
 _INTERPRET_PROGRAMS = 3
+# Default rows per loop iteration: short rows are batched until a block holds this many values.
+_BLOCK_VALUES = 4096
+# Blocks of up to this many values are pipelined 3 deep by default: two blocks ahead of every loaded tensor fit in
+# an SM's shared memory (at most 2 x 3 tensors x 8192 x 4 B = 192 KiB, the folded add's fp32 backward); a longer
+# row puts enough bytes in flight by itself.
+_PIPELINED_VALUES = 8192
+# The weight-gradient reduction: columns per program (d = 4096 gives 128 programs, about one per SM of an
+# H100/H200, each reading its columns of every partial sum) and partial sums per loop iteration.
+_REDUCE_COLUMNS = 32
+_REDUCE_PARTIALS = 64
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How a forward or backward kernel is launched. Both are persistent: ``programs_per_sm`` programs per SM
+    (fewer when there are fewer row blocks) walk the row blocks ``block_rows`` at a time, program p taking blocks
+    p, p + programs, ..., and the loop over them is software-pipelined ``stages`` deep (``tl.range``'s
+    ``num_stages``: the loads of the next ``stages - 1`` blocks are in flight, through shared memory, while the
+    current block is reduced and stored; 1 is no pipelining)."""
+
+    block_rows: int
+    num_warps: int
+    programs_per_sm: int
+    stages: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_rows", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two, got {value}")
+        if self.num_warps > 32:
+            raise ValueError(f"num_warps must be at most 32, got {self.num_warps}")
+        for name in ("programs_per_sm", "stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+def launch_settings(d: int, backward: bool) -> Launch:
+    """The default launch of the forward or backward kernel for rows of length ``d``: rows shorter than 4,096
+    values batched into blocks of about that many, about 16 fp32 values of a block per thread, and two blocks in
+    flight ahead of the one being reduced. The forward holds a row of x and w (about 50 registers per thread at
+    d = 4096, 8 warps) and runs four programs per SM; the backward holds twice that and its dw share (about 120)
+    and runs two: at d = 4096 in bf16 either keeps 64 KB of loads in flight per SM."""
+    block_d = triton.next_power_of_2(d)
+    block_rows = max(1, _BLOCK_VALUES // block_d)
+    num_warps = min(32, max(4, block_rows * block_d // 512))
+    stages = 3 if block_rows * block_d <= _PIPELINED_VALUES else 1
+    return Launch(block_rows, num_warps, programs_per_sm=2 if backward else 4, stages=stages)
 
 
 @triton.jit
 def _rms_norm_fwd_kernel(
     X, DELTA, W, H, Y, RSTD,  # x, delta (rows, D) strided; w (D,); h, y (rows, D) contiguous; rstd (rows,) fp32
-    stride_x, stride_delta, D, eps,
-    BLOCK_D: tl.constexpr,
+    stride_x, stride_delta, n_rows, D, eps,
+    BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr,
     ADD: tl.constexpr,  # normalise h = x + delta and store h; otherwise DELTA and H are None
 ):
-    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
-    mask = cols < D
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
-    if ADD:
-        # PyTorch's add: one fp32 add, one rounding to the dtype; the norm then reads the rounded h, as ln2 does.
-        delta = tl.load(DELTA + row * stride_delta + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + delta.to(tl.float32)).to(H.dtype.element_ty)
-        tl.store(H + row * D + cols, x, mask=mask)
-    x = x.to(tl.float32)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-    tl.store(RSTD + row, rstd)
-    tl.store(Y + row * D + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
+    col_mask = cols < D
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    for start in tl.range(tl.program_id(0) * BLOCK_ROWS, n_rows, tl.num_programs(0) * BLOCK_ROWS,
+                          num_stages=STAGES):
+        rows = (start + tl.arange(0, BLOCK_ROWS)).to(tl.int64)  # int64 offsets
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        if ADD:
+            # PyTorch's add: one fp32 add, one rounding to the dtype; the norm then reads the rounded h, as ln2 does.
+            delta = tl.load(DELTA + rows[:, None] * stride_delta + cols[None, :], mask=mask, other=0.0)
+            x = (x.to(tl.float32) + delta.to(tl.float32)).to(H.dtype.element_ty)
+            tl.store(H + rows[:, None] * D + cols[None, :], x, mask=mask)
+        x = x.to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)
+        tl.store(RSTD + rows, rstd, mask=row_mask)
+        y = x * rstd[:, None] * w
+        tl.store(Y + rows[:, None] * D + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _rms_norm_bwd_kernel(
     DY, DH, X, W, RSTD, DX, DW_PARTIAL,  # dy, dh, x (rows, D) strided; dx (rows, D) contiguous; (programs, D) fp32
-    stride_dy, stride_dh, stride_x, n_rows, rows_per_program, D,
-    BLOCK_D: tl.constexpr,
+    stride_dy, stride_dh, stride_x, n_rows, D,
+    BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr,
     ADD: tl.constexpr,  # dx = rounded dx_norm + dh (x is then h); otherwise DH is None
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
-    mask = cols < D
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    dw = tl.zeros((BLOCK_D,), tl.float32)
-    row_start = pid.to(tl.int64) * rows_per_program  # int64 bounds make the row offsets int64
-    row_end = tl.minimum(row_start + rows_per_program, n_rows)
-    for row in range(row_start, row_end):
-        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + row)
+    col_mask = cols < D
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    # One accumulator row per block row: summing over the block's rows every iteration would cost a cross-warp
+    # reduction per block; they are summed once, after the loop.
+    dw = tl.zeros((BLOCK_ROWS, BLOCK_D), tl.float32)
+    for start in tl.range(pid * BLOCK_ROWS, n_rows, tl.num_programs(0) * BLOCK_ROWS, num_stages=STAGES):
+        rows = (start + tl.arange(0, BLOCK_ROWS)).to(tl.int64)  # int64 offsets
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)[:, None]  # 0 past the last row: xhat = 0 there
         xhat = x * rstd
         g = dy * w
-        dx = rstd * (g - xhat * (tl.sum(g * xhat, axis=0) / D))
+        dx = rstd * (g - xhat * (tl.sum(g * xhat, axis=1) / D)[:, None])
         if ADD:
             # Autograd rounds the norm's gradient to the dtype, then adds the residual's (fp32 add, one rounding).
-            dh = tl.load(DH + row * stride_dh + cols, mask=mask, other=0.0).to(tl.float32)
+            dh = tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             dx = dx.to(DX.dtype.element_ty).to(tl.float32) + dh
-        tl.store(DX + row * D + cols, dx.to(DX.dtype.element_ty), mask=mask)
+        tl.store(DX + rows[:, None] * D + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         dw += dy * xhat
-    tl.store(DW_PARTIAL + pid * D + cols, dw, mask=mask)
+    tl.store(DW_PARTIAL + pid * D + cols, tl.sum(dw, axis=0), mask=col_mask)
 
 
-def launch_settings(d: int) -> tuple[int, int]:
-    """(BLOCK_D, num_warps): the row padded to a power of two, about 16 fp32 values per thread."""
-    block_d = triton.next_power_of_2(d)
-    return block_d, min(32, max(4, block_d // 512))
+@triton.jit
+def _dw_reduce_kernel(
+    PARTIAL, DW,  # (n_partials, D) fp32 partial sums; dw (D,) in the weight's dtype
+    n_partials, D,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < D
+    # Each iteration's loads are independent of the running sums, so they pipeline; one sum over the block's
+    # rows at the end, in a fixed order (the weight gradient is the same on every run).
+    acc = tl.zeros((BLOCK_P, BLOCK_N), tl.float32)
+    for p0 in tl.range(0, n_partials, BLOCK_P, num_stages=3):
+        p = p0 + tl.arange(0, BLOCK_P)
+        mask = (p < n_partials)[:, None] & col_mask[None, :]
+        acc += tl.load(PARTIAL + p[:, None] * D + cols[None, :], mask=mask, other=0.0)
+    tl.store(DW + cols, tl.sum(acc, axis=0).to(DW.dtype.element_ty), mask=col_mask)
 
 
 @functools.cache
-def _num_programs(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _INTERPRET_PROGRAMS
-    # Two per SM: a program holds x, dy, w and its dw share in registers (124 per thread at d = 4096 and 8 warps,
-    # packages/kernels/tests/sm90_builds.py), so two fit on an SM and one's loads overlap the other's reduction.
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                     delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def num_programs(launch: Launch, rows: int, device: torch.device) -> int:
+    """Programs of a persistent launch over ``rows`` rows: ``launch.programs_per_sm`` per SM (3 in the
+    interpreter), at most one per row block and at least one."""
+    per_device = launch.programs_per_sm * _sm_count(device) if device.type == "cuda" else _INTERPRET_PROGRAMS
+    return max(1, min(per_device, triton.cdiv(rows, launch.block_rows)))
+
+
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None,
+                     launch: Launch | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch the forward kernel on x (rows, d) with unit column stride, or with ``delta`` (the same shape, dtype
-    and column stride) on h = x + delta. Returns y (rows, d) in x's dtype, contiguous, rstd (rows,) fp32, and h
-    (rows, d) contiguous when delta is given, else None."""
+    and column stride) on h = x + delta; ``launch`` defaults to ``launch_settings(d, backward=False)``. Returns
+    y (rows, d) in x's dtype, contiguous, rstd (rows,) fp32, and h (rows, d) contiguous when delta is given, else
+    None."""
     rows, d = x.shape
+    launch = launch or launch_settings(d, backward=False)
     h = None if delta is None else torch.empty((rows, d), dtype=x.dtype, device=x.device)
     y = torch.empty((rows, d), dtype=x.dtype, device=x.device)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows:
-        block_d, num_warps = launch_settings(d)
         stride_delta = 0 if delta is None else delta.stride(0)
         with device_context(x):
-            _rms_norm_fwd_kernel[(rows,)](x, delta, weight, h, y, rstd, x.stride(0), stride_delta, d, eps,
-                                           BLOCK_D=block_d, ADD=delta is not None, num_warps=num_warps)
+            _rms_norm_fwd_kernel[(num_programs(launch, rows, x.device),)](
+                x, delta, weight, h, y, rstd, x.stride(0), stride_delta, rows, d, eps,
+                BLOCK_ROWS=launch.block_rows, BLOCK_D=triton.next_power_of_2(d), STAGES=launch.stages,
+                ADD=delta is not None, num_warps=launch.num_warps)
     return y, rstd, h
 
 
-def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-                      dh: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the backward kernel; dy and x (h for the add) are (rows, d) with unit column strides, and so is
-    ``dh``, the gradient reaching h from elsewhere, when the add was folded in. Returns dx (rows, d) in x's dtype
-    (with dh: the gradient of both x and delta) and dw (d,) in the weight's dtype, reduced in fp32."""
+def rms_norm_backward_rows(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                           dh: torch.Tensor | None = None,
+                           launch: Launch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward kernel alone: dx (as :func:`rms_norm_backward`) and the weight gradient's fp32 partial sums,
+    one row per program, ``(programs, d)``. ``launch`` defaults to ``launch_settings(d, backward=True)``."""
     rows, d = x.shape
+    launch = launch or launch_settings(d, backward=True)
     dx = torch.empty((rows, d), dtype=x.dtype, device=x.device)
-    programs = max(1, min(_num_programs(x.device), rows))
-    partial = torch.zeros((programs, d), dtype=torch.float32, device=x.device)
-    if rows:
-        block_d, num_warps = launch_settings(d)
-        stride_dh = 0 if dh is None else dh.stride(0)
-        with device_context(x):
-            _rms_norm_bwd_kernel[(programs,)](dy, dh, x, weight, rstd, dx, partial, dy.stride(0), stride_dh,
-                                              x.stride(0), rows, triton.cdiv(rows, programs), d, BLOCK_D=block_d,
-                                              ADD=dh is not None, num_warps=num_warps)
-    return dx, partial.sum(0).to(weight.dtype)
+    if not rows:
+        return dx, torch.zeros((1, d), dtype=torch.float32, device=x.device)
+    programs = num_programs(launch, rows, x.device)
+    # Every program has a row block and stores its whole partial sum: no memset.
+    partial = torch.empty((programs, d), dtype=torch.float32, device=x.device)
+    stride_dh = 0 if dh is None else dh.stride(0)
+    with device_context(x):
+        _rms_norm_bwd_kernel[(programs,)](
+            dy, dh, x, weight, rstd, dx, partial, dy.stride(0), stride_dh, x.stride(0), rows, d,
+            BLOCK_ROWS=launch.block_rows, BLOCK_D=triton.next_power_of_2(d), STAGES=launch.stages,
+            ADD=dh is not None, num_warps=launch.num_warps)
+    return dx, partial
+
+
+def reduce_weight_grad(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight gradient (d,) in ``dtype`` from the backward kernel's fp32 partial sums (programs, d), summed in
+    fp32 in a fixed order by one small kernel (no fp32 intermediate, no separate cast)."""
+    n_partials, d = partial.shape
+    dw = torch.empty(d, dtype=dtype, device=partial.device)
+    with device_context(partial):
+        _dw_reduce_kernel[(triton.cdiv(d, _REDUCE_COLUMNS),)](partial, dw, n_partials, d, BLOCK_P=_REDUCE_PARTIALS,
+                                                             BLOCK_N=_REDUCE_COLUMNS, num_warps=4)
+    return dw
+
+
+def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                      dh: torch.Tensor | None = None,
+                      launch: Launch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the backward kernel and the weight gradient's reduction; dy and x (h for the add) are (rows, d) with
+    unit column strides, and so is ``dh``, the gradient reaching h from elsewhere, when the add was folded in.
+    Returns dx (rows, d) in x's dtype (with dh: the gradient of both x and delta) and dw (d,) in the weight's dtype,
+    reduced in fp32."""
+    dx, partial = rms_norm_backward_rows(dy, x, weight, rstd, dh, launch)
+    return dx, reduce_weight_grad(partial, weight.dtype)
 
 
 # The operators. Each takes and returns tensors of the caller's shapes (x (..., d), rstd (...)); outputs are new
