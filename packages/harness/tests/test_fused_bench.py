@@ -8,11 +8,14 @@ leaderboard shapes against the model's modules in bf16.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from cs336_basics.model import RMSNorm, RotaryEmbedding, SwiGLU
 from cs336_harness.studies.fused import FusedBenchConfig, block_glue, fused_markdown
 from cs336_kernels import add_rms_norm_reference, rms_norm_reference, rope_reference, silu_mul_reference
+from cs336_kernels.ops.rms_norm import launch_settings, num_programs
 
 # ||ours - eager module|| / ||eager module||: bf16 outputs differ only by rare one-ulp flips on the GPU; the
 # gradients by one rounding of differently ordered fp32 sums (RMSNorm, RoPE) or by rounding once where the module
@@ -36,24 +39,28 @@ def _rows() -> list[dict]:
              "logits_mm_ms": 50.0, "logits_mm_tflops": 700.0, "softmax_grad_kernel_ms": 8.0,
              "softmax_grad_kernel_tbps": 3.9, "grad_hidden_mm_ms": 55.0, "grad_hidden_mm_tflops": 650.0,
              "grad_weight_addmm_ms": 60.0, "grad_weight_addmm_tflops": 600.0, **meta}
-    glue = [{"bench": "glue", "op": "rms_norm", "shape": "32768x4096", "dtype": "bf16", "bytes_moved": 1342177280,
-             "impl": impl, "median_ms": ms, "gbps": 1342.18 / ms, "extra_gib": 0.5, "speedup_vs_eager": 5.7 / ms,
-             "out_rel_err_vs_eager": err, **meta}
+    glue = [{"bench": "glue", "op": "rms_norm", "part": "fwd+bwd", "shape": "32768x4096", "dtype": "bf16",
+             "bytes_moved": 1342177280, "impl": impl, "ms": ms, "max_over_min": 1.05, "gbps": 1342.18 / ms,
+             "vs_copy": 0.32 / ms, "extra_gib": 0.5, "speedup_vs_eager": 5.7 / ms, "out_rel_err_vs_eager": err, **meta}
             for impl, ms, err in (("ours", 0.4, 1e-5), ("eager", 5.7, 0.0))]
-    glue.append({"bench": "glue", "op": "rms_norm", "shape": "32768x4096", "dtype": "bf16", "impl": "liger",
-                 "bytes_moved": 1342177280, "note": "liger_kernel is not importable", **meta})
+    glue.append({"bench": "glue", "op": "rms_norm", "part": "fwd+bwd", "shape": "32768x4096", "dtype": "bf16",
+                 "impl": "liger", "bytes_moved": 1342177280, "note": "liger_kernel is not importable", **meta})
+    glue.append({"bench": "glue", "op": "rms_norm", "part": "dw reduction", "shape": "32768x4096", "dtype": "bf16",
+                 "impl": "ours", "bytes_moved": 4333568, "ms": 0.004, "max_over_min": 1.2, "gbps": 1083.4,
+                 "vs_copy": 0.9, **meta})
     return adamw + ce + [parts] + glue
 
 
 def test_markdown_has_one_row_per_result_and_the_floors():
     text = fused_markdown(_rows())
-    headers = ("| implementation", "| stage")
+    headers = ("| implementation", "| stage", "| part")
     table_rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith(headers)]
-    assert len(table_rows) == 3 + 4 + 3
+    assert len(table_rows) == 3 + 4 + 4
     assert "| softmax grad kernel | 8 | 3.90 TB/s |" in text
-    assert "rms_norm forward + backward, 32768x4096 bf16" in text and "1.34 GB must move" in text
-    assert "| ours | 0.4 | 3.36e+03 | 14.2 | 0.5 | 1e-05 | - |" in text
-    assert "| liger | - | - | - | - | - | liger_kernel is not importable |" in text
+    assert "rms_norm, 32768x4096 bf16" in text and "1.34 GB must move" in text
+    assert "| fwd+bwd | ours | 0.4 | 1.05 | 3.36e+03 | 0.8 | 14.2 | 0.5 | 1e-05 | - |" in text
+    assert "| fwd+bwd | liger | - | - | - | - | - | - | - | liger_kernel is not importable |" in text
+    assert "| dw reduction | ours | 0.004 | 1.2 | 1.08e+03 | 0.9 | - | - | - | - |" in text
     assert "bytes floor 6.60 ms" in text and "matmul floor 158 ms" in text
     assert "| ours | 7 | 1.14 |" in text
     assert fused_markdown([]) == ""
@@ -75,11 +82,14 @@ def test_config_rejects_bad_values(change):
         FusedBenchConfig(**change)
 
 
+NO_PEER = (None, "not importable here")
+
+
 def _tiny_cases(device: str) -> dict[str, block_glue.GlueCase]:
-    return {"rms_norm": block_glue.rms_norm_case(37, 24, None, device),
-            "add_rms_norm": block_glue.add_rms_norm_case(37, 24, None, device),
-            "rope": block_glue.rope_case(11, 24, 3, None, device),
-            "silu_mul": block_glue.swiglu_case(9, 40, None, device)}
+    return {"rms_norm": block_glue.rms_norm_case(37, 24, NO_PEER, NO_PEER, device),
+            "add_rms_norm": block_glue.add_rms_norm_case(37, 24, NO_PEER, NO_PEER, device),
+            "rope": block_glue.rope_case(11, 24, 3, NO_PEER, NO_PEER, device),
+            "silu_mul": block_glue.swiglu_case(9, 40, NO_PEER, device)}
 
 
 def _outputs_and_grads(impl: block_glue.GlueImpl) -> list[torch.Tensor]:
@@ -98,19 +108,76 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_glue_cases_wiring_on_cpu(monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda fn: fn)  # the compiled rows run the same reference, uncompiled
     cases = _tiny_cases("cpu")
-    for op, (_, _, impls) in cases.items():
-        assert impls["liger"] == "skipped" and set(impls) == {"ours", "torch_compile", "eager", "liger"}, op
-        results = {name: _outputs_and_grads(impl) for name, impl in impls.items() if name != "liger"}
+    for op, case in cases.items():
+        assert set(case.impls) == {"ours", "torch_compile", "eager", "liger", "quack"}, op
+        assert case.impls["liger"] == "not importable here", op
+        assert case.impls["quack"] == (block_glue.NO_QUACK_SWIGLU if op == "silu_mul" else "not importable here")
+        results = {name: _outputs_and_grads(impl) for name, impl in case.impls.items() if not isinstance(impl, str)}
         for name, result in results.items():
             for got, want in zip(result, results["eager"], strict=True):
                 assert got.shape == want.shape and got.dtype == want.dtype, (op, name)
                 assert _rel(got, want) < INTERPRETER_TOL, (op, name, _rel(got, want))
     # bytes that must move: 5 passes over x of 37 x 24 bf16, rstd twice, w read twice and dw written
-    assert cases["rms_norm"][:2] == ("37x24", 5 * 37 * 24 * 2 + 8 * 37 + 3 * 24 * 2)
+    assert (cases["rms_norm"].shape, cases["rms_norm"].nbytes) == ("37x24", 5 * 37 * 24 * 2 + 8 * 37 + 3 * 24 * 2)
     # the add folded in: x, delta, h, y forward; dy, dh, h, dx backward
-    assert cases["add_rms_norm"][:2] == ("37x24", 8 * 37 * 24 * 2 + 8 * 37 + 3 * 24 * 2)
-    assert cases["rope"][:2] == ("1x11x3x8", 4 * 2 * 11 * 24 * 2 + 8 * 11 * 8 + 16 * 11)
-    assert cases["silu_mul"][:2] == ("9x40", 8 * 9 * 40 * 2)
+    assert (cases["add_rms_norm"].shape, cases["add_rms_norm"].nbytes) == ("37x24",
+                                                                           8 * 37 * 24 * 2 + 8 * 37 + 3 * 24 * 2)
+    assert (cases["rope"].shape, cases["rope"].nbytes) == ("1x11x3x8", 4 * 2 * 11 * 24 * 2 + 8 * 11 * 8 + 16 * 11)
+    assert (cases["silu_mul"].shape, cases["silu_mul"].nbytes) == ("9x40", 8 * 9 * 40 * 2)
+    assert not cases["rope"].parts and not cases["silu_mul"].parts
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm"])
+def test_norm_parts_on_cpu(op):
+    """The parts of our norm timed alone run, and their bytes add up: forward + backward is the op's; the backward
+    kernel's and the reduction's differ from the backward's by the partial sums, one fp32 row per program."""
+    case = _tiny_cases("cpu")[op]
+    parts = case.parts
+    assert list(parts) == ["fwd", "bwd", "bwd kernel", "dw reduction"]
+    assert parts["fwd"].nbytes + parts["bwd"].nbytes == case.nbytes
+    programs = num_programs(launch_settings(24, backward=True), 37, torch.device("cpu"))
+    partial_bytes = programs * 24 * 4
+    assert parts["bwd kernel"].nbytes == parts["bwd"].nbytes - 24 * 2 + partial_bytes
+    assert parts["dw reduction"].nbytes == partial_bytes + 24 * 2
+    y, rstd, h = parts["fwd"].run()
+    dx, dw = parts["bwd"].run()
+    _, partial = parts["bwd kernel"].run()
+    assert y.shape == dx.shape == (37, 24) and rstd.shape == (37,) and (h is None) == (op == "rms_norm")
+    assert partial.shape == (programs, 24) and torch.equal(parts["dw reduction"].run(), dw)
+
+
+def test_glue_rows_take_turns_and_compare_with_the_copy(monkeypatch):
+    """bench_glue's rows on CPU with fake timings: every callable timed ``repeats`` times in turns, each row's ms
+    the median of its calls, GB/s from its bytes, and vs_copy against the copy of the same part."""
+    monkeypatch.setattr(torch, "compile", lambda fn: fn)
+    case = _tiny_cases("cpu")["rms_norm"]
+    monkeypatch.setitem(block_glue._GLUE_CASES, "rms-norm", lambda config, peers: case)
+    monkeypatch.setattr(block_glue, "_first_call", lambda impl: {"extra_gib": 0.0, "first": impl.run()[0].detach()})
+    monkeypatch.setattr(block_glue, "copy_step", lambda nbytes: lambda: None)
+    calls = []
+
+    def fake_median_ms(fn, config, grad_to_none=()):
+        fn()
+        calls.append(fn)
+        return float(len(calls))  # 1, 2, 3, ... in the order of the calls
+
+    monkeypatch.setattr(block_glue, "median_ms", fake_median_ms)
+    rows = block_glue.bench_glue("rms-norm", SimpleNamespace(repeats=3))
+    timed = [r for r in rows if "ms" in r]
+    k = len(timed)  # ours, torch_compile, eager; a copy of each of 5 parts; 4 parts of ours
+    assert k == 3 + 5 + 4 and len(calls) == 3 * k
+    for i, r in enumerate(timed):  # the i-th callable ran at calls i, i + k, i + 2k
+        assert r["ms_calls"] == [i + 1, i + 1 + k, i + 1 + 2 * k] and r["ms"] == i + 1 + k, r
+        assert r["max_over_min"] == (i + 1 + 2 * k) / (i + 1)
+        assert r["gbps"] == r["bytes_moved"] / (r["ms"] * 1e-3) / 1e9
+        copy = next(c for c in rows if c["impl"] == "copy" and c["part"] == r["part"])
+        assert r["copy_gbps"] == copy["gbps"] and r["vs_copy"] == r["gbps"] / copy["gbps"]
+    skipped = [r for r in rows if "ms" not in r]
+    assert [(r["impl"], r["note"]) for r in skipped] == [("liger", "not importable here"),
+                                                         ("quack", "not importable here")]
+    assert {r["part"] for r in rows if r["impl"] == "ours"} == {"fwd+bwd", "fwd", "bwd", "bwd kernel", "dw reduction"}
+    eager = next(r for r in rows if r["impl"] == "eager")
+    assert eager["speedup_vs_eager"] == 1.0 and eager["out_rel_err_vs_eager"] == 0.0
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -142,11 +209,12 @@ def test_references_are_the_model_modules(device, dtype):
 @pytest.mark.gpu
 def test_glue_kernels_match_the_model_modules_on_gpu():
     tokens, d_model, heads, d_ff = 32768, 4096, 32, 11008
-    cases = {"rms_norm": block_glue.rms_norm_case(tokens, d_model, None),
-             "add_rms_norm": block_glue.add_rms_norm_case(tokens, d_model, None),
-             "rope": block_glue.rope_case(tokens, d_model, heads, None),
-             "silu_mul": block_glue.swiglu_case(tokens, d_ff, None)}
-    for op, (_, _, impls) in cases.items():
+    cases = {"rms_norm": block_glue.rms_norm_case(tokens, d_model, NO_PEER, NO_PEER),
+             "add_rms_norm": block_glue.add_rms_norm_case(tokens, d_model, NO_PEER, NO_PEER),
+             "rope": block_glue.rope_case(tokens, d_model, heads, NO_PEER, NO_PEER),
+             "silu_mul": block_glue.swiglu_case(tokens, d_ff, NO_PEER)}
+    for op, case in cases.items():
+        impls = case.impls
         ours, eager = _outputs_and_grads(impls["ours"]), _outputs_and_grads(impls["eager"])
         num_outputs = len(impls["ours"].upstream)
         for i, (got, want) in enumerate(zip(ours, eager, strict=True)):

@@ -6,6 +6,7 @@ Examples::
     bash tools/gpu.sh python3 -m cs336_harness.cli fused --out writeup/results/fused.jsonl
     uv run cs336 fused --bench linear-ce --tokens 8192 --vocab-size 32000
     uv run cs336 fused --bench rms-norm --bench add-rms-norm --bench rope --bench swiglu     # the block glue only
+    uv run cs336 fused --bench rms-norm --repeats 5 --rep-ms 250   # 5 do_bench medians of each implementation, in turns
     uv run cs336 fused --markdown writeup/results/fused.jsonl     # the writeup's tables from saved rows
 """
 
@@ -49,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-heads", type=int, default=d.num_heads, help="RoPE heads (default 32)")
     parser.add_argument("--warmup-ms", type=int, default=d.warmup_ms, help="do_bench warm-up (default 200)")
     parser.add_argument("--rep-ms", type=int, default=d.rep_ms, help="do_bench repetition time (default 1000)")
+    parser.add_argument("--repeats", type=int, default=d.repeats,
+                        help="glue benchmarks: do_bench medians per implementation, taken in turns (default 5)")
     parser.add_argument("--out", default=None, help="append rows (with provenance) to this JSONL file")
     add_markdown_arguments(parser, fill=False)
     add_quiet_argument(parser)
@@ -62,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
             benches=tuple(args.bench or FusedBenchConfig.benches), adamw_params=args.adamw_params,
             adamw_tensors=args.adamw_tensors, tokens=args.tokens, d_model=args.d_model,
             vocab_size=args.vocab_size, d_ff=args.d_ff, num_heads=args.num_heads, warmup_ms=args.warmup_ms,
-            rep_ms=args.rep_ms,
+            rep_ms=args.rep_ms, repeats=args.repeats,
         )
         if args.out:
             check_writable(args.out)

@@ -20,7 +20,7 @@ import torch
 from cs336_kernels import FusedAdamW
 
 from cs336_harness.device import H200_COPY_BYTES_PER_S
-from cs336_harness.studies.fused.common import median_ms
+from cs336_harness.studies.fused.common import copy_step, median_ms
 from cs336_harness.studies.fused.config import FusedBenchConfig
 
 ADAMW_BYTES_PER_PARAM = 28  # fp32: read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq
@@ -28,9 +28,7 @@ ADAMW_BYTES_PER_PARAM = 28  # fp32: read param, grad, exp_avg, exp_avg_sq; write
 
 def measure_copy_tbps(config: FusedBenchConfig, num_bytes: int = 2**32) -> float:
     """Device-to-device copy bandwidth in TB/s, counting bytes read plus bytes written."""
-    src = torch.empty(num_bytes // 4, dtype=torch.float32, device="cuda").uniform_()
-    dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src), config)
+    ms = median_ms(copy_step(2 * num_bytes), config)
     return 2 * num_bytes / (ms * 1e-3) / 1e12
 
 

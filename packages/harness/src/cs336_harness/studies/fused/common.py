@@ -1,7 +1,9 @@
-"""What the fused-kernel benchmarks share: the do_bench median, the relative error, Liger-Kernel where it imports."""
+"""What the fused-kernel benchmarks share: the do_bench median, a copy of a given byte count (the bandwidth
+reference), the relative error, and the peer libraries (Liger-Kernel, QuACK) where they import."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,16 +19,28 @@ def median_ms(fn: Callable[[], Any], config: FusedBenchConfig, grad_to_none: Seq
                           return_mode="median"))
 
 
+def copy_step(nbytes: int, device: str = "cuda") -> Callable[[], Any]:
+    """A device-to-device copy that moves ``nbytes`` bytes in all (half read, half written, as the ops count their
+    traffic): the bandwidth an op that must move as many bytes is measured against."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """``||out - ref|| / ||ref||``, in fp32."""
     out, ref = out.float(), ref.float()
     return ((out - ref).norm() / ref.norm()).item()
 
 
+def peer_module(name: str) -> tuple[Any, str | None]:
+    """A peer library's module by its import name, or None and why it cannot be used."""
+    try:
+        return importlib.import_module(name), None
+    except Exception as e:  # noqa: BLE001 (any import failure means: no rows of that peer)
+        return None, f"{name} is not importable: {type(e).__name__}: {e}"
+
+
 def liger_functional() -> tuple[Any, str | None]:
     """Liger-Kernel's functional API, or None and why it cannot be used."""
-    try:
-        from liger_kernel.transformers import functional
-    except Exception as e:  # noqa: BLE001 (any import failure means: no Liger rows)
-        return None, f"liger_kernel is not importable: {type(e).__name__}: {e}"
-    return functional, None
+    return peer_module("liger_kernel.transformers.functional")

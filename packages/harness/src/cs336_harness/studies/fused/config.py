@@ -21,6 +21,8 @@ class FusedBenchConfig:
     num_heads: int = 32
     warmup_ms: int = 200
     rep_ms: int = 1000
+    # The glue benchmarks time every implementation this many times (each a do_bench median), in turns.
+    repeats: int = 5
     # FusedAdamW launch granularities timed besides the default.
     adamw_elements_per_program: tuple[int, ...] = (2048, 262144)
     # Fused variants with these token chunk sizes are timed besides the default (which fits the memory budget).
@@ -34,7 +36,7 @@ class FusedBenchConfig:
         if self.adamw_tensors < 1 or self.adamw_params < self.adamw_tensors:
             raise ValueError(f"need 1 <= adamw_tensors <= adamw_params, got {self.adamw_tensors} tensors "
                              f"for {self.adamw_params} params")
-        for name in ("tokens", "d_model", "vocab_size", "d_ff", "num_heads", "warmup_ms", "rep_ms"):
+        for name in ("tokens", "d_model", "vocab_size", "d_ff", "num_heads", "warmup_ms", "rep_ms", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.d_model % self.num_heads or (self.d_model // self.num_heads) % 2:
