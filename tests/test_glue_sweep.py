@@ -40,7 +40,8 @@ def test_sweep_rows_on_cpu(glue_sweep):
         return 1.0 + torch.rand((), generator=gen).item()
 
     emitted = []
-    best = glue_sweep.sweep(inputs, fake_timer, jobs=0, finalists=2, repeats=3, rep_ms=5, emit=emitted.append)
+    best = glue_sweep.sweep(inputs, fake_timer, jobs=0, finalists=2, repeats=3, rep_ms=5, pass1_s=float("inf"),
+                            emit=emitted.append)
     first = [r for r in emitted if r.get("pass") == 1]
     for direction, count in (("fwd", 2 * 2 * 2 + 1), ("bwd", 2 * 2 * 1 + 1)):  # the candidates and the default
         launches = [_launch(r) for r in first if r["direction"] == direction]
@@ -71,6 +72,17 @@ def test_sweep_rows_on_cpu(glue_sweep):
     assert [r["direction"] for r in best] == ["fwd", "bwd"] and emitted[-2:] == best
     reduce_rows = [r for r in emitted if r.get("direction") == "dw_reduce"]
     assert [r["programs"] for r in reduce_rows] == [1, 2, 3, 4] and all(r["ms"] >= 1 for r in reduce_rows)
+
+
+def test_a_sweep_cut_short_still_compares_with_the_default(glue_sweep):
+    inputs = glue_sweep.make_inputs(5, 64, "cpu")
+    emitted = []
+    best = glue_sweep.sweep(inputs, lambda fn, rep_ms: 1.0, jobs=0, finalists=2, repeats=1, rep_ms=5, pass1_s=0.0,
+                            emit=emitted.append)
+    assert emitted[0]["note"].startswith("pass 1 stopped after 0 s: 0 of ")
+    assert not [r for r in emitted if r.get("pass") == 1]
+    for row in best:  # only the default is left to time in pass 2
+        assert _launch(row) == launch_settings(64, backward=row["direction"] == "bwd") and row["vs_default"] == 1.0
 
 
 def test_candidates_are_valid_launches(glue_sweep):
