@@ -40,7 +40,7 @@ def test_sweep_rows_on_cpu(glue_sweep):
         return 1.0 + torch.rand((), generator=gen).item()
 
     emitted = []
-    best = glue_sweep.sweep(inputs, fake_timer, jobs=0, finalists=2, repeats=3, rep_ms=5, pass1_s=float("inf"),
+    best = glue_sweep.sweep(inputs, fake_timer, jobs=0, finalists=2, repeats=3, rep_ms=5, pass1_until=float("inf"),
                             emit=emitted.append)
     first = [r for r in emitted if r.get("pass") == 1]
     for direction, count in (("fwd", 2 * 2 * 2 + 1), ("bwd", 2 * 2 * 1 + 1)):  # the candidates and the default
@@ -77,9 +77,9 @@ def test_sweep_rows_on_cpu(glue_sweep):
 def test_a_sweep_cut_short_still_compares_with_the_default(glue_sweep):
     inputs = glue_sweep.make_inputs(5, 64, "cpu")
     emitted = []
-    best = glue_sweep.sweep(inputs, lambda fn, rep_ms: 1.0, jobs=0, finalists=2, repeats=1, rep_ms=5, pass1_s=0.0,
+    best = glue_sweep.sweep(inputs, lambda fn, rep_ms: 1.0, jobs=0, finalists=2, repeats=1, rep_ms=5, pass1_until=0.0,
                             emit=emitted.append)
-    assert emitted[0]["note"].startswith("pass 1 stopped after 0 s: 0 of ")
+    assert emitted[0]["note"].startswith("pass 1 stopped for time: 0 of ")
     assert not [r for r in emitted if r.get("pass") == 1]
     for row in best:  # only the default is left to time in pass 2
         assert _launch(row) == launch_settings(64, backward=row["direction"] == "bwd") and row["vs_default"] == 1.0

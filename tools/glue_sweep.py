@@ -6,7 +6,7 @@ A launch (``cs336_kernels.ops.rms_norm.Launch``) is rows per block, warps, progr
 sweep compiles every candidate first in ``--jobs`` processes (filling Triton's disk cache), then:
 
 1. times each candidate once (``pass`` 1: a short do_bench median, L2 flushed between calls), the norm and the
-   folded add alike, the two directions' candidates in turns (``--pass1-s`` cuts it short);
+   folded add alike, the two directions' candidates in turns (cut short to end within ``--time-limit-s``);
 2. times the ``--finalists`` fastest launches of each direction (by the sum of the two ops' times: both ops launch
    alike, which keeps add_rms_norm bit for bit the unfused add and norm) and the current default again,
    ``--repeats`` times in turns with a longer do_bench (``pass`` 2), beside a copy of each direction's bytes;
@@ -19,7 +19,7 @@ Rows (one per timing, appended to ``--out`` with provenance): ``kernel`` (rms_no
 (``bench = glue_sweep_best``) name the fastest launch of each direction in pass 2 and its time against the
 default's: the defaults in ``launch_settings`` are set from them.
 
-    bash tools/gpu.sh python3 tools/glue_sweep.py --pass1-s 35 --out $OUT/glue_sweep.jsonl
+    bash tools/gpu.sh python3 tools/glue_sweep.py --time-limit-s 90 --out $OUT/glue_sweep.jsonl
 """
 
 from __future__ import annotations
@@ -145,9 +145,9 @@ def _copy(nbytes_: int, device: str) -> Callable[[], Any]:
 
 
 def sweep(t: Inputs, timer: Callable[[Callable[[], Any], int], float], *, jobs: int, finalists: int, repeats: int,
-          rep_ms: int, pass1_s: float, emit: Callable[[dict[str, Any]], None]) -> list[dict[str, Any]]:
-    """The three passes of the module docstring (pass 1 stops taking new launches after ``pass1_s`` seconds); every
-    row goes to ``emit`` as it is made. Returns the best rows."""
+          rep_ms: int, pass1_until: float, emit: Callable[[dict[str, Any]], None]) -> list[dict[str, Any]]:
+    """The three passes of the module docstring (pass 1 takes no new launch once ``time.monotonic()`` passes
+    ``pass1_until``); every row goes to ``emit`` as it is made. Returns the best rows."""
     rows, d = t.x.shape
     device = t.x.device
     e, e_w = t.x.element_size(), t.w.element_size()
@@ -173,15 +173,13 @@ def sweep(t: Inputs, timer: Callable[[Callable[[], Any], int], float], *, jobs: 
         row["gbps"] = moved / (row["ms"] * 1e-3) / 1e9
         return row["ms"]
 
-    # Pass 1 alternates the directions, so that a sweep cut short by ``pass1_s`` has timed some of both.
+    # Pass 1 alternates the directions, so that a sweep cut short has timed some of both.
     order = [pair for pairs in itertools.zip_longest(*([(direction, launch) for launch in launches[direction]]
                                                         for direction in DIRECTIONS)) for pair in pairs if pair]
     first: dict[tuple[str, Launch], float] = {}
-    start = time.monotonic()
     for direction, launch in order:
-        if time.monotonic() - start > pass1_s:
-            emit({**base, "note": f"pass 1 stopped after {pass1_s:g} s: {len(first)} of {len(order)} launches "
-                                  "timed"})
+        if time.monotonic() > pass1_until:
+            emit({**base, "note": f"pass 1 stopped for time: {len(first)} of {len(order)} launches timed"})
             break
         total = 0.0
         for kernel, add in KERNELS.items():
@@ -242,13 +240,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--finalists", type=int, default=4, help="launches per direction timed again in pass 2")
     parser.add_argument("--repeats", type=int, default=3, help="pass 2's do_bench medians per launch, in turns")
     parser.add_argument("--rep-ms", type=int, default=30, help="pass 1's do_bench time (pass 2: four times it)")
-    parser.add_argument("--pass1-s", type=float, default=float("inf"),
-                        help="stop taking new launches in pass 1 after this many seconds (default: never)")
+    parser.add_argument("--time-limit-s", type=float, default=float("inf"),
+                        help="pass 1 takes no new launch after this many seconds less 25 (passes 2 and 3)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("glue_sweep.py times GPU kernels; no CUDA device is visible")
-    meta = provenance()
     start = time.monotonic()
+    meta = provenance()
 
     def emit(row: dict[str, Any]) -> None:
         append_rows(args.out, [row], meta)
@@ -256,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items()), flush=True)
 
     best = sweep(make_inputs(args.rows, args.d, "cuda"), do_bench_ms, jobs=args.jobs, finalists=args.finalists,
-                 repeats=args.repeats, rep_ms=args.rep_ms, pass1_s=args.pass1_s, emit=emit)
+                 repeats=args.repeats, rep_ms=args.rep_ms, pass1_until=start + args.time_limit_s - 25, emit=emit)
     for row in best:
         launch = Launch(row["block_rows"], row["num_warps"], row["programs_per_sm"], row["stages"])
         print(f"best {row['direction']}: {launch}, {row['vs_default']:.3f}x the default's speed", file=sys.stderr)

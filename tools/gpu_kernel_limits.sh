@@ -73,10 +73,9 @@ benches() {
   case "$mode" in
     explore)
       tests 1 rms
-      # The sweep keeps 185 s for the benchmarks; its pass 1 stops 55 s before its limit, for compiling the
-      # candidates first and for passes 2 and 3.
+      # The sweep keeps 185 s for the benchmarks and ends 5 s before its own timeout.
       sweep_s=$(($(left) - 185)); [ "$sweep_s" -gt 90 ] && sweep_s=90
-      step "glue_sweep" "$sweep_s" 50 "${py[@]}" tools/glue_sweep.py --pass1-s $((sweep_s - 55)) \
+      step "glue_sweep" "$sweep_s" 50 "${py[@]}" tools/glue_sweep.py --time-limit-s $((sweep_s - 5)) \
         --out "$OUT/glue_sweep.jsonl"
       benches
       ;;

@@ -198,10 +198,11 @@ def add_rms_norm_case(n: int, d: int, liger: Peer, quack: Peer, device: str = "c
         "liger": _peer_impl(liger, lambda m: GlueImpl(
             lambda: m.liger_fused_add_rms_norm(x, delta, w, EPS, casting_mode="gemma"), (dy.clone(), dh),
             (x, delta, w), note="casting_mode='gemma'; dx + dh rounded once; backward writes dx into dy")),
-        # The pre-norm residual: rmsnorm(delta, residual=x, prenorm=True) returns (y, x + delta).
+        # The pre-norm residual: rmsnorm(delta, residual=x, prenorm=True) returns (y, x + delta); its backward
+        # hands x and delta one gradient tensor.
         "quack": _peer_impl(quack, lambda m: GlueImpl(
             lambda: m.rmsnorm(delta, w, residual=x, prenorm=True, eps=EPS), (dy.clone(), dh.clone()),
-            (x, delta, w), note="residual=x, prenorm=True")),
+            (x, delta, w), note="residual=x, prenorm=True; x and delta get one gradient tensor")),
     }
     nbytes = 8 * n * d * x.element_size() + 8 * n + 3 * d * w.element_size()
     return GlueCase(f"{n}x{d}", nbytes, impls, norm_parts(x, w, dy, delta, dh))
