@@ -8,8 +8,8 @@
 #            do_bench medians each, in turns; the norms' parts alone beside copies of their bytes).
 #   final:   the benchmarks first, then the four glue kernels' GPU tests up to five times in a row in the time left
 #            (KL_DEADLINE_S=560, a call of under 10 minutes, leaves room for all five).
-# Peers: QuACK and Liger (../shared/peers/install.sh puts them in /tmp/peers, with CuTe DSL) are put on PYTHONPATH
-# when /tmp/peers exists; without them their rows say why. Every step has its own timeout and none starts after the
+# Peers: QuACK and Liger from $PEERS (default /tmp/peers, laid out there with CuTe DSL by ../shared/peers/install.sh)
+# go on PYTHONPATH when it exists; without them their rows say why. Every step has its own timeout and none starts after the
 # deadline ($KL_DEADLINE_S seconds, default 345), so the rows written before a hang come back. Results in $OUT:
 # kernel_limits.jsonl (the benchmark rows: copy them to writeup/results/kernel_limits.jsonl), glue_sweep.jsonl
 # (explore), tables.md (the benchmark's tables), log.txt.
@@ -24,8 +24,9 @@ deadline=$(($(date +%s) + ${KL_DEADLINE_S:-345}))
 left() { echo $((deadline - $(date +%s))); }
 export CS336_CALL_ID="${CS336_CALL_ID:-$(date -u +%Y%m%dT%H%M%SZ)-limits-$$}"  # one id for every row of this call
 export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}"
-if [ -d /tmp/peers ]; then
-  export PYTHONPATH="/tmp/peers:/tmp/peers/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}"
+PEERS="${PEERS:-/tmp/peers}"
+if [ -d "$PEERS" ]; then
+  export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PEERS:$PEERS/nvidia_cutlass_dsl/dsl_packages"
 fi
 py=(bash tools/gpu.sh python3)
 rows="$OUT/kernel_limits.jsonl"
