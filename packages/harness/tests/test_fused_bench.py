@@ -14,6 +14,7 @@ import pytest
 import torch
 from cs336_basics.model import RMSNorm, RotaryEmbedding, SwiGLU
 from cs336_harness.studies.fused import FusedBenchConfig, block_glue, fused_markdown
+from cs336_harness.studies.fused.common import graph_median_ms
 from cs336_kernels import add_rms_norm_reference, rms_norm_reference, rope_reference, silu_mul_reference
 from cs336_kernels.ops.rms_norm import launch_settings, num_programs
 
@@ -41,7 +42,9 @@ def _rows() -> list[dict]:
              "grad_weight_addmm_ms": 60.0, "grad_weight_addmm_tflops": 600.0, **meta}
     glue = [{"bench": "glue", "op": "rms_norm", "part": "fwd+bwd", "shape": "32768x4096", "dtype": "bf16",
              "bytes_moved": 1342177280, "impl": impl, "ms": ms, "max_over_min": 1.05, "gbps": 1342.18 / ms,
-             "vs_copy": 0.32 / ms, "extra_gib": 0.5, "speedup_vs_eager": 5.7 / ms, "out_rel_err_vs_eager": err, **meta}
+             "vs_copy": 0.32 / ms, "graph_ms": ms / 2, "graph_max_over_min": 1.01, "graph_gbps": 2684.36 / ms,
+             "graph_vs_copy": 0.16 / ms, "extra_gib": 0.5, "speedup_vs_eager": 5.7 / ms, "out_rel_err_vs_eager": err,
+             **meta}
             for impl, ms, err in (("ours", 0.4, 1e-5), ("eager", 5.7, 0.0))]
     glue.append({"bench": "glue", "op": "rms_norm", "part": "fwd+bwd", "shape": "32768x4096", "dtype": "bf16",
                  "impl": "liger", "bytes_moved": 1342177280, "note": "liger_kernel is not importable", **meta})
@@ -58,9 +61,9 @@ def test_markdown_has_one_row_per_result_and_the_floors():
     assert len(table_rows) == 3 + 4 + 4
     assert "| softmax grad kernel | 8 | 3.90 TB/s |" in text
     assert "rms_norm, 32768x4096 bf16" in text and "1.34 GB must move" in text
-    assert "| fwd+bwd | ours | 0.4 | 1.05 | 3.36e+03 | 0.8 | 14.2 | 0.5 | 1e-05 | - |" in text
-    assert "| fwd+bwd | liger | - | - | - | - | - | - | - | liger_kernel is not importable |" in text
-    assert "| dw reduction | ours | 0.004 | 1.2 | 1.08e+03 | 0.9 | - | - | - | - |" in text
+    assert "| fwd+bwd | ours | 0.2 | 1.01 | 6.71e+03 | 0.4 | 0.4 | 1.05 | 0.8 | 14.2 | 0.5 | 1e-05 | - |" in text
+    assert "| fwd+bwd | liger | - | - | - | - | - | - | - | - | - | - | liger_kernel is not importable |" in text
+    assert "| dw reduction | ours | - | - | - | - | 0.004 | 1.2 | 0.9 | - | - | - | - |" in text
     assert "bytes floor 6.60 ms" in text and "matmul floor 158 ms" in text
     assert "| ours | 7 | 1.14 |" in text
     assert fused_markdown([]) == ""
@@ -161,17 +164,42 @@ def test_glue_rows_take_turns_and_compare_with_the_copy(monkeypatch):
         calls.append(fn)
         return float(len(calls))  # 1, 2, 3, ... in the order of the calls
 
+    def fake_graph_median_ms(fn, config, grad_to_none=()):
+        if fn is eager_fn[0]:
+            raise RuntimeError("cannot capture")
+        return 1000.0 + fake_median_ms(fn, config, grad_to_none)
+
     monkeypatch.setattr(block_glue, "median_ms", fake_median_ms)
+    monkeypatch.setattr(block_glue, "graph_median_ms", fake_graph_median_ms)
+    eager_fn = []
+    real_timed = block_glue._Timed
+
+    def remember_eager(row, fn, nbytes, leaves=()):
+        if row["impl"] == "eager" and row["part"] == "fwd+bwd":
+            eager_fn.append(fn)
+        return real_timed(row, fn, nbytes, leaves)
+
+    monkeypatch.setattr(block_glue, "_Timed", remember_eager)
     rows = block_glue.bench_glue("rms-norm", SimpleNamespace(repeats=3))
     timed = [r for r in rows if "ms" in r]
     k = len(timed)  # ours, torch_compile, eager; a copy of each of 5 parts; 4 parts of ours
-    assert k == 3 + 5 + 4 and len(calls) == 3 * k
-    for i, r in enumerate(timed):  # the i-th callable ran at calls i, i + k, i + 2k
-        assert r["ms_calls"] == [i + 1, i + 1 + k, i + 1 + 2 * k] and r["ms"] == i + 1 + k, r
-        assert r["max_over_min"] == (i + 1 + 2 * k) / (i + 1)
+    # Each callable: a do_bench median, then (but for the one that cannot be captured) a graph median.
+    assert k == 3 + 5 + 4 and len(calls) == 3 * (2 * k - 1)
+    for r in timed:
+        assert len(r["ms_calls"]) == 3 and r["ms"] == sorted(r["ms_calls"])[1]
+        assert r["max_over_min"] == max(r["ms_calls"]) / min(r["ms_calls"])
         assert r["gbps"] == r["bytes_moved"] / (r["ms"] * 1e-3) / 1e9
         copy = next(c for c in rows if c["impl"] == "copy" and c["part"] == r["part"])
         assert r["copy_gbps"] == copy["gbps"] and r["vs_copy"] == r["gbps"] / copy["gbps"]
+        if r["impl"] == "eager":
+            assert r["graph_error"] == "RuntimeError: cannot capture" and "graph_ms" not in r
+            continue
+        assert all(g > 1000 for g in r["graph_ms_calls"]) and r["graph_ms"] == sorted(r["graph_ms_calls"])[1]
+        assert r["graph_gbps"] == r["bytes_moved"] / (r["graph_ms"] * 1e-3) / 1e9
+        assert r["graph_vs_copy"] == r["graph_gbps"] / copy["graph_gbps"]
+    # Turns: every callable's first times come before any callable's second.
+    first_round = [r["ms_calls"][0] for r in timed]
+    assert max(first_round) < min(r["ms_calls"][1] for r in timed)
     skipped = [r for r in rows if "ms" not in r]
     assert [(r["impl"], r["note"]) for r in skipped] == [("liger", "not importable here"),
                                                          ("quack", "not importable here")]
@@ -204,6 +232,21 @@ def test_references_are_the_model_modules(device, dtype):
 
     ffn = SwiGLU(32, 48, device=device, dtype=dtype)
     assert torch.equal(ffn.w2(silu_mul_reference(ffn.w1(x), ffn.w3(x))), ffn(x))
+
+
+@pytest.mark.gpu
+def test_graph_median_ms_times_a_forward_and_backward_on_gpu():
+    """A forward + backward through autograd is captured whole (gradients dropped before each call, so no call
+    adds into another's), and eager autograd works as before afterwards."""
+    x = torch.randn(4096, 4096, device="cuda", requires_grad=True)
+
+    def step():
+        (x * 2).relu().sum().backward()
+
+    assert 0 < graph_median_ms(step, SimpleNamespace(rep_ms=50), grad_to_none=(x,)) < float("inf")
+    x.grad = None
+    step()
+    assert torch.equal(x.grad, 2.0 * (x > 0))
 
 
 @pytest.mark.gpu

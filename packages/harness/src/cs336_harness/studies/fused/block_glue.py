@@ -16,6 +16,10 @@ calls), round-robin over the implementations so that drift of the clocks meets a
 
     part          "fwd+bwd" (the implementations), or one part of ours timed alone (below)
     ms            the median of the repeats' medians; ms_calls: every repeat's median; max_over_min: their spread
+    graph_ms      the same from CUDA-graph replays (graph_ms_calls, graph_max_over_min, graph_gbps, graph_copy_gbps,
+                  graph_vs_copy): the GPU's time alone. A forward + backward through autograd issues its kernels
+                  more slowly than they run at these sizes, so ``ms`` then measures the host; in a training step the
+                  GPU is busy with the GEMMs meanwhile and only the GPU time counts
     gbps          bytes that must move / ms; copy_gbps: the same bytes / the copy's ms (the copy row of that part);
                   vs_copy = gbps / copy_gbps
     extra_gib     the peak memory of one forward + backward above inputs, upstream gradients and the inputs'
@@ -71,7 +75,7 @@ from cs336_kernels.ops.rms_norm import (
 )
 
 from cs336_harness.device import GIB
-from cs336_harness.studies.fused.common import copy_step, median_ms, peer_module, rel_err
+from cs336_harness.studies.fused.common import copy_step, graph_median_ms, median_ms, peer_module, rel_err
 from cs336_harness.studies.fused.config import FusedBenchConfig
 
 GLUE_OPS = {"rms-norm": "rms_norm", "add-rms-norm": "add_rms_norm", "rope": "rope", "swiglu": "silu_mul"}
@@ -327,15 +331,27 @@ class _Timed:
 
 
 def _time_round_robin(timed: Sequence[_Timed], config: FusedBenchConfig) -> None:
-    """``config.repeats`` do_bench medians of every callable, taken in turns; each row gets ms (the median of the
-    repeats), ms_calls, max_over_min and gbps."""
+    """``config.repeats`` do_bench medians and CUDA-graph medians of every callable, taken in turns; each row gets
+    ms (the median of the repeats), ms_calls, max_over_min and gbps, and the same prefixed ``graph_`` (or
+    ``graph_error`` where the callable cannot be captured)."""
     calls: list[list[float]] = [[] for _ in timed]
+    graph_calls: list[list[float]] = [[] for _ in timed]
     for _ in range(config.repeats):
-        for t, ms in zip(timed, calls, strict=True):
+        for t, ms, graph_ms in zip(timed, calls, graph_calls, strict=True):
             ms.append(median_ms(t.fn, config, grad_to_none=t.leaves))
-    for t, ms in zip(timed, calls, strict=True):
-        t.row.update(ms=statistics.median(ms), ms_calls=ms, max_over_min=max(ms) / min(ms))
-        t.row["gbps"] = t.nbytes / (t.row["ms"] * 1e-3) / 1e9
+            if "graph_error" in t.row:
+                continue
+            try:
+                graph_ms.append(graph_median_ms(t.fn, config, grad_to_none=t.leaves))
+            except Exception as e:  # noqa: BLE001 (a callable that cannot be captured keeps its do_bench times)
+                t.row["graph_error"] = f"{type(e).__name__}: {e}"
+    for t, ms, graph_ms in zip(timed, calls, graph_calls, strict=True):
+        for prefix, times in (("", ms), ("graph_", graph_ms)):
+            if times:
+                median = statistics.median(times)
+                t.row.update({f"{prefix}ms": median, f"{prefix}ms_calls": times,
+                              f"{prefix}max_over_min": max(times) / min(times),
+                              f"{prefix}gbps": t.nbytes / (median * 1e-3) / 1e9})
 
 
 def bench_glue(op: str, config: FusedBenchConfig) -> list[dict[str, Any]]:
@@ -377,12 +393,16 @@ def bench_glue(op: str, config: FusedBenchConfig) -> list[dict[str, Any]]:
         timed.append(_Timed(row, p.run, p.nbytes))
     _time_round_robin(timed, config)
     copy_gbps = {r["part"]: r["gbps"] for r in rows if r["impl"] == "copy"}
+    graph_copy_gbps = {r["part"]: r["graph_gbps"] for r in rows if r["impl"] == "copy" and "graph_gbps" in r}
     eager = next((r for r in rows if r["impl"] == "eager" and "ms" in r), None)
     for r in rows:
         if "ms" not in r:
             continue
         r["copy_gbps"] = copy_gbps[r["part"]]
         r["vs_copy"] = r["gbps"] / r["copy_gbps"]
+        if "graph_gbps" in r and r["part"] in graph_copy_gbps:
+            r["graph_copy_gbps"] = graph_copy_gbps[r["part"]]
+            r["graph_vs_copy"] = r["graph_gbps"] / r["graph_copy_gbps"]
         if eager is not None and r["part"] == "fwd+bwd":
             r["speedup_vs_eager"] = eager["ms"] / r["ms"]
         if "eager" in outputs and r["impl"] in outputs and r["part"] == "fwd+bwd":

@@ -1,9 +1,11 @@
-"""What the fused-kernel benchmarks share: the do_bench median, a copy of a given byte count (the bandwidth
-reference), the relative error, and the peer libraries (Liger-Kernel, QuACK) where they import."""
+"""What the fused-kernel benchmarks share: the do_bench median, the CUDA-graph median (the GPU's time alone), a
+copy of a given byte count (the bandwidth reference), the relative error, and the peer libraries (Liger-Kernel,
+QuACK) where they import."""
 
 from __future__ import annotations
 
 import importlib
+import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,6 +19,45 @@ def median_ms(fn: Callable[[], Any], config: FusedBenchConfig, grad_to_none: Seq
     """``triton.testing.do_bench``'s median of ``fn`` in ms, with the config's warm-up and repetition times."""
     return float(do_bench(fn, warmup=config.warmup_ms, rep=config.rep_ms, grad_to_none=list(grad_to_none) or None,
                           return_mode="median"))
+
+
+def graph_median_ms(fn: Callable[[], Any], config: FusedBenchConfig, grad_to_none: Sequence[torch.Tensor] = (),
+                    calls: int = 10) -> float:
+    """The GPU time of ``fn`` alone, in ms: ``calls`` calls captured in one CUDA graph (each after the gradients of
+    ``grad_to_none`` are set to None, as do_bench does), the graph replayed for about ``config.rep_ms``, the median
+    replay divided by ``calls``. Unlike :func:`median_ms` it leaves out the host's time between kernels, which
+    exceeds the kernels' own when a forward + backward through autograd moves a few hundred MB."""
+
+    def call() -> None:
+        for t in grad_to_none:
+            t.grad = None
+        fn()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # capture needs warm-up calls on a side stream
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            call()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    replays = max(3, int(config.rep_ms / max(start.elapsed_time(end), 1e-3)))
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    del graph
+    return statistics.median(times)
 
 
 def copy_step(nbytes: int, device: str = "cuda") -> Callable[[], Any]:
