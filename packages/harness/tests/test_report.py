@@ -19,3 +19,13 @@ def test_fill_tables_replaces_only_the_named_block() -> None:
     assert fill_tables(out, {"t": "NEW"}) == out
     with pytest.raises(ValueError, match="table:v"):
         fill_tables(text, {"v": "x"})
+
+
+def test_fill_tables_keeps_the_caption_that_ends_a_block() -> None:
+    text = "<!-- table:t -->\n| a |\n|---|\n| 1 |\n\n: The caption,\non two lines.\n<!-- /table:t -->\n"
+    out = fill_tables(text, {"t": "| a |\n|---|\n| 2 |"})
+    assert out == "<!-- table:t -->\n| a |\n|---|\n| 2 |\n\n: The caption,\non two lines.\n<!-- /table:t -->\n"
+    assert fill_tables(out, {"t": "| a |\n|---|\n| 2 |"}) == out
+    # A table that is not followed by a caption gets none.
+    assert fill_tables("<!-- table:t -->\nold\n<!-- /table:t -->", {"t": "NEW"}) == (
+        "<!-- table:t -->\nNEW\n<!-- /table:t -->")

@@ -1,8 +1,9 @@
 """Tables from result rows: fixed-width text for the terminal, markdown for the writeup, filled between markers.
 
 A writeup section holds ``<!-- table:NAME -->`` ... ``<!-- /table:NAME -->``; :func:`fill_tables`
-replaces what lies between with a freshly generated table, so numbers in the text are never typed
-by hand. :mod:`cs336_harness.writeup` builds the writeup's tables this way.
+replaces the table between them with a freshly generated one, so numbers in the text are never typed
+by hand; a caption paragraph (``: ...``) after the table, inside the markers, stays.
+:mod:`cs336_harness.writeup` builds the writeup's tables this way.
 """
 
 from __future__ import annotations
@@ -61,17 +62,28 @@ def markdown_table(
     return "\n".join(lines)
 
 
+# A pandoc table caption (a paragraph opening with ": ") that closes a marked block belongs to the prose, not to the
+# generated table, so filling keeps it.
+_CAPTION = re.compile(r"\n\n(: [^\n]+(?:\n[^\n]+)*)\n$")
+
+
 def fill_tables(text: str, tables: Mapping[str, str]) -> str:
-    """Replace the body of every ``<!-- table:NAME -->`` block in ``text`` whose NAME is in ``tables``.
+    """Replace the table in every ``<!-- table:NAME -->`` block in ``text`` whose NAME is in ``tables``, keeping a
+    caption paragraph (``: ...``) that ends the block.
 
     Raises:
         ValueError: if a NAME in ``tables`` has no marker pair in ``text``.
     """
     for name, table in tables.items():
-        pattern = re.compile(rf"(<!-- table:{re.escape(name)} -->\n).*?(<!-- /table:{re.escape(name)} -->)", re.S)
+        pattern = re.compile(rf"(<!-- table:{re.escape(name)} -->\n)(.*?)(<!-- /table:{re.escape(name)} -->)", re.S)
         if not pattern.search(text):
             raise ValueError(f"no '<!-- table:{name} -->' ... '<!-- /table:{name} -->' block in the text")
-        text = pattern.sub(lambda m, t=table: m.group(1) + t + "\n" + m.group(2), text)
+
+        def fill(m: re.Match[str], table: str = table) -> str:
+            caption = _CAPTION.search(m.group(2))
+            return m.group(1) + table + ("\n\n" + caption.group(1) if caption else "") + "\n" + m.group(3)
+
+        text = pattern.sub(fill, text)
     return text
 
 
