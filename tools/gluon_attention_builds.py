@@ -4,7 +4,9 @@ Each kernel is compiled as its launcher would call it (bf16, GQA, the launcher's
 GPUTarget("cuda", 90, 32), and its SASS is read with the cuobjdump bundled with Triton. ``max_register`` is
 the highest register the SASS names (the partitions raise their budget with setmaxnreg, so the launch value
 says little); ``loops`` is spill stores + loads (instructions) per main-loop body, as in
-``cs336_harness.studies.attention_tuning``.
+``cs336_harness.studies.attention_tuning``; ``loop_ops`` counts chosen instructions per main-loop body: wgmma and
+its waits, warpgroup barriers (``BAR.SYNC``), mbarrier waits and arrives, memory fences, and the fp32 multiplies,
+FMAs and exp2 of the softmax (those of a masked branch included).
 
     uv run python tools/gluon_attention_builds.py --out writeup/results/gluon_attention.jsonl
 """
@@ -20,10 +22,13 @@ from cs336_harness.results import append_rows, provenance
 from cs336_kernels.ops.flash_attention import gluon_backward as backward
 from cs336_kernels.ops.flash_attention import gluon_forward as forward
 from cs336_kernels.ops.flash_attention.gluon_common import SUPPORTED_HEAD_DIMS
-from cs336_kernels.sass import loop_spills, read_build
+from cs336_kernels.sass import loop_opcodes, loop_spills, read_build
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
+
+LOOP_OPCODES = ("HGMMA", "WARPGROUP.DEPBAR", "BAR.SYNC", "SYNCS.PHASECHK", "SYNCS.ARRIVE", "MEMBAR", "FMUL", "FFMA",
+                "MUFU.EX2")
 
 
 def _compile(kernel, args: tuple, constants: dict) -> tuple[triton.compiler.CompiledKernel, str]:
@@ -61,7 +66,7 @@ def build_row(name: str, head_dim: int, is_causal: bool, deterministic: bool = F
             "shared_bytes": compiled.metadata.shared, "spill_stores": sass.count("STL"),
             "spill_loads": sass.count("LDL"), "wgmma": sass.count("HGMMA"), "tma_loads": sass.count("UTMALDG"),
             "tma_stores": sass.count("UTMASTG"), "tma_reduce_adds": sass.count("UTMAREDG"),
-            "loops": loop_spills(sass)}
+            "loops": loop_spills(sass), "loop_ops": loop_opcodes(sass, LOOP_OPCODES)}
 
 
 def main() -> None:

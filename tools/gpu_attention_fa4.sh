@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Our attention against FlashAttention-4 (issue 40) on one H200, in one call of about 8 minutes, most important first:
+# Our attention against FlashAttention-4 (issue 40) on one H200, in one call of at most 8 minutes (call s17c took under
+# 3, FA4's compiles included), most important first:
 #   1. `cs336 attention --part anchors`, bf16, causal: ours, cuDNN (sdpa) and FA4 in one process, forward, backward
 #      and forward + backward at (1, 32, 32768, 128), (4, 32, 4096, 128), (1, 16, 16384, 64), (1, 32, 16384, 128);
 #   2. the same at (1, 32, 32768, 128) for ours and FA4, each by default and deterministic, in one process;
@@ -42,7 +43,7 @@ step() {  # step NAME NEEDS_S MAX_S CMD...: CMD under a timeout, skipped when fe
   timeout "$limit" "$@" || { echo "== $name FAILED or timed out (rc $?)"; return 1; }
 }
 
-ncu_launch() {  # ncu_launch NAME REGEX SHAPE IMPL: the second launch of the kernel REGEX names (-s 1 skips the warm-up's)
+ncu_launch() {  # ncu_launch NAME REGEX SHAPE IMPL: the second launch of kernel REGEX (-s 1 skips the warm-up's)
   local name="$1" regex="$2" shape="$3" impl="$4"
   step "ncu $name" 60 150 bash tools/gpu.sh ncu --clock-control none --set full -k "regex:$regex" -s 1 -c 1 -f \
     -o "$work/$name" python3 tools/attention_peers_profile.py --impls "$impl" --shape "$shape"
@@ -106,7 +107,9 @@ pack() {  # pack DEST FILE...: a gzipped tar of the files that exist, named with
 
   pack "$OUT/ncu_reports.tgz" "$work"/bwd_{ours,fa4}.ncu-rep
   for f in "$OUT"/*; do  # what comes back is at most 16 MiB a file
-    if [ "$(stat -c %s "$f")" -gt $((16 * 1024 * 1024)) ]; then echo "== $(basename "$f") is over 16 MiB: removed"; rm -f "$f"; fi
+    if [ "$(stat -c %s "$f")" -gt $((16 * 1024 * 1024)) ]; then
+      echo "== $(basename "$f") is over 16 MiB: removed"; rm -f "$f"
+    fi
   done
   if [ -s "$OUT/attention_anchors.jsonl" ]; then
     echo "== anchors"

@@ -1,8 +1,9 @@
 """Reading what ptxas built for a GPU, offline: the cuobjdump that ships with Triton, and spills per main loop.
 
 Offline sm_90 builds (``triton.compile`` for ``GPUTarget("cuda", 90, 32)``, no GPU needed) are how the kernels'
-register pressure is checked before a GPU run; :func:`cuobjdump` prints their resource usage and SASS, and
-:func:`loop_spills` counts the local-memory traffic inside the loops that run once per tile.
+register pressure is checked before a GPU run; :func:`cuobjdump` prints their resource usage and SASS,
+:func:`loop_spills` counts the local-memory traffic inside the loops that run once per tile and :func:`loop_opcodes`
+chosen instructions (barriers, multiplies) there.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,20 +35,41 @@ _SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
 _BRANCH = re.compile(r"\bBRA\s+(0x[0-9a-f]+)")
 
 
-def loop_spills(sass: str) -> list[list[int]]:
-    """[spill stores, spill loads, instructions] of each innermost loop with wgmma in it, in SASS order.
-
-    A loop is the address range from a predicated backward branch's target to the branch; unpredicated
-    backward branches are returns from out-of-line code such as mbarrier wait retries. Whole-kernel spill
-    counts mix the main loops with code that runs once per program; only spills inside the loops cost per tile.
-    """
+def _innermost_mma_loops(sass: str) -> list[list[str]]:
+    # The instructions of each innermost loop with wgmma in it, in SASS order. A loop is the address range from a
+    # predicated backward branch's target to the branch; unpredicated backward branches are returns from
+    # out-of-line code such as mbarrier wait retries.
     code = [(int(m[1], 16), m[2]) for m in _SASS_LINE.finditer(sass)]
     ranges = {(int(b[1], 16), addr) for addr, text in code
               if text.startswith("@") and (b := _BRANCH.search(text)) and int(b[1], 16) <= addr}
     body = {r: [text for addr, text in code if r[0] <= addr <= r[1]] for r in ranges}
     with_mma = [r for r in sorted(ranges) if any("HGMMA" in text for text in body[r])]
     innermost = [r for r in with_mma if not any(o != r and r[0] <= o[0] and o[1] <= r[1] for o in with_mma)]
-    return [[sum("STL" in t for t in body[r]), sum("LDL" in t for t in body[r]), len(body[r])] for r in innermost]
+    return [body[r] for r in innermost]
+
+
+def loop_spills(sass: str) -> list[list[int]]:
+    """[spill stores, spill loads, instructions] of each innermost loop with wgmma in it, in SASS order.
+
+    Whole-kernel spill counts mix the main loops with code that runs once per program; only spills inside the
+    loops cost per tile.
+    """
+    return [[sum("STL" in t for t in body), sum("LDL" in t for t in body), len(body)]
+            for body in _innermost_mma_loops(sass)]
+
+
+_GUARD = re.compile(r"^@!?U?P\w+\s+")
+
+
+def loop_opcodes(sass: str, opcodes: Sequence[str]) -> list[dict[str, int]]:
+    """For each innermost loop with wgmma in it (as :func:`loop_spills` finds them), how many of its instructions
+    start with each of ``opcodes`` (a predicate guard aside): ``BAR.SYNC`` counts barriers, ``SYNCS.PHASECHK``
+    mbarrier waits, ``FMUL`` multiplies, each once per pass through the loop's code (a branch may skip some)."""
+    loops = []
+    for body in _innermost_mma_loops(sass):
+        bare = [_GUARD.sub("", text) for text in body]
+        loops.append({op: sum(t.startswith(op) for t in bare) for op in opcodes})
+    return loops
 
 
 @dataclass(frozen=True)
