@@ -16,10 +16,11 @@ calls), round-robin over the implementations so that drift of the clocks meets a
 
     part          "fwd+bwd" (the implementations), or one part of ours timed alone (below)
     ms            the median of the repeats' medians; ms_calls: every repeat's median; max_over_min: their spread
-    graph_ms      the same from CUDA-graph replays (graph_ms_calls, graph_max_over_min, graph_gbps, graph_copy_gbps,
-                  graph_vs_copy): the GPU's time alone. A forward + backward through autograd issues its kernels
-                  more slowly than they run at these sizes, so ``ms`` then measures the host; in a training step the
-                  GPU is busy with the GEMMs meanwhile and only the GPU time counts
+    graph_ms      the same from CUDA-graph replays (graph_ms_calls, graph_max_over_min, graph_gbps, graph_vs_copy
+                  against the copy's do_bench rate, as a copy captured in a graph becomes a memcpy node, which ran
+                  at 2.7 TB/s at some sizes): the GPU's time alone. A forward + backward through autograd issues
+                  its kernels more slowly than they run at these sizes, so ``ms`` then measures the host; in a
+                  training step the GPU is busy with the GEMMs meanwhile and only the GPU time counts
     gbps          bytes that must move / ms; copy_gbps: the same bytes / the copy's ms (the copy row of that part);
                   vs_copy = gbps / copy_gbps
     extra_gib     the peak memory of one forward + backward above inputs, upstream gradients and the inputs'
@@ -328,18 +329,19 @@ class _Timed:
     fn: Callable[[], Any]
     nbytes: int
     leaves: tuple[torch.Tensor, ...] = ()
+    graph: bool = True  # also timed from CUDA-graph replays
 
 
 def _time_round_robin(timed: Sequence[_Timed], config: FusedBenchConfig) -> None:
-    """``config.repeats`` do_bench medians and CUDA-graph medians of every callable, taken in turns; each row gets
-    ms (the median of the repeats), ms_calls, max_over_min and gbps, and the same prefixed ``graph_`` (or
-    ``graph_error`` where the callable cannot be captured)."""
+    """``config.repeats`` do_bench medians and CUDA-graph medians of every callable (do_bench's alone for those
+    with ``graph`` False), taken in turns; each row gets ms (the median of the repeats), ms_calls, max_over_min and
+    gbps, and the same prefixed ``graph_`` (or ``graph_error`` where the callable cannot be captured)."""
     calls: list[list[float]] = [[] for _ in timed]
     graph_calls: list[list[float]] = [[] for _ in timed]
     for _ in range(config.repeats):
         for t, ms, graph_ms in zip(timed, calls, graph_calls, strict=True):
             ms.append(median_ms(t.fn, config, grad_to_none=t.leaves))
-            if "graph_error" in t.row:
+            if not t.graph or "graph_error" in t.row:
                 continue
             try:
                 graph_ms.append(graph_median_ms(t.fn, config, grad_to_none=t.leaves))
@@ -385,7 +387,7 @@ def bench_glue(op: str, config: FusedBenchConfig) -> list[dict[str, Any]]:
     for part, nbytes in copies.items():
         row = {**base, "part": part, "impl": "copy", "bytes_moved": nbytes}
         rows.append(row)
-        timed.append(_Timed(row, copy_step(nbytes), nbytes))
+        timed.append(_Timed(row, copy_step(nbytes), nbytes, graph=False))
     for part, p in case.parts.items():
         row = {**base, "part": part, "impl": "ours", "bytes_moved": p.nbytes}
         rows.append(row)
@@ -393,16 +395,14 @@ def bench_glue(op: str, config: FusedBenchConfig) -> list[dict[str, Any]]:
         timed.append(_Timed(row, p.run, p.nbytes))
     _time_round_robin(timed, config)
     copy_gbps = {r["part"]: r["gbps"] for r in rows if r["impl"] == "copy"}
-    graph_copy_gbps = {r["part"]: r["graph_gbps"] for r in rows if r["impl"] == "copy" and "graph_gbps" in r}
     eager = next((r for r in rows if r["impl"] == "eager" and "ms" in r), None)
     for r in rows:
         if "ms" not in r:
             continue
         r["copy_gbps"] = copy_gbps[r["part"]]
         r["vs_copy"] = r["gbps"] / r["copy_gbps"]
-        if "graph_gbps" in r and r["part"] in graph_copy_gbps:
-            r["graph_copy_gbps"] = graph_copy_gbps[r["part"]]
-            r["graph_vs_copy"] = r["graph_gbps"] / r["graph_copy_gbps"]
+        if "graph_gbps" in r:
+            r["graph_vs_copy"] = r["graph_gbps"] / r["copy_gbps"]
         if eager is not None and r["part"] == "fwd+bwd":
             r["speedup_vs_eager"] = eager["ms"] / r["ms"]
         if "eager" in outputs and r["impl"] in outputs and r["part"] == "fwd+bwd":
