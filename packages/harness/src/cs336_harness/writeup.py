@@ -437,18 +437,24 @@ def table_lm_head() -> str:
 
 
 def table_glue() -> str:
-    """One line per glue op from its latest run: fwd+bwd median of each implementation."""
-    glue = [r for r in rows("fused") if r.get("bench") == "glue"]
+    """One line per glue op from its latest call in ``kernel_limits``: each implementation's forward + backward, the
+    GPU's time alone (CUDA-graph replays) where the call measured it, else do_bench's (host included), and ours
+    against a copy of the same bytes."""
+    glue = [r for r in rows("kernel_limits") if r.get("bench") == "glue" and r.get("part") == "fwd+bwd"]
     out = []
     for op in dict.fromkeys(r["op"] for r in glue):
-        latest = max(r["date"] for r in glue if r["op"] == op)
-        line: dict[str, Any] = {"op": op.replace("_", " ")}
-        for r in glue:
-            if r["op"] == op and r["date"] == latest:
-                line[r["impl"]] = r["median_ms"]
+        call_id = max((r for r in glue if r["op"] == op), key=lambda r: r["date"])["call_id"]
+        call = [r for r in glue if r["op"] == op and r["call_id"] == call_id and "ms" in r]
+        graph = all("graph_ms" in r for r in call if r["impl"] != "copy")
+        line: dict[str, Any] = {"op": op.replace("_", " "), "timing": "GPU alone" if graph else "do_bench"}
+        for r in call:
+            line[r["impl"]] = r["graph_ms" if graph and r["impl"] != "copy" else "ms"]
+            if r["impl"] == "ours":
+                line["vs_copy"] = r["graph_vs_copy" if graph else "vs_copy"]
         out.append(line)
-    return markdown_table(out, ["op", ("ours", "ours (ms)"), ("torch_compile", "torch.compile (ms)"),
-                                ("liger", "Liger-Kernel (ms)"), ("eager", "eager (ms)")])
+    return markdown_table(out, ["op", "timing", ("ours", "ours (ms)"), ("torch_compile", "torch.compile"),
+                                ("liger", "Liger"), ("quack", "QuACK"), ("copy", "copy (ms)"),
+                                ("vs_copy", "ours vs copy")])
 
 
 TABLES: dict[str, dict[str, Callable[[], str]]] = {
