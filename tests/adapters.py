@@ -50,9 +50,7 @@ def fsdp_on_after_backward(fsdp_model: torch.nn.Module, optimizer: torch.optim.O
 
 def fsdp_gather_full_params(fsdp_model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter of the wrapped module, unsharded, by its name in the original module."""
-    from cs336_sharding.fsdp import gather_full_params
-
-    return gather_full_params(fsdp_model)
+    return fsdp_model.gather_full_params()
 
 
 def get_sharded_optimizer(

@@ -7,7 +7,9 @@ import torch
 import torch.nn.functional as F
 from cs336_basics.config import PRESETS, ModelConfig
 from cs336_basics.model import (
+    PYTORCH_KERNELS,
     BasicsTransformerLM,
+    BlockKernels,
     CausalMultiHeadSelfAttention,
     Embedding,
     Linear,
@@ -16,15 +18,16 @@ from cs336_basics.model import (
     SwiGLU,
     TransformerBlock,
     scaled_dot_product_attention,
+    sdpa_attention,
 )
 
 ATOL, RTOL = 1e-5, 1e-5
 
 
-def small_lm(**overrides) -> BasicsTransformerLM:
+def small_lm(kernels: BlockKernels = PYTORCH_KERNELS, **overrides) -> BasicsTransformerLM:
     cfg = dict(vocab_size=37, context_length=19, d_model=24, num_layers=2, num_heads=3, d_ff=40)
     cfg.update(overrides)
-    return BasicsTransformerLM(**cfg)
+    return BasicsTransformerLM(**cfg, kernels=kernels)
 
 
 def test_linear_and_embedding_match_torch():
@@ -118,7 +121,7 @@ def _block_pair(**kwargs) -> tuple[TransformerBlock, TransformerBlock]:
     plain = TransformerBlock(12, 3, 20, RotaryEmbedding(16, 4))
     with torch.no_grad():
         plain.ln2.weight.copy_(1 + torch.randn(12))
-    other = TransformerBlock(12, 3, 20, RotaryEmbedding(16, 4), **kwargs)
+    other = TransformerBlock(12, 3, 20, RotaryEmbedding(16, 4), kernels=BlockKernels(**kwargs))
     other.load_state_dict(plain.state_dict())
     return plain.double(), other.double()
 
@@ -152,7 +155,7 @@ def test_norm_runs_every_rmsnorm_with_its_own_weight():
 
     torch.manual_seed(0)
     plain = small_lm()
-    lm = small_lm(norm=norm)
+    lm = small_lm(BlockKernels(norm=norm))
     lm.load_state_dict(plain.state_dict())
     ids = torch.randint(0, 37, (2, 7))
     torch.testing.assert_close(lm(ids), plain(ids), atol=ATOL, rtol=RTOL)
@@ -190,29 +193,25 @@ def test_attention_is_chosen_per_model():
         calls.append((q.shape, is_causal))
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
 
-    lm = small_lm()
+    torch.manual_seed(0)
+    plain = small_lm()
     ids = torch.randint(0, 37, (2, 8))
-    expected = lm(ids)
-    lm.set_attention(spy)
-    torch.testing.assert_close(lm(ids), expected, atol=1e-5, rtol=1e-5)
-    assert len(calls) == 2 and all(causal for _, causal in calls)
-    other = small_lm()  # another model with the same weights keeps its own attention
-    other.load_state_dict(lm.state_dict())
-    torch.testing.assert_close(other(ids), expected, atol=1e-5, rtol=1e-5)
+    expected = plain(ids)
+    for kernels in (BlockKernels(attention=spy), BlockKernels(attention=sdpa_attention)):
+        lm = small_lm(kernels)
+        lm.load_state_dict(plain.state_dict())
+        torch.testing.assert_close(lm(ids), expected, atol=1e-5, rtol=1e-5)
+    assert len(calls) == 2 and all(causal for _, causal in calls)  # the spy's model only, once per block
+    torch.testing.assert_close(plain(ids), expected)  # a model with the same weights keeps its own attention
     assert len(calls) == 2
-    lm.set_attention("sdpa")
-    torch.testing.assert_close(lm(ids), expected, atol=1e-5, rtol=1e-5)
-    assert len(calls) == 2
-    with pytest.raises(ValueError, match="unknown attention"):
-        lm.set_attention("flash3")
-    with pytest.raises(TypeError, match="callable"):
-        lm.set_attention(42)
 
 
 def test_bad_arguments_raise():
-    for name in ("norm", "add_norm", "rotary", "gate", "loss"):
+    for name in ("attention", "norm", "add_norm", "rotary", "gate", "loss"):
         with pytest.raises(TypeError, match=f"{name} must be"):
-            small_lm(**{name: 3})
+            BlockKernels(**{name: 3})
+    with pytest.raises(TypeError, match="kernels must be a BlockKernels"):
+        small_lm({"attention": sdpa_attention})
     with pytest.raises(ValueError, match="divisible"):
         small_lm(d_model=25)
     with pytest.raises(ValueError, match="divisible"):
@@ -273,7 +272,7 @@ def test_loss_gets_the_flat_hidden_states_and_the_heads_weight():
 
     torch.manual_seed(0)
     plain = small_lm()
-    lm = small_lm(loss=loss)
+    lm = small_lm(BlockKernels(loss=loss))
     lm.load_state_dict(plain.state_dict())
     ids, targets = torch.randint(0, 37, (3, 11)), torch.randint(0, 37, (3, 11))
     torch.testing.assert_close(lm(ids, targets), plain(ids, targets), atol=ATOL, rtol=RTOL)
@@ -282,11 +281,14 @@ def test_loss_gets_the_flat_hidden_states_and_the_heads_weight():
     assert len(seen) == 1
 
 
-def _attention_pair(**kwargs) -> tuple[CausalMultiHeadSelfAttention, CausalMultiHeadSelfAttention]:
-    """The same attention (same weights) without and with ``kwargs``, in float64."""
+def _attention_pair(fused_qkv: bool = False, rotary=None) -> tuple[CausalMultiHeadSelfAttention,
+                                                                   CausalMultiHeadSelfAttention]:
+    """The same attention (same weights) without and with one qkv matmul or ``rotary``, in float64."""
     torch.manual_seed(0)
-    plain = CausalMultiHeadSelfAttention(12, 3, RotaryEmbedding(16, 4), attention="sdpa").double()
-    other = CausalMultiHeadSelfAttention(12, 3, RotaryEmbedding(16, 4), attention="sdpa", **kwargs).double()
+    plain = CausalMultiHeadSelfAttention(12, 3, RotaryEmbedding(16, 4),
+                                         kernels=BlockKernels(attention=sdpa_attention)).double()
+    other = CausalMultiHeadSelfAttention(12, 3, RotaryEmbedding(16, 4), fused_qkv=fused_qkv,
+                                         kernels=BlockKernels(attention=sdpa_attention, rotary=rotary)).double()
     other.load_state_dict(plain.state_dict())
     return plain, other
 
@@ -343,7 +345,7 @@ def test_attention_reads_strided_views_of_the_projections():
         shapes.append((q.shape, v.transpose(1, 2).is_contiguous()))
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
 
-    attn = CausalMultiHeadSelfAttention(12, 3, RotaryEmbedding(16, 4), attention=spy)
+    attn = CausalMultiHeadSelfAttention(12, 3, RotaryEmbedding(16, 4), kernels=BlockKernels(attention=spy))
     attn(torch.randn(2, 7, 12))
     assert shapes == [((2, 3, 7, 4), True)]  # v is the (B, T, H, Dh) projection output, transposed in place
 

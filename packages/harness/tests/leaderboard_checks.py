@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from cs336_harness.studies.leaderboard import LeaderboardConfig, Training, build_training, rank_batch
-from cs336_sharding.fsdp import FSDP, gather_full_params
+from cs336_sharding.fsdp import FSDP
 from torch.distributed.tensor import DTensor
 
 
@@ -39,9 +39,9 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def _grads_and_params(training: Training, world_size: int) -> tuple:
     """(full gradients by name, a callable giving the full parameters by name), for our FSDP or FSDP2."""
     if isinstance(training.model, FSDP):
-        shapes = {n: p.shape for n, p in gather_full_params(training.model).items()}
+        shapes = {n: p.shape for n, p in training.model.gather_full_params().items()}
         return (lambda: _full_grads(training, shapes, world_size),
-                lambda: {name: p.cpu() for name, p in gather_full_params(training.model).items()})
+                lambda: {name: p.cpu() for name, p in training.model.gather_full_params().items()})
     params = dict(training.model.named_parameters())
     return (lambda: {name: _full(p.grad) for name, p in params.items()},
             lambda: {name: _full(p) for name, p in params.items()})

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from cs336_basics.model import BasicsTransformerLM
 from cs336_basics.nn_utils import cross_entropy
 from cs336_sharding.checkpointing import apply_checkpointing
-from cs336_sharding.fsdp import FSDP, gather_full_params
+from cs336_sharding.fsdp import FSDP
 
 WORLD_SIZE = 2
 VOCAB = 37
@@ -75,7 +75,7 @@ def training(rank: int, policy: str, checkpoint_first: bool = True) -> dict[str,
         cross_entropy(fsdp(step[rank][0]), step[rank][1]).backward()
         fsdp.finish_gradient_synchronization()
         opt.step()
-        out["fsdp"].append({names[n]: t for n, t in gather_full_params(fsdp).items()})
+        out["fsdp"].append({names[n]: t for n, t in fsdp.gather_full_params().items()})
         out["reference"].append({n: p.detach().clone() for n, p in ref.named_parameters()})
     return out
 

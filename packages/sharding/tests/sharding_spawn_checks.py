@@ -27,7 +27,7 @@ import torch.nn as nn
 from cs336_basics.model import BasicsTransformerLM, Embedding, Linear, RMSNorm
 from cs336_basics.nn_utils import cross_entropy
 from cs336_basics.optimizer import AdamW
-from cs336_sharding.fsdp import FSDP, gather_full_params
+from cs336_sharding.fsdp import FSDP
 from cs336_sharding.optimizer import ShardedOptimizer
 from cs336_sharding.state import load_state, save_state
 
@@ -138,7 +138,7 @@ def fsdp_training(rank: int, kind: str, optimizer: str, compute_dtype: torch.dty
         reference_step(ref, ref_opt, step)
         full_batch_step(full, full_opt, step)
         fsdp_step(fsdp, fsdp_opt, step, rank)
-        out["fsdp"].append({k: v.cpu() for k, v in gather_full_params(fsdp).items()})
+        out["fsdp"].append({k: v.cpu() for k, v in fsdp.gather_full_params().items()})
         out["reference"].append(params_of(ref))
         out["full_batch"].append(params_of(full))
     return out
@@ -227,7 +227,7 @@ def fsdp_save_load(rank: int, out_dir: str, optimizer: str) -> dict[str, Any]:
     load_state(path, resumed, resumed_opt)
     for step in data[2:]:
         fsdp_step(resumed, resumed_opt, step, rank)
-    return {"uninterrupted": gather_full_params(model), "resumed": gather_full_params(resumed)}
+    return {"uninterrupted": model.gather_full_params(), "resumed": resumed.gather_full_params()}
 
 
 # ShardedOptimizer: every rank sees the same data (the gradient average of DDP is not what is tested).

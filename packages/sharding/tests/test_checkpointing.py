@@ -9,12 +9,13 @@ import weakref
 
 import pytest
 import torch
-from cs336_basics.model import BasicsTransformerLM, sdpa_attention
+from cs336_basics.model import BasicsTransformerLM, BlockKernels, sdpa_attention
 from cs336_basics.nn_utils import cross_entropy
 from cs336_sharding.checkpointing import (
     BlockMemory,
     CheckpointedBlocks,
     CheckpointPolicySpec,
+    SavedOps,
     Segment,
     activation_peak_bytes,
     apply_checkpointing,
@@ -56,6 +57,15 @@ def _triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_caus
 
 
 ATTENTIONS = {"sdpa": sdpa_attention, "triton": _triton_attention}
+
+
+def _attention_op(name: str) -> torch._ops.OpOverload:
+    """The operator an attention of :data:`ATTENTIONS` runs on CPU (our kernel's once it is imported)."""
+    if name == "triton":
+        import cs336_kernels  # noqa: F401  registers torch.ops.cs336
+
+        return torch.ops.cs336.flash_attention_forward.default
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
 
 def _loss_and_grads(model: BasicsTransformerLM, tokens: torch.Tensor, targets: torch.Tensor):
@@ -110,9 +120,9 @@ def test_attention_policy_does_not_recompute_attention(attention: str, op_name: 
     tokens, targets = torch.randint(0, 37, (3, 11), generator=gen), torch.randint(0, 37, (3, 11), generator=gen)
     torch.manual_seed(0)  # head dim 16, the Triton kernel's smallest
     base = BasicsTransformerLM(vocab_size=37, context_length=11, d_model=32, num_layers=2, num_heads=2, d_ff=40,
-                               attention=ATTENTIONS[attention])
+                               kernels=BlockKernels(attention=ATTENTIONS[attention]))
     ref_loss, ref_grads = _loss_and_grads(copy.deepcopy(base), tokens, targets)
-    model = apply_checkpointing(copy.deepcopy(base), policy)
+    model = apply_checkpointing(copy.deepcopy(base), policy, SavedOps(attention=frozenset({_attention_op(attention)})))
     loss = cross_entropy(model(tokens), targets)
     with _CountOp(op_name) as counter:
         loss.backward()
@@ -141,15 +151,16 @@ class _Outputs(TorchDispatchMode):
 
 @pytest.mark.parametrize("d_ff", [48, 32])
 def test_selective_keeps_the_matmul_outputs_its_recomputation_uses(d_ff: int) -> None:
-    # The down projection's output feeds only the residual add: not kept where its shape tells it apart (d_ff !=
-    # d_model), and never recomputed, as no matmul is.
+    # The down projection's output feeds only the residual add: not kept when its weight operand's shape is named
+    # (it tells it apart where d_ff != d_model), and never recomputed, as no matmul is.
     d, tokens = 32, torch.randint(0, 37, (2, 64), generator=torch.Generator().manual_seed(4))
     kept, matmuls = {}, {}
     for policy in ("none", "attention", "selective"):
         torch.manual_seed(0)
         model = BasicsTransformerLM(vocab_size=37, context_length=64, d_model=d, num_layers=2, num_heads=2,
-                                    d_ff=d_ff, attention=sdpa_attention)
-        apply_checkpointing(model, policy)
+                                    d_ff=d_ff, kernels=BlockKernels(attention=sdpa_attention))
+        apply_checkpointing(model, policy, SavedOps(attention=frozenset({_attention_op("sdpa")}),
+                                                    skipped_operand=(d_ff, d) if d_ff != d else None))
         with _Outputs() as outputs:
             x = model.layers(model.token_embeddings(tokens))
         kept[policy] = outputs.live_bytes() - x.untyped_storage().nbytes()
@@ -208,6 +219,12 @@ def test_double_application_and_non_modulelist_are_rejected() -> None:
         apply_checkpointing(model, "all")
     with pytest.raises(TypeError, match="nn.ModuleList"):
         apply_checkpointing(torch.nn.Linear(2, 2), "all")
+    with pytest.raises(TypeError, match="saved must be a SavedOps"):
+        apply_checkpointing(_model(), "selective", {"attention": frozenset()})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="frozenset of operator overloads"):
+        SavedOps(attention={torch.ops.aten.mm.default})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="skipped_operand must be None or a"):
+        SavedOps(skipped_operand=(40, 0))
 
 
 # The budget rule, on what one block keeps in each mode.

@@ -9,7 +9,7 @@ import pytest
 import torch
 from cs336_basics.model import BasicsTransformerLM
 from cs336_sharding.checkpointing import CheckpointedBlocks
-from cs336_sharding.fsdp import FSDP, gather_full_params
+from cs336_sharding.fsdp import FSDP
 from cs336_sharding.parallelize import apply_compile, parallelize
 
 
@@ -33,7 +33,7 @@ def test_parallelize_checkpoints_then_shards_and_trains_as_the_plain_model() -> 
             if m is model:
                 model.finish_gradient_synchronization()
             opt.step()
-    full = gather_full_params(model)
+    full = model.gather_full_params()
     for name, p in plain.named_parameters():
         assert torch.equal(full[name], p.detach()), name  # one rank: the same operations, bit for bit
 

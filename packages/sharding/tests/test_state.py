@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cs336_sharding.fsdp import FSDP, gather_full_params
+from cs336_sharding.fsdp import FSDP
 from cs336_sharding.state import load_state, save_state
 from sharding_spawn_checks import OPTIMIZERS, batches, loss_of, new_model
 
@@ -42,7 +42,7 @@ def test_single_process_round_trip(tmp_path: Path) -> None:
     load_state(tmp_path / "state", resumed, resumed_opt)
     _train(model, opt, data[1:])
     _train(resumed, resumed_opt, data[1:])
-    want, got = gather_full_params(model), gather_full_params(resumed)
+    want, got = model.gather_full_params(), resumed.gather_full_params()
     for name in want:
         assert torch.equal(got[name], want[name]), name
 

@@ -5,11 +5,11 @@ on queries and keys (Su et al., 2021), causal multi-head attention and a SwiGLU 
 (Shazeer, 2020), followed by a final RMSNorm and an untied LM head.
 
 The model is built from the course's positional arguments or from a :class:`~cs336_basics.config.ModelConfig`,
-and owns the implementations of its pieces, each a constructor argument (the model's own PyTorch code by default),
-so kernels with the same numerics run them without touching the weights or their names:
+and owns the implementations of its pieces, one :class:`BlockKernels` value given at construction (the model's own
+PyTorch code by default), so kernels with the same numerics run them without touching the weights or their names:
 
-- ``attention``: a name from :data:`ATTENTION_IMPLS` or any callable ``fn(q, k, v, is_causal) -> out`` over
-  (batch, heads, seq, head_dim) tensors (also replaceable later with :meth:`BasicsTransformerLM.set_attention`);
+- ``attention``: ``fn(q, k, v, is_causal) -> out`` over (batch, heads, seq, head_dim) tensors, returning
+  (batch, heads, seq, head_dim) (:func:`eager_attention`, the default, or :func:`sdpa_attention`);
 - ``norm``: ``fn(x, weight, eps) -> y``, every RMSNorm (the signature of ``cs336_kernels.rms_norm``);
 - ``add_norm``: ``fn(x, delta, weight, eps) -> (x + delta, norm(x + delta))``, each block's first residual add and
   its second norm in one op (``cs336_kernels.add_rms_norm``);
@@ -23,8 +23,9 @@ so kernels with the same numerics run them without touching the weights or their
 ::
 
     from cs336_basics.config import ModelConfig
-    from cs336_basics.model import BasicsTransformerLM
-    model = BasicsTransformerLM.from_config(ModelConfig.from_preset("small"), attention="sdpa")
+    from cs336_basics.model import BasicsTransformerLM, BlockKernels, sdpa_attention
+    model = BasicsTransformerLM.from_config(ModelConfig.from_preset("small"),
+                                            kernels=BlockKernels(attention=sdpa_attention))
     loss = model(token_ids, targets)            # mean cross-entropy; model(token_ids) gives the logits
 
 Queries, keys and values stay in the projections' (batch, seq, heads, head_dim) layout so that kernels read them
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -215,24 +217,46 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
 
 
-# The implementations the model knows by name; any other ``AttentionFn`` can be passed as a callable.
-ATTENTION_IMPLS: dict[str, AttentionFn] = {"eager": eager_attention, "sdpa": sdpa_attention}
-
-
-def resolve_attention(impl: str | AttentionFn) -> AttentionFn:
-    """The attention function for a name of :data:`ATTENTION_IMPLS`, or ``impl`` itself if it is callable."""
-    if isinstance(impl, str):
-        if impl not in ATTENTION_IMPLS:
-            raise ValueError(f"unknown attention {impl!r}; expected one of {', '.join(ATTENTION_IMPLS)} or a callable "
-                             "fn(q, k, v, is_causal)")
-        return ATTENTION_IMPLS[impl]
-    if not callable(impl):
-        raise TypeError(f"attention must be a name or a callable fn(q, k, v, is_causal), got {type(impl).__name__}")
-    return impl
-
-
 RotaryFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
                    tuple[torch.Tensor, torch.Tensor]]
+
+
+AddNormFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class BlockKernels:
+    """How the model's pieces run (the module docstring gives each signature): ``attention`` and ``gate`` are
+    callables; ``norm``, ``add_norm``, ``rotary`` and ``loss`` are callables, or None for the model's own code (the
+    RMSNorm formula, the add then ``ln2``, the course's ``RotaryEmbedding``, the logits' cross-entropy). The default
+    is the model's own PyTorch code throughout."""
+
+    attention: AttentionFn = eager_attention
+    norm: NormFn | None = None
+    add_norm: AddNormFn | None = None
+    rotary: RotaryFn | None = None
+    gate: GateFn = silu_gate
+    loss: LossFn | None = None
+
+    def __post_init__(self) -> None:
+        for name, signature in (("attention", "fn(q, k, v, is_causal)"), ("gate", "fn(a, b) -> silu(a) * b")):
+            if not callable(getattr(self, name)):
+                raise TypeError(f"{name} must be a callable {signature}, got {type(getattr(self, name)).__name__}")
+        for name, signature in (("norm", "fn(x, weight, eps)"), ("add_norm", "fn(x, delta, weight, eps)"),
+                                ("rotary", "fn(q, k, cos, sin, token_positions)"),
+                                ("loss", "fn(hidden, weight, targets)")):
+            _check_optional_fn(name, getattr(self, name), signature)
+
+
+def _check_kernels(kernels: object) -> BlockKernels:
+    if not isinstance(kernels, BlockKernels):
+        raise TypeError(f"kernels must be a BlockKernels, got {type(kernels).__name__}")
+    return kernels
+
+
+# The model's own PyTorch code for every piece.
+PYTORCH_KERNELS = BlockKernels()
 
 
 class CausalMultiHeadSelfAttention(nn.Module):
@@ -240,14 +264,15 @@ class CausalMultiHeadSelfAttention(nn.Module):
 
     Queries, keys and values stay in the (batch, seq, heads, head_dim) layout the projections produce (views, no
     copy); the attention sees (batch, heads, seq, head_dim) transposed views of them, so a kernel that takes strides
-    reads them in place. Three arguments choose how the pieces run:
+    reads them in place. Of ``kernels`` (:class:`BlockKernels`) it runs two, and ``fused_qkv`` chooses the
+    projections:
 
-    - ``attention``: ``fn(q, k, v, is_causal) -> out`` over those (batch, heads, seq, head_dim) views, returning
-      (batch, heads, seq, head_dim); replaced by :meth:`BasicsTransformerLM.set_attention`.
-    - ``rotary``: None (the default) rotates with ``positional_encoder`` (the course's ``RotaryEmbedding``, on
-      the heads-first views); or ``fn(q, k, cos, sin, token_positions) -> (q, k)`` over (batch, seq, heads,
-      head_dim) q and k and the encoder's fp32 ``cos`` / ``sin`` tables (the signature of
-      ``cs336_kernels.rope``), for a kernel that rotates both in the projections' layout.
+    - ``kernels.attention``: ``fn(q, k, v, is_causal) -> out`` over those (batch, heads, seq, head_dim) views,
+      returning (batch, heads, seq, head_dim).
+    - ``kernels.rotary``: None rotates with ``positional_encoder`` (the course's ``RotaryEmbedding``, on the
+      heads-first views); or ``fn(q, k, cos, sin, token_positions) -> (q, k)`` over (batch, seq, heads, head_dim)
+      q and k and the encoder's fp32 ``cos`` / ``sin`` tables (the signature of ``cs336_kernels.rope``), for a
+      kernel that rotates both in the projections' layout.
     - ``fused_qkv``: compute q, k and v by one matmul with the (3 d_model, d_model) concatenation of the three
       projection weights instead of three matmuls (the weights stay three parameters under their names; every
       output element is the same dot product, so results agree to rounding; in deterministic mode the three
@@ -261,9 +286,8 @@ class CausalMultiHeadSelfAttention(nn.Module):
         positional_encoder: RotaryEmbedding | None,
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
-        attention: str | AttentionFn = "eager",
         *,
-        rotary: RotaryFn | None = None,
+        kernels: BlockKernels = PYTORCH_KERNELS,
         fused_qkv: bool = False,
     ):
         super().__init__()
@@ -271,7 +295,7 @@ class CausalMultiHeadSelfAttention(nn.Module):
             raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
         if not isinstance(fused_qkv, bool):
             raise TypeError(f"fused_qkv must be a bool, got {type(fused_qkv).__name__}")
-        _check_optional_fn("rotary", rotary, "fn(q, k, cos, sin, token_positions)")
+        kernels = _check_kernels(kernels)
         self.d_model, self.num_heads = d_model, num_heads
         self.head_dim = d_model // num_heads
         self.q_proj = Linear(d_model, d_model, device=device, dtype=dtype)
@@ -279,8 +303,8 @@ class CausalMultiHeadSelfAttention(nn.Module):
         self.v_proj = Linear(d_model, d_model, device=device, dtype=dtype)
         self.output_proj = Linear(d_model, d_model, device=device, dtype=dtype)
         self.positional_encoder = positional_encoder
-        self.attention = resolve_attention(attention)
-        self.rotary = rotary
+        self.attention = kernels.attention
+        self.rotary = kernels.rotary
         self.fused_qkv = fused_qkv
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -318,17 +342,13 @@ class CausalMultiHeadSelfAttention(nn.Module):
         return self.output_proj(out)
 
 
-AddNormFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
-
-
 class TransformerBlock(nn.Module):
-    """Pre-norm block: ``h = x + attn(ln1(x))``, then ``h + ffn(ln2(h))``.
-
-    ``norm`` goes to both RMSNorms, ``rotary`` to the attention, ``gate`` to the SwiGLU. ``add_norm``: None (the
-    default) runs the add and ``ln2`` as written; or ``fn(x, delta, weight, eps) -> (h, y)`` with
-    ``delta = attn(ln1(x))`` and ``ln2``'s own ``weight`` and ``eps``, returning ``h = x + delta`` and ``y = ln2(h)``
-    (the signature of ``cs336_kernels.add_rms_norm``), for a kernel that computes both in one pass. ``ln2`` keeps its
-    weight either way, so parameter names do not change.
+    """Pre-norm block: ``h = x + attn(ln1(x))``, then ``h + ffn(ln2(h))``, its pieces run by ``kernels``
+    (:class:`BlockKernels`): ``norm`` in both RMSNorms, ``attention`` and ``rotary`` in the attention, ``gate`` in the
+    SwiGLU. ``kernels.add_norm``: None runs the add and ``ln2`` as written; or ``fn(x, delta, weight, eps) -> (h, y)``
+    with ``delta = attn(ln1(x))`` and ``ln2``'s own ``weight`` and ``eps``, returning ``h = x + delta`` and
+    ``y = ln2(h)`` (the signature of ``cs336_kernels.add_rms_norm``), for a kernel that computes both in one pass.
+    ``ln2`` keeps its weight either way, so parameter names do not change.
     """
 
     def __init__(
@@ -339,22 +359,18 @@ class TransformerBlock(nn.Module):
         positional_encoder: RotaryEmbedding | None,
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
-        attention: str | AttentionFn = "eager",
         *,
-        norm: NormFn | None = None,
-        add_norm: AddNormFn | None = None,
-        rotary: RotaryFn | None = None,
-        gate: GateFn = silu_gate,
+        kernels: BlockKernels = PYTORCH_KERNELS,
         fused_qkv: bool = False,
     ):
         super().__init__()
-        _check_optional_fn("add_norm", add_norm, "fn(x, delta, weight, eps)")
-        self.ln1 = RMSNorm(d_model, device=device, dtype=dtype, norm=norm)
+        kernels = _check_kernels(kernels)
+        self.ln1 = RMSNorm(d_model, device=device, dtype=dtype, norm=kernels.norm)
         self.attn = CausalMultiHeadSelfAttention(d_model, num_heads, positional_encoder, device=device, dtype=dtype,
-                                                 attention=attention, rotary=rotary, fused_qkv=fused_qkv)
-        self.ln2 = RMSNorm(d_model, device=device, dtype=dtype, norm=norm)
-        self.ffn = SwiGLU(d_model, d_ff, device=device, dtype=dtype, gate=gate)
-        self.add_norm = add_norm
+                                                 kernels=kernels, fused_qkv=fused_qkv)
+        self.ln2 = RMSNorm(d_model, device=device, dtype=dtype, norm=kernels.norm)
+        self.ffn = SwiGLU(d_model, d_ff, device=device, dtype=dtype, gate=kernels.gate)
+        self.add_norm = kernels.add_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.add_norm is None:
@@ -372,9 +388,6 @@ class TransformerBlocks(nn.ModuleList):
         for block in self:
             x = block(x)
         return x
-
-
-LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class LMHead(Linear):
@@ -402,9 +415,9 @@ class LMHead(Linear):
 class BasicsTransformerLM(nn.Module):
     """Decoder-only LM: embeddings, ``num_layers`` blocks, final RMSNorm, untied LM head.
 
-    ``attention``, ``norm`` (every RMSNorm, the final one included), ``add_norm``, ``rotary``, ``gate`` and ``loss``
-    (the LM head's) are the implementations of the module docstring; ``fused_qkv`` computes q, k and v with one
-    matmul (:class:`CausalMultiHeadSelfAttention`).
+    ``kernels`` (:class:`BlockKernels`, the module docstring) runs the pieces: every block's, ``norm`` in the final
+    RMSNorm too, and ``loss`` in the LM head; ``fused_qkv`` computes q, k and v with one matmul
+    (:class:`CausalMultiHeadSelfAttention`).
     """
 
     def __init__(
@@ -419,15 +432,11 @@ class BasicsTransformerLM(nn.Module):
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
         *,
-        attention: str | AttentionFn = "eager",
-        norm: NormFn | None = None,
-        add_norm: AddNormFn | None = None,
-        rotary: RotaryFn | None = None,
-        gate: GateFn = silu_gate,
-        loss: LossFn | None = None,
+        kernels: BlockKernels = PYTORCH_KERNELS,
         fused_qkv: bool = False,
     ):
         super().__init__()
+        kernels = _check_kernels(kernels)
         config = ModelConfig(d_model=d_model, d_ff=d_ff, num_layers=num_layers, num_heads=num_heads,
                              vocab_size=vocab_size, context_length=context_length, rope_theta=rope_theta)
         self.config = config
@@ -436,33 +445,23 @@ class BasicsTransformerLM(nn.Module):
         self.token_embeddings = Embedding(vocab_size, d_model, device=device, dtype=dtype)
         rope = RotaryEmbedding(context_length, config.head_dim, rope_theta, device=device)
         self.layers = TransformerBlocks(
-            TransformerBlock(d_model, num_heads, d_ff, rope, device=device, dtype=dtype, attention=attention,
-                             norm=norm, add_norm=add_norm, rotary=rotary, gate=gate, fused_qkv=fused_qkv)
+            TransformerBlock(d_model, num_heads, d_ff, rope, device=device, dtype=dtype, kernels=kernels,
+                             fused_qkv=fused_qkv)
             for _ in range(num_layers)
         )
-        self.ln_final = RMSNorm(d_model, device=device, dtype=dtype, norm=norm)
-        self.lm_head = LMHead(d_model, vocab_size, device=device, dtype=dtype, loss=loss)
+        self.ln_final = RMSNorm(d_model, device=device, dtype=dtype, norm=kernels.norm)
+        self.lm_head = LMHead(d_model, vocab_size, device=device, dtype=dtype, loss=kernels.loss)
 
     @classmethod
     def from_config(
-        cls, config: ModelConfig, *, attention: str | AttentionFn = "eager", norm: NormFn | None = None,
-        add_norm: AddNormFn | None = None, rotary: RotaryFn | None = None, gate: GateFn = silu_gate,
-        loss: LossFn | None = None, fused_qkv: bool = False, device: torch.device | None = None,
-        dtype: torch.dtype | None = None,
+        cls, config: ModelConfig, *, kernels: BlockKernels = PYTORCH_KERNELS, fused_qkv: bool = False,
+        device: torch.device | None = None, dtype: torch.dtype | None = None,
     ) -> BasicsTransformerLM:
         """The model of ``config``; every other argument as in the constructor."""
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
         return cls(config.vocab_size, config.context_length, config.d_model, config.num_layers, config.num_heads,
-                   config.d_ff, config.rope_theta, device=device, dtype=dtype, attention=attention, norm=norm,
-                   add_norm=add_norm, rotary=rotary, gate=gate, loss=loss, fused_qkv=fused_qkv)
-
-    def set_attention(self, impl: str | AttentionFn) -> None:
-        """Use ``impl`` (a name of :data:`ATTENTION_IMPLS` or a callable ``fn(q, k, v, is_causal)``) in every block."""
-        fn = resolve_attention(impl)
-        for module in self.modules():
-            if isinstance(module, CausalMultiHeadSelfAttention):
-                module.attention = fn
+                   config.d_ff, config.rope_theta, device=device, dtype=dtype, kernels=kernels, fused_qkv=fused_qkv)
 
     def get_num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; ``non_embedding`` leaves out the token embeddings (not the LM head)."""

@@ -21,15 +21,16 @@ Policies (strings, as given to ``cs336 bench --checkpoint``):
   peak memory is O(log N) segment inputs plus one block's saved tensors, at O(N log N) block forwards.
 - ``selective``: each block its own segment, but matmul outputs (and fused attention outputs) are
   saved, so the backward recomputes only the cheap elementwise and normalisation ops. Not the output of the
-  feed-forward's down projection (a block's ``ffn.w2``): it feeds only the residual add, which saves nothing, and
-  the recomputation stops (checkpoint's early stop) once that matmul has saved its input, before it would run.
-  ``selective:N``: the first N blocks so, the rest not checkpointed.
-- ``attention``: each block its own segment, saving only the fused attention's outputs (SDPA's kernels or
-  our Triton FlashAttention-2; output and log-sum-exp, about ``b * T * d_model`` elements per block), so
-  the backward's recomputation skips the one op whose cost grows as ``T^2``; the matmuls are recomputed.
-  The model's own unfused attention is not such an op: pair it with ``sdpa`` or ``triton`` attention.
-  ``attention:N``: the first N blocks so, the rest not checkpointed; ``attention:N+selective:M``: then the next M
-  blocks ``selective``, the rest not checkpointed.
+  matmul whose weight operand has the shape :attr:`SavedOps.skipped_operand` (a feed-forward's down projection:
+  it feeds only the residual add, which saves nothing, and the recomputation stops (checkpoint's early stop) once
+  that matmul has saved its input, before it would run). ``selective:N``: the first N blocks so, the rest not
+  checkpointed.
+- ``attention``: each block its own segment, saving only the outputs of the fused attention operators the caller
+  names (:attr:`SavedOps.attention`: SDPA's kernels, a FlashAttention kernel's registered forward; output and
+  log-sum-exp, about ``b * T * d_model`` elements per block), so the backward's recomputation skips the one op whose
+  cost grows as ``T^2``; the matmuls are recomputed. An unfused attention (its scores by matmuls) has no such op:
+  the policy then keeps nothing of it. ``attention:N``: the first N blocks so, the rest not checkpointed;
+  ``attention:N+selective:M``: then the next M blocks ``selective``, the rest not checkpointed.
 - ``offload``: no block checkpointed, but what each block saves for its backward is copied to pinned host memory in
   its forward and back in the backward of the block after it (:mod:`cs336_sharding.offload`), where the transfers
   hide under compute; it recomputes nothing. ``offload:N``: the first N blocks so (their backward comes last, once
@@ -37,8 +38,8 @@ Policies (strings, as given to ``cs336 bench --checkpoint``):
   not checkpointed.
 
 Sized from a memory budget: :func:`policy_for_budget` picks the policy that recomputes least within a budget for
-activations, from what one block keeps in each mode (:class:`BlockMemory`: measured, or estimated by whoever knows
-the block and its kernels, as ``cs336_harness``'s leaderboard memory plan does for the ``cs336_basics`` block).
+activations, from what one block keeps in each mode (:class:`BlockMemory`, measured by whoever knows the block and
+its kernels, as ``cs336_harness``'s memory plan does by tracing one block on fake tensors).
 Memory per block is ``kept > selective > attention > checkpointed``, and so is the time it saves: keeping a block's
 attention outputs costs ``b * T * d_model`` elements and saves the attention forward, keeping its matmul outputs too
 (``selective``) saves every matmul of the recomputation, which leaves its memory-bound norms and elementwise ops,
@@ -142,30 +143,37 @@ def parse_policy(text: str | CheckpointPolicySpec) -> CheckpointPolicySpec:
     return CheckpointPolicySpec(kind, arg)
 
 
-def attention_ops() -> frozenset[torch._ops.OpOverload]:
-    """The fused attention operators whose outputs the ``attention`` policy keeps: those SDPA dispatches to and,
-    once ``cs336_kernels`` has registered it (a model using our kernel has imported it), our
-    Triton FlashAttention-2 forward ``torch.ops.cs336.flash_attention_forward``."""
-    aten = torch.ops.aten
-    ops = {
-        aten._scaled_dot_product_efficient_attention.default,
-        aten._scaled_dot_product_flash_attention.default,
-        aten._scaled_dot_product_cudnn_attention.default,
-        aten._scaled_dot_product_flash_attention_for_cpu.default,
-    }
-    if hasattr(torch.ops.cs336, "flash_attention_forward"):
-        ops.add(torch.ops.cs336.flash_attention_forward.default)
-    return frozenset(ops)
+# The matmul operators whose outputs ``selective`` segments keep.
+MATMUL_OPS: frozenset[torch._ops.OpOverload] = frozenset(
+    {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default})
 
 
-def _saved_ops(kind: str) -> frozenset[torch._ops.OpOverload]:
-    """What a segment of ``kind`` keeps from the forward instead of recomputing: the expensive ops to redo."""
-    if kind == "attention":
-        return attention_ops()
-    if kind == "selective":
-        aten = torch.ops.aten
-        return attention_ops() | {aten.mm.default, aten.bmm.default, aten.addmm.default}
-    return frozenset()
+@dataclass(frozen=True)
+class SavedOps:
+    """What the segments that keep ops' outputs keep, as the caller who knows the model and its kernels names it:
+    ``attention``, the fused attention operators whose outputs the ``attention`` policies keep (``selective`` keeps
+    them and the matmuls' outputs); ``skipped_operand``, the (rows, cols) shape of the weight operand of the one
+    matmul whose output ``selective`` recomputes instead (None: none)."""
+
+    attention: frozenset[torch._ops.OpOverload] = frozenset()
+    skipped_operand: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.attention, frozenset) or not all(
+                isinstance(op, torch._ops.OpOverload) for op in self.attention):
+            raise TypeError(f"attention must be a frozenset of operator overloads, got {self.attention!r}")
+        shape = self.skipped_operand
+        if shape is not None and (not isinstance(shape, tuple) or len(shape) != 2
+                                  or not all(isinstance(n, int) and n > 0 for n in shape)):
+            raise ValueError(f"skipped_operand must be None or a (rows, cols) pair of positive ints, got {shape!r}")
+
+    def kept_by(self, kind: str) -> frozenset[torch._ops.OpOverload]:
+        """What a segment that keeps ``kind`` (``attention`` or ``selective``) keeps from the forward."""
+        return self.attention | MATMUL_OPS if kind == "selective" else self.attention
+
+
+# No attention operator named and no matmul skipped: ``attention`` segments keep nothing, ``selective`` every matmul.
+NO_SAVED_OPS = SavedOps()
 
 
 @dataclass(frozen=True)
@@ -210,23 +218,6 @@ def plan_segments(num_blocks: int, policy: str | CheckpointPolicySpec) -> tuple[
     return tuple(Segment(tuple(range(i, min(i + size, n)))) for i in range(0, n, size))
 
 
-def _down_projection_shape(blocks: nn.ModuleList) -> tuple[int, int] | None:
-    """``(d_ff, d_model)``: the shape of the weight operand (``W.T``) of the matmul of the blocks' ``ffn.w2``, the
-    ``cs336_basics`` SwiGLU's down projection, read from its ``d_in`` and ``d_out`` (which sharding its weight leaves
-    alone); the one matmul of such a block that contracts over d_ff. None where the blocks have no such layer of one
-    shape, or d_ff == d_model (the other projections' operands would have that shape too)."""
-    shapes = set()
-    for block in blocks:
-        w2 = getattr(getattr(block, "ffn", None), "w2", None)
-        if not isinstance(getattr(w2, "d_in", None), int) or not isinstance(getattr(w2, "d_out", None), int):
-            return None
-        shapes.add((w2.d_in, w2.d_out))
-    if len(shapes) != 1:
-        return None
-    (d_ff, d_model), = shapes
-    return None if d_ff == d_model else (d_ff, d_model)
-
-
 def _save_ops(saved: frozenset, skipped_operand: tuple[int, int] | None, ctx: object, op: torch._ops.OpOverload,
               *args: object, **kwargs: object) -> CheckpointPolicy:
     if op is torch.ops.aten.mm.default and skipped_operand is not None and tuple(args[1].shape) == skipped_operand:
@@ -239,12 +230,12 @@ class CheckpointedBlocks(nn.ModuleList):
     keeps ops' outputs (``attention``, ``selective``) keeps them from the forward instead of recomputing them. An
     offloaded block's saved tensors start back to the device when the backward of the block after it starts."""
 
-    def __init__(self, blocks: nn.ModuleList, plan: tuple[int | Segment | Offloaded, ...], policy: str):
+    def __init__(self, blocks: nn.ModuleList, plan: tuple[int | Segment | Offloaded, ...], policy: str,
+                 saved: SavedOps):
         super().__init__(blocks)
         self.plan = plan
         self.policy = policy
-        self.saved_ops: dict[str, frozenset[torch._ops.OpOverload]] = {}
-        self.down_projection = _down_projection_shape(blocks)
+        self.saved = saved
         self.offloads = {item.index: BlockOffload(blocks[item.index]) for item in plan if isinstance(item, Offloaded)}
 
     def _run(self, items: tuple[int | Segment | Offloaded, ...], x: torch.Tensor) -> torch.Tensor:
@@ -263,15 +254,13 @@ class CheckpointedBlocks(nn.ModuleList):
 
     def _checkpointed(self, segment: Segment, x: torch.Tensor) -> torch.Tensor:
         if segment.keeps:
-            skipped = self.down_projection if segment.keeps == "selective" else None
-            policy_fn = functools.partial(_save_ops, self.saved_ops[segment.keeps], skipped)
+            skipped = self.saved.skipped_operand if segment.keeps == "selective" else None
+            policy_fn = functools.partial(_save_ops, self.saved.kept_by(segment.keeps), skipped)
             context_fn = functools.partial(create_selective_checkpoint_contexts, policy_fn)
             return checkpoint(self._run, segment.items, x, use_reentrant=False, context_fn=context_fn)
         return checkpoint(self._run, segment.items, x, use_reentrant=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Looked up per forward: the model's attention may have been chosen after checkpointing was applied.
-        self.saved_ops = {kind: _saved_ops(kind) for kind in ("attention", "selective")}
         return self._run(self.plan, x)
 
     def extra_repr(self) -> str:
@@ -279,13 +268,17 @@ class CheckpointedBlocks(nn.ModuleList):
         return f"policy={self.policy}, top_level_segments={segments}, offloaded={len(self.offloads)}"
 
 
-def apply_checkpointing(model: nn.Module, policy: str | CheckpointPolicySpec) -> nn.Module:
-    """Checkpoint ``model.layers`` in place according to ``policy``; returns ``model`` (parameter names unchanged).
+def apply_checkpointing(model: nn.Module, policy: str | CheckpointPolicySpec,
+                        saved: SavedOps = NO_SAVED_OPS) -> nn.Module:
+    """Checkpoint ``model.layers`` in place according to ``policy``, the segments that keep ops' outputs keeping
+    those of ``saved``; returns ``model`` (parameter names unchanged).
 
     Raises:
         TypeError: if ``model.layers`` is not an ``nn.ModuleList`` with a ``forward`` or was already checkpointed.
     """
     spec = parse_policy(policy)
+    if not isinstance(saved, SavedOps):
+        raise TypeError(f"saved must be a SavedOps, got {type(saved).__name__}")
     layers = getattr(model, "layers", None)
     if isinstance(layers, CheckpointedBlocks):
         raise TypeError("model.layers is already checkpointed; apply a policy to a fresh model")
@@ -293,7 +286,7 @@ def apply_checkpointing(model: nn.Module, policy: str | CheckpointPolicySpec) ->
         raise TypeError("apply_checkpointing needs model.layers to be an nn.ModuleList of blocks that its forward runs "
                         f"in order (as BasicsTransformerLM's), got {type(layers).__name__}")
     if spec.kind != "none":
-        model.layers = CheckpointedBlocks(layers, plan_segments(len(layers), spec), str(spec))
+        model.layers = CheckpointedBlocks(layers, plan_segments(len(layers), spec), str(spec), saved)
     return model
 
 
@@ -303,7 +296,7 @@ class BlockMemory:
     for its backward beyond the block's input (which the previous block's output already counts).
 
     ``kept``: not checkpointed; ``selective``: checkpointed, the fused attention's and the matmuls' outputs kept (but
-    the down projection's);
+    the skipped one's, :class:`SavedOps`);
     ``attention``: checkpointed, the fused attention's outputs kept; ``checkpointed``: checkpointed, nothing kept
     (the output alone). ``working``: what the block's backward holds at its peak beyond its activations (gradient
     temporaries, less the activations it has freed by then).

@@ -46,7 +46,7 @@ gathered if the unit's own backward has begun (it needs the recomputed views), e
 Limitations: a weight must be used through its module's forward; a weight tied between units must belong
 to modules that each own it directly (embedding and LM head), not to the inside of a ``ModuleList`` child.
 
-:func:`gather_full_params` returns every parameter unsharded, by its name in the original module;
+:meth:`FSDP.gather_full_params` returns every parameter unsharded, by its name in the original module;
 :meth:`FSDP.state_tensor` gives a rank's piece as the DTensor that :mod:`cs336_sharding.state` (``save_state`` /
 ``load_state``) hands to ``torch.distributed.checkpoint``.
 """
@@ -507,6 +507,25 @@ class FSDP(nn.Module):
         for unit in self._units:
             self._free(unit)
 
+    def gather_full_params(self) -> dict[str, torch.Tensor]:
+        """Every parameter of the wrapped module, unsharded and in the master dtype, by its original name.
+
+        Collective: every rank must call it; every rank gets the full dict.
+        """
+        full: dict[str, torch.Tensor] = {}
+        for unit in self._units:
+            gathered = unit.local.detach().clone()
+            if self._world_size > 1:
+                out = torch.empty(self._world_size * unit.shard_numel, dtype=gathered.dtype, device=gathered.device)
+                self._launch_gather(unit, gathered, out, async_op=False)
+                gathered = out
+            if not self._layouts_coincide(unit):
+                gathered = self._slot_major(unit, gathered, torch.empty_like(gathered))
+            for s in unit.slots:
+                start = self._world_size * s.offset
+                full[s.name] = gathered[start : start + s.numel].view(s.shape)
+        return {name: full[name] if name in full else p.detach().clone() for name, p in self.module.named_parameters()}
+
     def sharded_parameters(self) -> dict[str, nn.Parameter]:
         """The sharded parameters by name; each holds this rank's padded flat piece."""
         return {name: s.param for name, s in self._slot_of_name.items()}
@@ -540,26 +559,3 @@ class FSDP(nn.Module):
         return DTensor.from_local(
             piece, self._mesh, [Shard(0)], run_check=False, shape=torch.Size([slot.numel]), stride=(1,)
         )
-
-
-def gather_full_params(fsdp_model: FSDP) -> dict[str, torch.Tensor]:
-    """Every parameter of the wrapped module, unsharded and in the master dtype, by its original name.
-
-    Collective: every rank must call it; every rank gets the full dict.
-    """
-    if not isinstance(fsdp_model, FSDP):
-        raise TypeError(f"expected an FSDP model, got {type(fsdp_model).__name__}")
-    full: dict[str, torch.Tensor] = {}
-    for unit in fsdp_model._units:
-        gathered = unit.local.detach().clone()
-        if fsdp_model._world_size > 1:
-            out = torch.empty(fsdp_model._world_size * unit.shard_numel, dtype=gathered.dtype, device=gathered.device)
-            fsdp_model._launch_gather(unit, gathered, out, async_op=False)
-            gathered = out
-        if not fsdp_model._layouts_coincide(unit):
-            gathered = fsdp_model._slot_major(unit, gathered, torch.empty_like(gathered))
-        for s in unit.slots:
-            start = fsdp_model._world_size * s.offset
-            full[s.name] = gathered[start : start + s.numel].view(s.shape)
-    return {name: full[name] if name in full else p.detach().clone()
-            for name, p in fsdp_model.module.named_parameters()}

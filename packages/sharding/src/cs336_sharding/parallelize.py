@@ -1,15 +1,16 @@
 """One place that composes a model for distributed training: activation checkpointing, block compilation and FSDP,
 in one order (torchtitan's ``parallelize_llama``: ``apply_ac -> apply_compile -> apply_fsdp``).
 
-    model = BasicsTransformerLM.from_config(config, attention=flash_attention_fn, device=device)   # its kernels
-    model = parallelize(model, checkpoint="attention", compute_dtype=torch.bfloat16)
+    model = BasicsTransformerLM.from_config(config, kernels=kernels, device=device)   # its kernels
+    model = parallelize(model, checkpoint="attention", saved=SavedOps(attention=attention_ops),
+                        compute_dtype=torch.bfloat16)
     loss = model(token_ids, targets)      # FSDP over the model
     loss.backward(); model.finish_gradient_synchronization(); optimizer.step()
 
 The order, and why:
 
 1. activation checkpointing of ``model.layers`` (:func:`cs336_sharding.checkpointing.apply_checkpointing`), in
-   place, so parameter names do not change;
+   place, so parameter names do not change; the caller names the ops its selective policies keep (``saved``);
 2. with ``compile_blocks``, each block's forward under ``torch.compile`` (:func:`apply_compile`): inside the
    checkpoint, which then recomputes the compiled forward; outside FSDP's hooks, which stay eager;
 3. :class:`cs336_sharding.fsdp.FSDP` with ``compute_dtype`` over the process group (a single rank without one),
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from cs336_sharding.checkpointing import CheckpointPolicySpec, apply_checkpointing
+from cs336_sharding.checkpointing import NO_SAVED_OPS, CheckpointPolicySpec, SavedOps, apply_checkpointing
 from cs336_sharding.fsdp import FSDP
 
 
@@ -49,6 +50,7 @@ def parallelize(
     model: nn.Module,
     *,
     checkpoint: str | CheckpointPolicySpec = "none",
+    saved: SavedOps = NO_SAVED_OPS,
     compute_dtype: torch.dtype | None = None,
     compile_blocks: bool = False,
     process_group: dist.ProcessGroup | None = None,
@@ -58,6 +60,7 @@ def parallelize(
     Args:
         model: a model with ``layers`` (its blocks, an ``nn.ModuleList`` that its forward runs in order).
         checkpoint: an activation-checkpointing policy (see :mod:`cs336_sharding.checkpointing`).
+        saved: the ops whose outputs its segments that keep ops' outputs keep (``attention``, ``selective``).
         compute_dtype: FSDP's compute (and all-gather) dtype; master weights and gradients stay in the
             parameters' dtype.
         compile_blocks: compile each block's forward (:func:`apply_compile`).
@@ -65,7 +68,7 @@ def parallelize(
     """
     if not isinstance(compile_blocks, bool):
         raise TypeError(f"compile_blocks must be a bool, got {compile_blocks!r}")
-    apply_checkpointing(model, checkpoint)
+    apply_checkpointing(model, checkpoint, saved)
     if compile_blocks:
         apply_compile(model)
     return FSDP(model, compute_dtype=compute_dtype, process_group=process_group)
