@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from cs336_harness.studies.leaderboard import LeaderboardConfig, Training, build_training, rank_batch
+from cs336_harness.studies.leaderboard import LeaderboardConfig
+from cs336_harness.training import Training, build_training, rank_batch
 from cs336_sharding.fsdp import FSDP
 from torch.distributed.tensor import DTensor
 
@@ -52,8 +53,9 @@ def one_step_each(rank: int, world_size: int, configs: list[LeaderboardConfig], 
     device = torch.device("cuda", rank) if configs[0].resolved_backend == "nccl" else torch.device("cpu")
     records = []
     for config in configs:
-        training = build_training(config, device)
-        inputs, targets = rank_batch(config, rank, device)
+        train = config.train_config()
+        training = build_training(train, device)
+        inputs, targets = rank_batch(train, rank, device)
         full_grads, full_params = _grads_and_params(training, world_size)
         loss = training.forward_backward(inputs, targets).float().reshape(1)
         grads = full_grads()

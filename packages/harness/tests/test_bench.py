@@ -10,7 +10,6 @@ from cs336_harness import cli
 from cs336_harness.commands.bench import configs_from_args
 from cs336_harness.results import read_rows
 from cs336_harness.studies import step_timing
-from cs336_harness.studies.optimizers import build_optimizer
 
 PROVENANCE_KEYS = ("command", "device", "torch", "triton", "python", "commit", "date")
 TINY = ["--size", "tiny", "--batch-size", "2", "--context-length", "17", "--warmup", "1", "--steps", "2"]
@@ -128,11 +127,11 @@ def test_fused_loss_triton_attention_and_fused_adamw_match_the_plain_path() -> N
     targets = torch.randint(0, config.vocab_size, (2, 17), generator=gen)
 
     def loss_grads_and_step(cfg: step_timing.BenchConfig) -> tuple[torch.Tensor, list, list]:
-        model = step_timing.build_model(cfg)
-        loss = step_timing.build_loss_fn(cfg, model)(tokens, targets)
+        model, loss_fn, optimizer = step_timing.build_step(cfg)
+        loss = loss_fn(tokens, targets)
         loss.backward()
         grads = [p.grad.clone() for p in model.parameters()]
-        build_optimizer(cfg.optimizer, model.parameters(), lr=1e-4, weight_decay=0.01).step()
+        optimizer.step()
         return loss.detach(), grads, [p.detach() for p in model.parameters()]
 
     ref = loss_grads_and_step(config)

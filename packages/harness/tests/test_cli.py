@@ -19,6 +19,7 @@ from cs336_harness.analysis import trace
 from cs336_harness.commands import COMMANDS
 from cs336_harness.commands._shared import print_measured_table
 from cs336_harness.device import check_device
+from cs336_harness.memory_plan import memory_plan
 from cs336_harness.studies import collectives as collectives_study
 from cs336_harness.studies import ddp as ddp_study
 from cs336_harness.studies import leaderboard as leaderboard_study
@@ -214,7 +215,7 @@ def test_leaderboard_offload_is_planned_and_its_host_copies_must_fit(no_run: Non
 
     config = leaderboard_study.LeaderboardConfig(**leaderboard_study.PROXY_DEFAULTS, backend="nccl", glue="triton",
                                                  checkpoint="offload:4")
-    block = leaderboard_study.memory_plan(config, None).block
+    block = memory_plan(config.train_config(), None).block
     monkeypatch.setattr(resources, "available_host_bytes", lambda: 16 * 2**30)
     with pytest.raises(ValueError, match=re.escape(
             f"--checkpoint offload:4 (4 blocks' saved activations in host memory on each of 1 ranks) needs at least "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cs336_harness.studies.compiled_block import BlockBenchConfig, build_block, graph_breaks, run_block_bench
+from cs336_harness.studies.compiled_block import BlockBenchConfig, graph_breaks, run_block_bench, variant_block
 
 TINY = BlockBenchConfig(size="tiny", seq=24, dtype="fp32")
 
@@ -17,7 +17,7 @@ def _x() -> torch.Tensor:
 
 def test_our_kernels_compute_the_models_block():
     x = _x()
-    ours, torch_block = build_block(TINY, "eager_ours", "cpu"), build_block(TINY, "eager_torch", "cpu")
+    ours, torch_block = variant_block(TINY, "eager_ours", "cpu"), variant_block(TINY, "eager_torch", "cpu")
     assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), torch_block.state_dict().values(),
                                                  strict=True))
     expected = torch_block(x)
@@ -26,7 +26,7 @@ def test_our_kernels_compute_the_models_block():
 
 @pytest.mark.slow
 def test_our_block_compiles_without_a_graph_break():
-    assert graph_breaks(build_block(TINY, "compiled_ours", "cpu"), _x()) == 0
+    assert graph_breaks(variant_block(TINY, "compiled_ours", "cpu"), _x()) == 0
 
 
 @pytest.mark.parametrize(("field", "value", "match"), [

@@ -20,13 +20,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cs336_basics.config import ModelConfig
-from cs336_basics.model import BasicsTransformerLM
 from cs336_comms.process_group import spawn
-from cs336_harness import cli, device
+from cs336_harness import cli, device, registry
 from cs336_harness.device import GIB
+from cs336_harness.memory_plan import memory_plan, reserved_bytes
 from cs336_harness.studies import leaderboard
-from cs336_harness.studies.attention_impls import get_attention
 from cs336_harness.studies.leaderboard import LeaderboardConfig
+from cs336_harness.training import build_model, build_training, make_batch
 from cs336_sharding.checkpointing import activation_peak_bytes, apply_checkpointing
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -53,9 +53,9 @@ _GLUE = dict(_SMALL, backend="gloo", attention="triton", glue="triton", fused_qk
 
 def _cap_for(config: LeaderboardConfig, policy: str) -> float:
     """The memory cap (GiB) whose budget is exactly what ``policy`` needs: the budget rule must pick it."""
-    plan = leaderboard.memory_plan(dataclasses.replace(config, checkpoint="all", memory_cap_gib=None), None)
+    plan = memory_plan(dataclasses.replace(config, checkpoint="all", memory_cap_gib=None).train_config(), None)
     blocks = activation_peak_bytes(plan.block, config.model_config.num_layers, policy)
-    return (leaderboard.reserved_bytes(config) + blocks) / GIB
+    return (reserved_bytes(config.train_config()) + blocks) / GIB
 
 
 CPU_CONFIGS = [
@@ -75,12 +75,10 @@ def _reference_step(config: LeaderboardConfig, checkpoint: str, device: torch.de
     """One plain step on one process over the whole global batch: the model's own glue and three q / k / v
     matmuls, logits, F.cross_entropy, torch AdamW."""
     # The same checkpointing keeps the parameter names equal to the sharded model's; it changes no value.
-    torch.manual_seed(config.seed)
-    model = BasicsTransformerLM.from_config(config.model_config, attention=get_attention(config.attention),
-                                            device=device)
+    model = build_model(config.model_config, registry.kernels(config.attention), seed=config.seed, device=device)
     model = apply_checkpointing(model, checkpoint)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    inputs, targets = (t.to(device) for t in leaderboard.make_batch(config))
+    inputs, targets = (t.to(device) for t in make_batch(config.train_config()))
     logits = model(inputs)  # (B, T, V)
     loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
     loss.backward()
@@ -114,7 +112,9 @@ def _assert_same_step(configs: list[LeaderboardConfig], records: list[dict], dev
                                        msg=lambda m, n=name, c=config: f"{c.attention}/{c.optimizer} param {n}: {m}")
         assert conditioned > 0.99 * sum(p.numel() for p in params.values())
         # The step did move every weight (a test that cannot fail is no test).
-        initial = apply_checkpointing(leaderboard.build_model(config, device), record["checkpoint"])
+        train = config.train_config()
+        initial = apply_checkpointing(build_model(train.model, train.kernels, fused_qkv=train.fused_qkv,
+                                                  seed=train.seed, device=device), record["checkpoint"])
         moved = [n for n, p in initial.named_parameters() if not torch.equal(p.detach().cpu(), record["params"][n])]
         assert len(moved) == len(params)
 
@@ -150,9 +150,9 @@ def test_compiled_steps_match_single_process_step(tmp_path: Path) -> None:
     ("vocab_size", 1, "vocab_size must be at least 2"),
     ("warmup", -1, "warmup must be a non-negative int"),
     ("steps", 0, "steps must be a positive int"),
-    ("attention", "eager", "attention must be one of triton, sdpa"),
-    ("optimizer", "sgd", "optimizer must be one of fused-adamw, torch-adamw"),
-    ("compute_dtype", "fp16", "compute_dtype must be one of bf16, fp32"),
+    ("attention", "flash3", "attention must be one of eager, annotated, compiled, sdpa, triton"),
+    ("optimizer", "sgd", "optimizer must be one of adamw, torch-adamw, fused-adamw"),
+    ("compute_dtype", "fp16", "compute_dtype must be one of fp32, bf16"),
     ("backend", "mpi", "backend must be one of"),
     ("checkpoint", "every:2", "unknown checkpoint policy"),
     ("lr", 0.0, "lr > 0"),
@@ -174,7 +174,7 @@ def test_flops_formula_is_what_a_step_of_the_model_multiplies() -> None:
     a causal mask discards) counts the formula's model FLOPs plus that discarded half: three times (forward and
     backward) half of Q K^T and P V."""
     config = ModelConfig.from_preset("tiny", vocab_size=37, context_length=9)  # d 64, 2 layers, 4 heads of 16
-    model = BasicsTransformerLM.from_config(config)
+    model = build_model(config)
     ids = torch.randint(0, 37, (3, 9))
     with FlopCounterMode(display=False) as counter:
         F.cross_entropy(model(ids).flatten(0, 1), ids.flatten()).backward()
@@ -284,11 +284,11 @@ def test_build_training_needs_a_process_group_that_matches() -> None:
     cpu = torch.device("cpu")
     two_ranks = LeaderboardConfig(**{**leaderboard.CPU_DEFAULTS, "backend": "gloo"})
     with pytest.raises(ValueError, match="world_size 2 needs an initialised process group"):
-        leaderboard.build_training(two_ranks, cpu)
+        build_training(two_ranks.train_config(), cpu)
     one_rank = dataclasses.replace(two_ranks, world_size=1, global_batch=1)
-    with pytest.raises(ValueError, match="impl 'torch_native' on world_size 1 needs an initialised process group"):
-        leaderboard.build_training(leaderboard.recipe(one_rank, "torch_native"), cpu)  # FSDP2 needs a mesh
-    with pytest.raises(TypeError, match="config must be a LeaderboardConfig"):
-        leaderboard.build_training(leaderboard.CPU_DEFAULTS, cpu)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="fsdp 'fsdp2' on world_size 1 needs an initialised process group"):
+        build_training(leaderboard.recipe(one_rank, "torch_native").train_config(), cpu)  # FSDP2 needs a mesh
+    with pytest.raises(TypeError, match="config must be a TrainConfig"):
+        build_training(one_rank, cpu)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="device must be a torch.device"):
-        leaderboard.build_training(one_rank, "cpu")  # type: ignore[arg-type]
+        build_training(one_rank.train_config(), "cpu")  # type: ignore[arg-type]

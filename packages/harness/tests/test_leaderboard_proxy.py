@@ -17,20 +17,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cs336_basics.config import ModelConfig
-from cs336_basics.model import BasicsTransformerLM, RotaryEmbedding, TransformerBlock
-from cs336_harness import cli
+from cs336_basics.model import BasicsTransformerLM, BlockKernels, RotaryEmbedding, TransformerBlock
+from cs336_harness import cli, registry
 from cs336_harness.analysis import kernel_kinds
 from cs336_harness.commands import leaderboard as leaderboard_command
 from cs336_harness.device import GIB
-from cs336_harness.studies import leaderboard
-from cs336_harness.studies.attention_impls import get_attention
-from cs336_harness.studies.glue import GLUES, glue_kernels
-from cs336_harness.studies.leaderboard import LeaderboardConfig, block_memory
-from cs336_harness.studies.leaderboard.baselines import chunked_cross_entropy
-from cs336_sharding.checkpointing import (
-    activation_peak_bytes,
-    apply_checkpointing,
+from cs336_harness.memory_plan import (
+    compiled_block_memory,
+    default_memory_cap_bytes,
+    expected_peak_bytes,
+    measure_block,
+    memory_plan,
+    reserved_bytes,
 )
+from cs336_harness.studies import leaderboard
+from cs336_harness.studies.leaderboard import LeaderboardConfig
+from cs336_harness.training import Parallelism, TrainConfig, build_model, saved_ops
+from cs336_sharding.checkpointing import activation_peak_bytes, apply_checkpointing
 from cs336_sharding.parallelize import apply_compile
 
 # fp32 rounding of differently ordered sums inside a kernel against the model's ops, over two blocks.
@@ -56,11 +59,12 @@ def test_proxy_holds_a_ranks_state_on_one_gpu() -> None:
         assert abs(_state(other, 1) - rank_state) > abs(_state(proxy.model_config, 1) - rank_state)
     device = 150 * GIB
     usable = device - 4 * GIB  # the CUDA context, NCCL's buffers, fragmentation
-    assert leaderboard.default_memory_cap_bytes(full, device) == pytest.approx(usable)  # the real rank: all of it
-    want = _state(proxy.model_config, 1) + (usable - rank_state) * 14 / 34
-    assert leaderboard.default_memory_cap_bytes(proxy, device) == pytest.approx(want)
+    full, proxy = full.train_config(), proxy.train_config()
+    assert default_memory_cap_bytes(full, device) == pytest.approx(usable)  # the real rank: all of it
+    want = _state(proxy.model, 1) + (usable - rank_state) * 14 / 34
+    assert default_memory_cap_bytes(proxy, device) == pytest.approx(want)
     h200 = 143_771 * 2**20  # torch.cuda.get_device_properties(0).total_memory on the lent H200
-    assert leaderboard.default_memory_cap_bytes(proxy, h200) == pytest.approx(92 * GIB, abs=0.01 * GIB)
+    assert default_memory_cap_bytes(proxy, h200) == pytest.approx(92 * GIB, abs=0.01 * GIB)
 
 
 def _parse(*flags: str) -> argparse.Namespace:
@@ -97,7 +101,7 @@ def test_config_rejects_bad_proxy_settings(changes: dict, message: str) -> None:
         LeaderboardConfig(**{**leaderboard.CPU_DEFAULTS, "backend": "gloo", "profile": 1})
 
 
-# What one block keeps, against autograd.
+# What one block keeps: the count on fake tensors against what autograd keeps running it.
 
 def _kept_bytes(block: torch.nn.Module, x: torch.Tensor) -> int:
     """The block's output plus every storage autograd saves in its forward, except parameters, buffers and x."""
@@ -124,8 +128,8 @@ def _block(dtype: torch.dtype, glue: str, fused_qkv: bool, attention: str | None
     with the kernels and SDPA with the model's glue."""
     torch.manual_seed(0)
     attention = attention or ("triton" if glue != "model" else "sdpa")
-    block = TransformerBlock(64, 4, 96, RotaryEmbedding(32, 16), attention=get_attention(attention),
-                             fused_qkv=fused_qkv, **{**glue_kernels(glue), **overrides}).to(dtype)
+    kernels = BlockKernels(attention=registry.attention(attention), **{**registry.glue(glue), **overrides})
+    block = TransformerBlock(64, 4, 96, RotaryEmbedding(32, 16), kernels=kernels, fused_qkv=fused_qkv).to(dtype)
     encoder = block.attn.positional_encoder
     encoder.cos, encoder.sin = encoder.cos.float(), encoder.sin.float()  # FSDP keeps the tables fp32
     return block
@@ -143,49 +147,49 @@ def test_block_memory_is_what_autograd_keeps(dtype: torch.dtype, glue: str, fuse
     batch, seq = 2, 23
     x = torch.randn(batch, seq, 64, dtype=dtype, requires_grad=True)
     want = _kept_bytes(_block(dtype, glue, fused_qkv, attention), x)
-    got = block_memory(_SHAPE, batch, seq, dtype_bytes=dtype.itemsize, glue=glue, fused_qkv=fused_qkv,
-                       attention=attention)
+    config = TrainConfig(dataclasses.replace(_SHAPE, context_length=seq), kernels=registry.kernels(attention, glue),
+                         parallelism=Parallelism(compute_dtype={torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]),
+                         global_batch=batch, fused_qkv=fused_qkv)
+    got, _ = measure_block(config)
     assert got.kept == want
+    # The segments keep the block's output; with the fused attention's outputs (its output and log-sum-exp); and
+    # the outputs of the matmuls but the down projection (q, k, v, the output projection's, w1's and w3's).
     e, n = dtype.itemsize, batch * seq
     assert got.checkpointed == e * n * 64 and got.attention == 2 * e * n * 64 + 4 * n * 4
+    assert got.selective == got.attention + 4 * e * n * 64 + 2 * e * n * 96
 
 
 @pytest.mark.slow
 def test_compiled_glue_keeps_no_more_than_the_estimate() -> None:
     x = torch.randn(2, 23, 64, dtype=torch.bfloat16, requires_grad=True)
     block = _block(torch.bfloat16, "compiled", False, attention="sdpa")
-    assert _kept_bytes(block, x) <= block_memory(_SHAPE, 2, 23, glue="compiled", attention="sdpa").kept
-
-
-def test_block_memory_rejects_bad_arguments() -> None:
-    with pytest.raises(ValueError, match="glue must be one of"):
-        block_memory(_SHAPE, 1, 8, glue="cuda")
-    with pytest.raises(ValueError, match="attention must be"):
-        block_memory(_SHAPE, 1, 8, attention="flex")
-    with pytest.raises(ValueError, match="seq must be a positive int"):
-        block_memory(_SHAPE, 1, 0)
+    estimate = compiled_block_memory(_SHAPE, 2, 23, dtype_bytes=2, fused_qkv=False, attention_copied=True)
+    assert _kept_bytes(block, x) <= estimate.kept
 
 
 # The memory plan.
 
 def test_memory_plan_reports_the_policy_and_the_expected_peak() -> None:
-    config = LeaderboardConfig(**{**leaderboard.CPU_DEFAULTS, "backend": "gloo", "checkpoint": "budget",
-                                  "memory_cap_gib": 1.0})
-    plan = leaderboard.memory_plan(config, None)
+    leaderboard_config = LeaderboardConfig(**{**leaderboard.CPU_DEFAULTS, "backend": "gloo", "checkpoint": "budget",
+                                              "memory_cap_gib": 1.0})
+    config = leaderboard_config.train_config()
+    plan = memory_plan(config, None)
     assert str(plan.policy) == "none" and plan.cap_bytes == GIB  # a tiny model fits in 1 GiB
-    assert plan.expected_peak_bytes == leaderboard.expected_peak_bytes(config, plan.block, plan.policy)
-    assert plan.expected_peak_bytes >= leaderboard.reserved_bytes(config) + activation_peak_bytes(
-        plan.block, 2, "none")
-    plain = leaderboard.memory_plan(dataclasses.replace(config, checkpoint="group:2", memory_cap_gib=None), None)
+    assert plan.expected_peak_bytes == expected_peak_bytes(config, plan.block, plan.policy)
+    assert plan.expected_peak_bytes >= reserved_bytes(config) + activation_peak_bytes(plan.block, 2, "none")
+    plain = memory_plan(dataclasses.replace(leaderboard_config, checkpoint="group:2",
+                                            memory_cap_gib=None).train_config(), None)
     assert plain.expected_peak_bytes is None and plain.cap_bytes is None
+    with pytest.raises(ValueError, match="checkpoint 'budget' needs memory_cap_gib without a GPU"):
+        memory_plan(dataclasses.replace(config, parallelism=Parallelism(checkpoint="budget")), None)
 
 
 # The glue wired into the model.
 
-def _lm(attention: str = "sdpa", **kwargs) -> BasicsTransformerLM:
-    torch.manual_seed(0)  # head dim 16: the Triton attention's smallest
-    return BasicsTransformerLM(vocab_size=37, context_length=13, d_model=32, num_layers=2, num_heads=2, d_ff=40,
-                               attention=get_attention(attention), **kwargs)
+def _lm(attention: str = "sdpa", glue: str = "model", fused_qkv: bool = False) -> BasicsTransformerLM:
+    # Head dim 16: the Triton attention's smallest.
+    model = ModelConfig(vocab_size=37, context_length=13, d_model=32, num_layers=2, num_heads=2, d_ff=40)
+    return build_model(model, registry.kernels(attention, glue), fused_qkv=fused_qkv)
 
 
 def _loss_and_grads(model: BasicsTransformerLM) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -201,8 +205,9 @@ def _loss_and_grads(model: BasicsTransformerLM) -> tuple[torch.Tensor, dict[str,
 ])
 def test_triton_glue_matches_the_models_code(attention: str, fused_qkv: bool, checkpoint: str) -> None:
     plain = _lm(attention)
-    kernels = glue_kernels("triton")
-    glued = apply_checkpointing(_lm(attention, fused_qkv=fused_qkv, **kernels), checkpoint)
+    kernels = registry.glue("triton")
+    glued = _lm(attention, "triton", fused_qkv)
+    glued = apply_checkpointing(glued, checkpoint, saved_ops(glued.config))
     assert [n for n, _ in glued.named_parameters()] == [n for n, _ in plain.named_parameters()]
     block = glued.layers[0]
     assert (block.ln1.norm, block.ln2.norm, glued.ln_final.norm) == (kernels["norm"],) * 3
@@ -268,7 +273,8 @@ def test_checkpointing_recomputes_the_folded_add(checkpoint: str, recomputed: in
     forward = _CountedLaunches(rms_norm_module._rms_norm_fwd_kernel)
     monkeypatch.setattr(rms_norm_module, "_rms_norm_fwd_kernel", forward)
     plain = _lm()
-    glued = apply_checkpointing(_lm(**glue_kernels("triton")), checkpoint)
+    glued = _lm(glue="triton")
+    glued = apply_checkpointing(glued, checkpoint, saved_ops(glued.config))
     gen = torch.Generator().manual_seed(1)
     tokens, targets = torch.randint(0, 37, (2, 7), generator=gen), torch.randint(0, 37, (2, 7), generator=gen)
     loss = glued(tokens, targets)
@@ -282,18 +288,10 @@ def test_checkpointing_recomputes_the_folded_add(checkpoint: str, recomputed: in
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_glue_kernels_by_name() -> None:
-    assert glue_kernels("model") == {}  # the model's own code: its defaults
-    for glue in GLUES[1:]:
-        assert sorted(glue_kernels(glue)) == ["add_norm", "gate", "norm", "rotary"]
-    with pytest.raises(ValueError, match="glue must be one of model, triton, compiled"):
-        glue_kernels("cuda")
-
-
 @pytest.mark.slow
 def test_compiled_glue_and_blocks_match_the_models_code() -> None:
     plain = _lm()
-    model = apply_compile(_lm(**glue_kernels("compiled")))
+    model = apply_compile(_lm(glue="compiled"))
     loss, grads = _loss_and_grads(model)
     want_loss, want_grads = _loss_and_grads(plain)
     torch.testing.assert_close(loss, want_loss, atol=OUT_ATOL, rtol=OUT_RTOL)
@@ -308,7 +306,8 @@ def test_chunked_loss_is_the_cross_entropy_of_the_logits() -> None:
     weight = torch.nn.Parameter(torch.randn(37, 8, generator=gen))
     hidden = torch.randn(27, 8, generator=gen, requires_grad=True)
     targets = torch.randint(0, 37, (27,), generator=gen)
-    loss = chunked_cross_entropy(hidden, weight, targets, chunk_tokens=5)  # 27 tokens: five chunks of 5, one of 2
+    # 27 tokens: five chunks of 5, one of 2.
+    loss = registry.chunked_cross_entropy(hidden, weight, targets, chunk_tokens=5)
     loss.backward()
     got = (loss.detach(), hidden.grad.clone(), weight.grad.clone())
     hidden.grad, weight.grad = None, None
@@ -317,9 +316,9 @@ def test_chunked_loss_is_the_cross_entropy_of_the_logits() -> None:
     for g, w in zip(got, (want.detach(), hidden.grad, weight.grad), strict=True):
         torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
     with pytest.raises(ValueError, match="chunk_tokens must be a positive int"):
-        chunked_cross_entropy(hidden, weight, targets, chunk_tokens=0)
+        registry.chunked_cross_entropy(hidden, weight, targets, chunk_tokens=0)
     with pytest.raises(ValueError, match=r"need hidden \(N, d\) and targets \(N,\)"):
-        chunked_cross_entropy(hidden, weight, targets[:5])
+        registry.chunked_cross_entropy(hidden, weight, targets[:5])
 
 
 # The breakdown of a trace.
@@ -479,10 +478,10 @@ def test_gpu_block_memory_is_what_the_allocator_holds(glue: str) -> None:
     # Sizes are multiples of the allocator's 512-byte rounding, so the count is exact up to tensors we do not model.
     batch, seq = 1, 4096
     shape = ModelConfig(d_model=1024, d_ff=2816, num_layers=1, num_heads=8, context_length=seq)
+    kernels = registry.kernels("triton", glue)
     torch.manual_seed(0)
     block = TransformerBlock(1024, 8, 2816, RotaryEmbedding(seq, 128, device=torch.device("cuda")),
-                             attention=get_attention("triton"), device=torch.device("cuda"),
-                             **glue_kernels(glue)).to(torch.bfloat16)
+                             kernels=kernels, device=torch.device("cuda")).to(torch.bfloat16)
     encoder = block.attn.positional_encoder
     encoder.cos, encoder.sin = encoder.cos.float(), encoder.sin.float()
     x = torch.randn(batch, seq, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -493,21 +492,19 @@ def test_gpu_block_memory_is_what_the_allocator_holds(glue: str) -> None:
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated() - before
     del out
-    assert held == pytest.approx(block_memory(shape, batch, seq, glue=glue).kept, rel=0.01)
+    config = TrainConfig(shape, kernels=kernels, parallelism=Parallelism(compute_dtype="bf16"), global_batch=batch)
+    assert held == pytest.approx(measure_block(config)[0].kept, rel=0.01)
 
 
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_glue_kernels_step_matches_the_models_code_in_bf16() -> None:
-    from cs336_kernels import fused_linear_cross_entropy
     from cs336_sharding.parallelize import parallelize
 
     def run(glue: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        torch.manual_seed(0)
-        model = BasicsTransformerLM(vocab_size=32_000, context_length=1024, d_model=512, num_layers=4, num_heads=4,
-                                    d_ff=1408, attention=get_attention("triton"), **glue_kernels(glue),
-                                    loss=fused_linear_cross_entropy, device=torch.device("cuda"))
-        fsdp = parallelize(model, checkpoint="attention:2", compute_dtype=torch.bfloat16)
+        shape = ModelConfig(vocab_size=32_000, context_length=1024, d_model=512, num_layers=4, num_heads=4, d_ff=1408)
+        model = build_model(shape, registry.kernels("triton", glue, "fused"), device=torch.device("cuda"))
+        fsdp = parallelize(model, checkpoint="attention:2", saved=saved_ops(shape), compute_dtype=torch.bfloat16)
         gen = torch.Generator(device="cuda").manual_seed(1)
         tokens, targets = (torch.randint(0, 32_000, (2, 1024), device="cuda", generator=gen) for _ in range(2))
         loss = fsdp(tokens, targets)

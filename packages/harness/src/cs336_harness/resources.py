@@ -93,7 +93,7 @@ def activation_bytes(config: ModelConfig, batch: int, *, dtype_bytes: int, atten
     holds (policies :func:`~cs336_sharding.checkpointing.activation_peak_bytes` does not cover are counted as
     ``all``, the least any policy keeps; ``offload`` ones as ``none``: here, in host memory, the copies weigh what
     the blocks would keep); without, one block's input and output. ``attention`` is a name of
-    :data:`cs336_harness.studies.attention_impls.ATTENTION_IMPLS`; ``eager``, ``annotated`` and ``compiled`` build
+    :data:`cs336_harness.registry.ATTENTIONS`; ``eager``, ``annotated`` and ``compiled`` build
     the score matrices. An unfused loss adds the fp32 logits."""
     seq, layers = config.context_length, config.num_layers
     block = block_floor(config, batch, dtype_bytes)

@@ -17,13 +17,12 @@ import sys
 
 from cs336_basics.config import DEFAULT_CONTEXT_LENGTH, DEFAULT_VOCAB_SIZE, PRESETS
 
-from cs336_harness import resources
+from cs336_harness import registry, resources
 from cs336_harness.analysis.tables import format_table
 from cs336_harness.commands._shared import add_quiet_argument, csv_of
 from cs336_harness.device import DTYPES, GIB
 from cs336_harness.results import append_rows, check_writable
 from cs336_harness.studies import step_timing
-from cs336_harness.studies.attention_impls import ATTENTION_IMPLS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="comma list of fp32 (default), bf16 (autocast)")
     r.add_argument("--compile", action="store_true", help="torch.compile the model")
     r.add_argument("--attention", type=csv_of(str), default=(),
-                   help=f"comma list of {', '.join(ATTENTION_IMPLS)} (default eager)")
+                   help=f"comma list of {', '.join(registry.ATTENTIONS)} (default eager)")
     r.add_argument("--optimizer", default="adamw",
                    help="adamw (ours, default) | torch-adamw (fused on CUDA) | fused-adamw (our Triton kernel)")
     r.add_argument("--loss", default="standard", help="standard | fused (fused linear + cross-entropy kernel)")

@@ -38,7 +38,7 @@ from cs336_basics.config import PRESETS, ModelConfig
 from cs336_comms.process_group import RankDiedError, check_world_size
 from cs336_sharding.checkpointing import parse_policy
 
-from cs336_harness import resources
+from cs336_harness import registry, resources
 from cs336_harness.analysis import kernel_kinds
 from cs336_harness.commands._shared import (
     add_markdown_arguments,
@@ -49,14 +49,15 @@ from cs336_harness.commands._shared import (
     print_measured_table,
 )
 from cs336_harness.device import GIB
+from cs336_harness.memory_plan import memory_plan
 from cs336_harness.results import RowKind, append_rows, check_writable
 from cs336_harness.studies import leaderboard
-from cs336_harness.studies.glue import GLUES
+from cs336_harness.training import COMPUTE_DTYPES
 
 _SIZED = ("size", "vocab_size", "context_length", "global_batch", "world_size", "num_layers", "compute_dtype")
 # What the tables read of every row (writeup_tables picks the leaderboard configuration and the proxy by these).
 ROWS = RowKind("leaderboard", "compute_dtype", {
-    dtype: ("size", "context_length", "global_batch", "world_size", "step_s") for dtype in leaderboard.COMPUTE_DTYPES})
+    dtype: ("size", "context_length", "global_batch", "world_size", "step_s") for dtype in COMPUTE_DTYPES})
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--impl", type=csv_of(str), default=("ours",),
                         help=f"comma list of {', '.join(leaderboard.IMPLS)}: ours, and PyTorch's plain and strong "
                              "steps, one row each (default ours)")
-    parser.add_argument("--attention", default="triton", help=f"{' | '.join(leaderboard.ATTENTIONS)} (default triton)")
+    parser.add_argument("--attention", default="triton", help=f"{' | '.join(registry.ATTENTIONS)} (default triton)")
     parser.add_argument("--checkpoint", default="all",
                         help="activation checkpointing policy: none, all, group:K, first:N, sqrt, nested:B, "
                              "selective[:N], attention[:N], attention:N+selective:M, offload[:N], "
@@ -90,8 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "budget (the least recomputation that fits the memory cap) for ours (default all); the "
                              "baselines' are their recipes' (plain all, strong budget)")
     parser.add_argument("--glue", default="model",
-                        help=f"{' | '.join(GLUES)}: RMSNorm, RoPE and SiLU-mul by the model's code, our Triton "
-                             "kernels or torch.compile of their references (ours only; default model)")
+                        help=f"{' | '.join(registry.GLUES)}: RMSNorm, RoPE and SiLU-mul by the model's code, our "
+                             "Triton kernels or torch.compile of their references (ours only; default model)")
     parser.add_argument("--compile-blocks", action="store_true", help="each block's forward under torch.compile "
                         "(ours; the strong baseline always)")
     parser.add_argument("--fused-qkv", action="store_true", help="one (3d, d) matmul for q, k, v (ours only)")
@@ -99,8 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="memory the step may use, for --checkpoint budget and the rows' within_cap (default: "
                              "a leaderboard rank's activation memory scaled to this run's layers, on a GPU)")
     parser.add_argument("--optimizer", default="fused-adamw",
-                        help="fused-adamw (our Triton FusedAdamW, default) | torch-adamw (torch.optim.AdamW, fused); "
-                             "ours only")
+                        help="fused-adamw (our Triton FusedAdamW, default) | torch-adamw (torch.optim.AdamW, fused) | "
+                             "adamw (cs336_basics' AdamW); ours only")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps (default 2)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps (default 3)")
     parser.add_argument("--profile", action="store_true",
@@ -152,7 +153,7 @@ def _check_cpu_run(config: leaderboard.LeaderboardConfig) -> None:
     ranks, spawned = resources.ranks_here(config.world_size)
     activations = resources.activation_bytes(
         model, config.batch_per_rank, dtype_bytes=4, attention=config.attention,
-        checkpoint=str(leaderboard.memory_plan(config, None).policy), backward=True, fused_loss=True)
+        checkpoint=str(memory_plan(config.train_config(), None).policy), backward=True, fused_loss=True)
     shard = model.num_params / config.world_size
     peak = resources.largest({"weights (built whole, then sharded)": 4 * model.num_params},
                              resources.step_peak(shard, activations, backward=True, adamw=True))
@@ -168,13 +169,13 @@ def _check_offload_fits(config: leaderboard.LeaderboardConfig) -> None:
     Raises:
         ValueError: with what the ranks need and what there is.
     """
-    if config.checkpoint == leaderboard.BUDGET:
+    if config.checkpoint == registry.BUDGET:
         return
     spec = parse_policy(config.checkpoint)
     if spec.kind != "offload":
         return
     blocks = spec.per_block(config.model_config.num_layers).count("offloaded")
-    block = leaderboard.memory_plan(config, None).block
+    block = memory_plan(config.train_config(), None).block
     ranks, spawned = resources.ranks_here(config.world_size)
     what = f"--checkpoint {spec} ({blocks} blocks' saved activations in host memory on each of {ranks} ranks)"
     resources.HostMemoryNeed(what, {"host copies": blocks * block.kept}, ranks, spawned).check()
@@ -190,24 +191,26 @@ def _print_memory_plans(configs: list[leaderboard.LeaderboardConfig]) -> int:
     device_bytes = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
     rows = []
     for config in configs:
-        if config.checkpoint == leaderboard.BUDGET and config.memory_cap_gib is None and device_bytes is None:
+        if config.checkpoint == registry.BUDGET and config.memory_cap_gib is None and device_bytes is None:
             raise ValueError("--memory-plan of --checkpoint budget needs --memory-cap-gib without a GPU (the default "
                              "cap comes from the GPU's memory)")
-        plan = leaderboard.memory_plan(config, device_bytes)
-        traceable = leaderboard.traceable(config)
+        train = config.train_config()
+        plan = memory_plan(train, device_bytes)
+        traceable = leaderboard.traceable(train)
         if traceable:
             print(f"counting the {config.impl} step's tensors on fake tensors...", file=sys.stderr)
         rows.append({
             "impl": config.impl, "num_layers": config.model_config.num_layers, "checkpoint": str(plan.policy),
             "cap_gib": None if plan.cap_bytes is None else plan.cap_bytes / GIB,
             "planned_peak_gib": None if plan.expected_peak_bytes is None else plan.expected_peak_bytes / GIB,
-            "fake_tensor_peak_gib": leaderboard.traced_peak(config).peak_bytes / GIB if traceable else None,
+            "fake_tensor_peak_gib": leaderboard.traced_peak(train).peak_bytes / GIB if traceable else None,
             "block_kept_gib": plan.block.kept / GIB,
         })
     print_measured_table(rows, list(rows[0]), floatfmt=".2f")
-    print("planned: the memory plan's arithmetic (exact for ours with the Triton glue, an estimate for the baselines); "
-          "fake_tensor_peak: the step's tensors counted without running it; the allocator adds cuBLAS' workspace and "
-          "rounding (about 0.07 GiB on the proxy)")
+    print("planned: the memory plan (a block's bytes counted on fake tensors, compiled blocks' by the byte model, the "
+          "rest of the step by formula: exact for ours, an estimate for the baselines); fake_tensor_peak: the step's "
+          "tensors counted without running it; the allocator adds cuBLAS' workspace and rounding (about 0.07 GiB on "
+          "the proxy)")
     return 0
 
 

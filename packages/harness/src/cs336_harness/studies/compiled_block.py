@@ -1,12 +1,14 @@
 """One Transformer block, eager and under ``torch.compile(fullgraph=True)``, with our kernels and with PyTorch's
 (``cs336 block``).
 
-The block is ``cs336_basics.model.TransformerBlock`` at a size preset's shape (default: one block of the 8B model,
-one sequence of 32,768 tokens, bf16 weights and activations), built with its pieces from one of two sets:
+The block is :func:`cs336_harness.training.build_block` at a size preset's shape (default: one block of the 8B
+model, one sequence of 32,768 tokens, bf16 weights and activations), built with its pieces from one of two sets of
+:mod:`cs336_harness.registry` (:data:`KERNELS`):
 
-- ``ours``: ``cs336_kernels.flash_attention`` (the Gluon kernels on sm_90), ``rms_norm``, ``add_rms_norm`` (the
-  first residual add folded into the second norm), ``rope`` and ``silu_mul``, each a registered operator;
-- ``torch``: PyTorch's SDPA (cuDNN on an H200) and the model's own PyTorch glue.
+- ``ours``: attention ``triton`` (``cs336_kernels.flash_attention``, the Gluon kernels on sm_90) and glue ``triton``
+  (``rms_norm``, ``add_rms_norm``: the first residual add folded into the second norm, ``rope`` and ``silu_mul``),
+  each a registered operator;
+- ``torch``: attention ``sdpa`` (cuDNN on an H200) and glue ``model``, the model's own PyTorch code.
 
 Each set runs eagerly and compiled (the whole block, ``fullgraph=True``, Inductor), so the four rows separate
 what the kernels buy from what the compiler buys around them. A row times forward + backward of the block
@@ -31,13 +33,16 @@ from typing import Any
 
 import torch
 from cs336_basics.config import PRESETS, ModelConfig
-from cs336_basics.model import RotaryEmbedding, TransformerBlock
 
+from cs336_harness import registry
 from cs336_harness.device import DTYPES, GIB
 from cs336_harness.progress import progress_bar
+from cs336_harness.training import build_block
 
 VARIANTS: tuple[str, ...] = ("eager_ours", "compiled_ours", "eager_torch", "compiled_torch")
 BASELINE = "compiled_torch"
+# Each set's (attention, glue) names.
+KERNELS: dict[str, tuple[str, str]] = {"ours": ("triton", "triton"), "torch": ("sdpa", "model")}
 
 
 @dataclass(frozen=True)
@@ -70,25 +75,14 @@ class BlockBenchConfig:
         return ModelConfig.from_preset(self.size, context_length=self.seq)
 
 
-def _kernels(kernels: str) -> dict[str, Any]:
-    """The block's constructor arguments for a set of pieces (see the module docstring)."""
-    if kernels == "torch":
-        return {"attention": "sdpa"}
-    from cs336_kernels import add_rms_norm, flash_attention, rms_norm, rope, silu_mul
-
-    return {"attention": flash_attention, "norm": rms_norm, "add_norm": add_rms_norm, "rotary": rope, "gate": silu_mul}
-
-
-def build_block(config: BlockBenchConfig, variant: str, device: torch.device | str) -> torch.nn.Module:
+def variant_block(config: BlockBenchConfig, variant: str, device: torch.device | str) -> torch.nn.Module:
     """The block of ``variant`` on ``device`` in the config's dtype, its weights from a fixed seed (every variant
     gets the same)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
-    model = config.model_config
-    torch.manual_seed(0)
-    rope = RotaryEmbedding(model.context_length, model.head_dim, model.rope_theta, device=device)
-    block = TransformerBlock(model.d_model, model.num_heads, model.d_ff, rope, device=device,
-                             dtype=DTYPES[config.dtype], **_kernels(variant.split("_")[1]))
+    attention, glue = KERNELS[variant.split("_")[1]]
+    block = build_block(config.model_config, registry.kernels(attention, glue), device=torch.device(device),
+                        dtype=DTYPES[config.dtype])
     return torch.compile(block, fullgraph=True) if variant.startswith("compiled") else block
 
 
@@ -108,7 +102,7 @@ def _time(fn: Callable[[], Any], config: BlockBenchConfig, grad_to_none: list[to
 def measure(config: BlockBenchConfig, variant: str) -> dict[str, Any]:
     """One row: the block of ``variant`` timed on the GPU (see the module docstring)."""
     device = torch.device("cuda")
-    block = build_block(config, variant, device)
+    block = variant_block(config, variant, device)
     model = config.model_config
     gen = torch.Generator(device=device).manual_seed(1)
     dtype = DTYPES[config.dtype]

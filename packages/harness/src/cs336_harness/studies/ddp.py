@@ -53,8 +53,6 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from cs336_basics.model import BasicsTransformerLM
-from cs336_basics.nn_utils import cross_entropy
 from cs336_basics.optimizer import AdamW
 from cs336_comms.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlappedDDP
 from cs336_comms.process_group import current_device, run_ranks
@@ -66,6 +64,7 @@ from cs336_harness.device import DTYPES, GIB, sync
 from cs336_harness.instrument import STEP_PHASES
 from cs336_harness.progress import progress_bar
 from cs336_harness.studies.distributed import DistributedRunConfig, trace_folder
+from cs336_harness.training import build_model
 
 VARIANTS: tuple[str, ...] = ("nocomm", "naive", "flat", "overlapped", "bucketed", "torch_ddp")
 
@@ -141,7 +140,7 @@ def _make_step(config: DDPBenchConfig, wrapped: nn.Module, optimizer: torch.opti
         t0 = time.perf_counter()
         with instrument.annotate("forward"), torch.autocast(device.type, dtype=compute,
                                                             enabled=compute != torch.float32):
-            loss = cross_entropy(wrapped(inputs), targets)
+            loss = wrapped(inputs, targets)
         t1 = time.perf_counter()
         with instrument.annotate("backward"):
             loss.backward()
@@ -170,8 +169,8 @@ class _Run:
 
 
 def _build(config: DDPBenchConfig, variant: str, dtype: str, rank: int, device: torch.device) -> _Run:
-    torch.manual_seed(rank)  # different weights per rank: the wrappers must broadcast rank 0's
-    model = BasicsTransformerLM.from_config(config.model_config, device=device)
+    # Different weights per rank: the wrappers must broadcast rank 0's.
+    model = build_model(config.model_config, seed=rank, device=device)
     wrapped = _wrap(variant, model, device, config.bucket_size_mb)
     optimizer = AdamW(model.parameters(), lr=config.lr)
     sync_end = _Stamp(device)

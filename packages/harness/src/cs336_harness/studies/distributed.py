@@ -15,9 +15,7 @@ from cs336_basics.config import DEFAULT_CONTEXT_LENGTH, DEFAULT_VOCAB_SIZE, PRES
 from cs336_comms.process_group import default_backend, launched_by_torchrun
 
 from cs336_harness.device import GIB
-
-# Compute dtypes a training study takes: fp32, or bf16 compute with fp32 master weights.
-TRAINING_DTYPES: tuple[str, ...] = ("fp32", "bf16")
+from cs336_harness.training import COMPUTE_DTYPES
 
 
 @contextlib.contextmanager
@@ -78,8 +76,8 @@ class DistributedRunConfig:
         if self.global_batch < 1 or self.context_length < 1 or self.vocab_size < 2:
             raise ValueError("global_batch and context_length must be positive and vocab_size at least 2, got "
                              f"{self.global_batch}, {self.context_length}, {self.vocab_size}")
-        if not self.dtypes or any(d not in TRAINING_DTYPES for d in self.dtypes):
-            raise ValueError(f"dtypes must be a non-empty subset of {list(TRAINING_DTYPES)}, got {self.dtypes}")
+        if not self.dtypes or any(d not in COMPUTE_DTYPES for d in self.dtypes):
+            raise ValueError(f"dtypes must be a non-empty subset of {list(COMPUTE_DTYPES)}, got {self.dtypes}")
         if any(v not in self.VARIANTS for v in self.variants):
             raise ValueError(f"variants must be a non-empty subset of {list(self.VARIANTS)}, got {self.variants}")
         if self.warmup < self.MIN_WARMUP or self.steps < 1:

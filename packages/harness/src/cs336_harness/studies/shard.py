@@ -48,21 +48,18 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from cs336_basics.model import BasicsTransformerLM
-from cs336_basics.nn_utils import cross_entropy
 from cs336_comms.process_group import current_device, run_ranks
 from cs336_sharding.fsdp import FSDP
 from cs336_sharding.optimizer import ShardedOptimizer
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from cs336_harness import instrument
+from cs336_harness import instrument, registry
 from cs336_harness.analysis import figures, trace
 from cs336_harness.analysis.tables import markdown_table
 from cs336_harness.device import DTYPES, GIB, sync
 from cs336_harness.progress import progress_bar
 from cs336_harness.studies.distributed import DistributedRunConfig, trace_folder
+from cs336_harness.training import build_model, fully_shard_blocks
 
 VARIANTS: tuple[str, ...] = ("ddp", "zero1", "fsdp", "fsdp2")
 PROFILED: tuple[str, ...] = ("fsdp", "fsdp2")
@@ -85,8 +82,7 @@ class _Setup:
 
 
 def _build(variant: str, dtype: str, config: ShardBenchConfig, device: torch.device) -> _Setup:
-    torch.manual_seed(0)
-    model = BasicsTransformerLM.from_config(config.model_config, attention="sdpa", device=device)
+    model = build_model(config.model_config, registry.kernels("sdpa"), device=device)
     compute = DTYPES[dtype]
     adamw = {"lr": config.lr, "fused": True}
     if variant in ("ddp", "zero1"):
@@ -99,11 +95,7 @@ def _build(variant: str, dtype: str, config: ShardBenchConfig, device: torch.dev
         fsdp = FSDP(model, compute_dtype=compute)
         return _Setup(fsdp, torch.optim.AdamW(fsdp.parameters(), **adamw), fsdp.finish_gradient_synchronization,
                       None)
-    mesh = init_device_mesh(device.type, (config.world_size,))
-    policy = MixedPrecisionPolicy() if compute is None else MixedPrecisionPolicy(compute, torch.float32)
-    for block in model.layers:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    model = fully_shard_blocks(model, device, config.world_size, compute)
     return _Setup(model, torch.optim.AdamW(model.parameters(), **adamw), lambda: None, None)
 
 
@@ -161,7 +153,7 @@ def _bench_one(variant: str, dtype: str, config: ShardBenchConfig, rank: int, de
 
     def forward() -> torch.Tensor:
         with instrument.annotate("forward"), autocast():
-            return cross_entropy(setup.model(inputs), targets)
+            return setup.model(inputs, targets)
 
     def backward(loss: torch.Tensor) -> None:
         with instrument.annotate("backward"):

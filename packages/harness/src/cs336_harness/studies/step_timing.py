@@ -29,18 +29,18 @@ from cs336_basics.config import DEFAULT_CONTEXT_LENGTH, DEFAULT_VOCAB_SIZE, PRES
 from cs336_basics.model import BasicsTransformerLM
 from cs336_sharding.checkpointing import GROUP_SWEEP, apply_checkpointing, parse_policy
 
-from cs336_harness import instrument
+from cs336_harness import instrument, registry
 from cs336_harness.analysis import figures, memory, trace
 from cs336_harness.device import DTYPES, GIB, check_device, default_device, sync
 from cs336_harness.instrument import annotate
 from cs336_harness.progress import progress_bar
 from cs336_harness.results import append_rows
-from cs336_harness.studies.attention_impls import ATTENTION_IMPLS, get_attention
-from cs336_harness.studies.distributed import TRAINING_DTYPES
-from cs336_harness.studies.optimizers import OPTIMIZERS, build_optimizer
+from cs336_harness.training import COMPUTE_DTYPES, build_model, saved_ops
 
 MODES = ("forward", "forward-backward", "train")
 DEFAULT_BATCH_SIZE = 4
+# The LM head's losses bench takes (those of the registry a model runs alone; "chunked" is the leaderboard
+# baselines').
 LOSSES = ("standard", "fused")
 PHASE_NAMES = instrument.PHASES
 
@@ -91,11 +91,10 @@ class BenchConfig:
         if self.dims["d_model"] % self.dims["num_heads"] != 0:
             dims = self.dims
             raise ValueError(f"d_model ({dims['d_model']}) must be divisible by num_heads ({dims['num_heads']})")
-        choices = {"mode": MODES, "dtype": TRAINING_DTYPES, "attention": ATTENTION_IMPLS, "optimizer": OPTIMIZERS,
-                   "loss": LOSSES}
+        choices = {"mode": MODES, "dtype": COMPUTE_DTYPES, "attention": registry.ATTENTIONS,
+                   "optimizer": registry.OPTIMIZERS, "loss": LOSSES}
         for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+            registry.check_name(name, getattr(self, name), allowed)
         parse_policy(self.checkpoint)
         check_device(self.device)
         triton_in_step = [name for name, used in (("--attention triton", self.attention == "triton"),
@@ -135,27 +134,17 @@ class BenchConfig:
 
 
 
-def build_model(config: BenchConfig) -> BasicsTransformerLM:
-    """The config's model with its attention, its LM head's loss (``loss == "fused"``:
-    ``cs336_kernels.fused_linear_cross_entropy``, which never materialises the (tokens, vocab) logits) and
-    checkpointing."""
-    loss = None
-    if config.loss == "fused":
-        # Imported here: on CPU the Triton interpreter must be chosen before the kernels load.
-        from cs336_kernels import fused_linear_cross_entropy as loss
-    torch.manual_seed(config.seed)
-    model = BasicsTransformerLM.from_config(config.model_config, attention=get_attention(config.attention),
-                                            loss=loss, device=torch.device(config.device))
-    return apply_checkpointing(model, config.checkpoint)
-
-
-
-
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def build_loss_fn(config: BenchConfig, model: BasicsTransformerLM) -> LossFn:
-    """``loss(tokens, targets)``: the model's own loss under the config's compile and autocast choices."""
+def build_step(config: BenchConfig) -> tuple[BasicsTransformerLM, LossFn, torch.optim.Optimizer | None]:
+    """The config's model (:func:`cs336_harness.training.build_model`: its attention and its LM head's loss by their
+    registry names; ``fused`` is ``cs336_kernels.fused_linear_cross_entropy``, which never materialises the (tokens,
+    vocab) logits), checkpointed; ``loss(tokens, targets)``, the model's own loss under the config's compile and
+    autocast choices; and its optimizer in ``train`` mode (else None)."""
+    model = build_model(config.model_config, registry.kernels(config.attention, loss_name=config.loss),
+                        seed=config.seed, device=torch.device(config.device))
+    apply_checkpointing(model, config.checkpoint, saved_ops(config.model_config))
     body = torch.compile(model) if config.compile else model
     dtype = DTYPES[config.dtype]
     device_type = torch.device(config.device).type
@@ -164,7 +153,9 @@ def build_loss_fn(config: BenchConfig, model: BasicsTransformerLM) -> LossFn:
         with torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32):
             return body(tokens, targets)
 
-    return loss_fn
+    optimizer = (registry.optimizer(config.optimizer)(model.parameters(), 1e-4, 0.01) if config.mode == "train"
+                 else None)
+    return model, loss_fn, optimizer
 
 
 @dataclass
@@ -214,10 +205,7 @@ def config_fields(config: BenchConfig) -> dict[str, Any]:
 def run_bench(config: BenchConfig, on_step: Callable[[], None] | None = None) -> dict[str, Any]:
     """Run one config and return its row (timings, peaks, parameters; no provenance); ``on_step`` is called after
     every step, warm-up ones included."""
-    model = build_model(config)
-    optimizer = (build_optimizer(config.optimizer, model.parameters(), lr=1e-4, weight_decay=0.01)
-                 if config.mode == "train" else None)
-    loss_fn = build_loss_fn(config, model)
+    model, loss_fn, optimizer = build_step(config)
     gen = torch.Generator(device=config.device).manual_seed(config.seed)
     shape = (config.batch_size, config.context_length)
     tokens = torch.randint(0, config.vocab_size, shape, device=config.device, generator=gen)

@@ -1,6 +1,16 @@
 """A leaderboard run's configuration: :class:`LeaderboardConfig` (validated), the handout's run, the CPU try-out,
 the one-GPU proxy of a rank (:data:`PROXY_DEFAULTS`) and the PyTorch-only baselines' recipes (:func:`recipe`).
 
+A config names its pieces as the command line and the rows do (:mod:`cs336_harness.registry`), and holds the run's
+control (warm-up, steps, profiling, time limit); :meth:`LeaderboardConfig.train_config` is the step it runs, a
+:class:`cs336_harness.training.TrainConfig` of the named callables. Ours is our FSDP with the fused linear +
+cross-entropy; the baselines (``impl`` of :data:`RECIPES`) are the PyTorch-only steps a user would write: FSDP2
+(``fully_shard`` per block and on the root, fp32 master weights and gradient reduction), SDPA, the model's own glue,
+the chunked loss :func:`cs336_harness.registry.chunked_cross_entropy` and ``torch.optim.AdamW(fused=True)``, their
+checkpointed blocks keeping nothing; ``torch_native`` checkpoints every block (the plain recipe),
+``torch_native_compiled`` compiles each block's forward and keeps as many whole as fit the memory cap (the strong
+recipe, what torchtitan-style users run).
+
 The proxy is world size 1, one sequence, the 8B block shape with :func:`proxy_num_layers` layers (14: unsharded,
 they and the embeddings and head hold about the fp32 state of one of the two ranks), so that a step on one GPU does
 a rank's work per layer and holds a rank's state; it lacks the communication and the other 20 layers.
@@ -16,24 +26,23 @@ from cs336_basics.config import PRESETS, ModelConfig
 from cs336_comms.process_group import default_backend
 from cs336_sharding.checkpointing import parse_policy
 
-from cs336_harness.studies.glue import GLUES
+from cs336_harness import registry
+from cs336_harness.memory_plan import LEADERBOARD_MODEL, LEADERBOARD_WORLD_SIZE
+from cs336_harness.training import COMPUTE_DTYPES, OptimizerConfig, Parallelism, TrainConfig
 
-ATTENTIONS: tuple[str, ...] = ("triton", "sdpa")
-OPTIMIZERS: tuple[str, ...] = ("fused-adamw", "torch-adamw")
-COMPUTE_DTYPES: tuple[str, ...] = ("bf16", "fp32")
 IMPLS: tuple[str, ...] = ("ours", "torch_native", "torch_native_compiled")
-BUDGET = "budget"  # the checkpoint setting sized from the memory cap
 
 # The handout's leaderboard run, and the CPU try-out that `cs336 leaderboard` uses without CUDA.
-LEADERBOARD_DEFAULTS: dict[str, Any] = dict(size="8B", vocab_size=151_936, context_length=32_768, global_batch=2,
-                                            world_size=2, compute_dtype="bf16")
+LEADERBOARD_DEFAULTS: dict[str, Any] = dict(size="8B", vocab_size=LEADERBOARD_MODEL.vocab_size,
+                                            context_length=LEADERBOARD_MODEL.context_length, global_batch=2,
+                                            world_size=LEADERBOARD_WORLD_SIZE, compute_dtype="bf16")
 CPU_DEFAULTS: dict[str, Any] = dict(size="tiny", vocab_size=1_000, context_length=32, global_batch=2, world_size=2,
                                     compute_dtype="fp32")
 # What each recipe fixes; the baselines are PyTorch's pieces throughout (baselines.py).
 _BASELINE_FIXED: dict[str, Any] = dict(attention="sdpa", optimizer="torch-adamw", glue="model", fused_qkv=False)
 RECIPES: dict[str, dict[str, Any]] = {
     "torch_native": dict(_BASELINE_FIXED, checkpoint="all", compile_blocks=False),
-    "torch_native_compiled": dict(_BASELINE_FIXED, checkpoint=BUDGET, compile_blocks=True),
+    "torch_native_compiled": dict(_BASELINE_FIXED, checkpoint=registry.BUDGET, compile_blocks=True),
 }
 
 
@@ -82,14 +91,13 @@ class LeaderboardConfig:
         if not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"warmup must be a non-negative int, got {self.warmup!r}")
         choices = {"backend": (None, "gloo", "nccl"), "compute_dtype": COMPUTE_DTYPES, "impl": IMPLS,
-                   "attention": ATTENTIONS, "optimizer": OPTIMIZERS, "glue": GLUES}
+                   "attention": registry.ATTENTIONS, "optimizer": registry.OPTIMIZERS, "glue": registry.GLUES}
         for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(map(str, allowed))}, got {getattr(self, name)!r}")
+            registry.check_name(name, getattr(self, name), allowed)
         for name in ("compile_blocks", "fused_qkv", "profile", "handout_timing"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.checkpoint != BUDGET:
+        if self.checkpoint != registry.BUDGET:
             parse_policy(self.checkpoint)
         if self.memory_cap_gib is not None and not self.memory_cap_gib > 0:
             raise ValueError(f"memory_cap_gib must be positive or None, got {self.memory_cap_gib!r}")
@@ -106,7 +114,7 @@ class LeaderboardConfig:
         if self.resolved_backend == "gloo" and self.compute_dtype != "fp32":
             raise ValueError(f"compute_dtype {self.compute_dtype!r} needs GPUs: on CPU (gloo) the Triton kernels run "
                              "in the interpreter, whose bf16 dot products are wrong; use fp32")
-        if self.checkpoint == BUDGET and self.resolved_backend == "gloo" and self.memory_cap_gib is None:
+        if self.checkpoint == registry.BUDGET and self.resolved_backend == "gloo" and self.memory_cap_gib is None:
             raise ValueError("checkpoint 'budget' on CPU needs memory_cap_gib (its default comes from the GPU's "
                              "memory)")
 
@@ -124,6 +132,18 @@ class LeaderboardConfig:
     def batch_per_rank(self) -> int:
         return self.global_batch // self.world_size
 
+    def train_config(self) -> TrainConfig:
+        """The step this run times (module docstring), its pieces the callables the names stand for (imports the
+        kernels: on CPU, choose the Triton interpreter first)."""
+        ours = self.impl == "ours"
+        kernels = registry.kernels(self.attention, self.glue, "fused" if ours else "chunked")
+        parallelism = Parallelism(world_size=self.world_size, backend=self.backend, compute_dtype=self.compute_dtype,
+                                  fsdp="ours" if ours else "fsdp2", checkpoint=self.checkpoint, budget_keeps_ops=ours,
+                                  compile_blocks=self.compile_blocks, memory_cap_gib=self.memory_cap_gib)
+        return TrainConfig(self.model_config, kernels=kernels, parallelism=parallelism,
+                           optimizer=OptimizerConfig(self.optimizer, self.lr, self.weight_decay),
+                           global_batch=self.global_batch, fused_qkv=self.fused_qkv, seed=self.seed)
+
 
 def recipe(config: LeaderboardConfig, impl: str) -> LeaderboardConfig:
     """``config`` as ``impl`` runs it: itself for ``ours``, else with the baseline's settings (:data:`RECIPES`)."""
@@ -132,17 +152,10 @@ def recipe(config: LeaderboardConfig, impl: str) -> LeaderboardConfig:
     return dataclasses.replace(config, impl=impl, **RECIPES.get(impl, {}))
 
 
-def leaderboard_model_config() -> ModelConfig:
-    """The model of the handout's leaderboard run: the 8B preset at its vocabulary and context (each of its ranks
-    holds 1 / world_size of that model's state)."""
-    return ModelConfig.from_preset(LEADERBOARD_DEFAULTS["size"], vocab_size=LEADERBOARD_DEFAULTS["vocab_size"],
-                                   context_length=LEADERBOARD_DEFAULTS["context_length"])
-
-
 def proxy_num_layers() -> int:
     """Layers of the 8B block shape whose fp32 state, unsharded with the embeddings and head, is nearest that of one
     rank of the two-GPU leaderboard run: the proxy's depth (14)."""
-    full = leaderboard_model_config()
+    full = LEADERBOARD_MODEL
     rest = 2 * full.vocab_size * full.d_model + full.d_model  # embeddings, head, final norm
     per_block = (full.num_params - rest) // full.num_layers
     return round((full.num_params / LEADERBOARD_DEFAULTS["world_size"] - rest) / per_block)

@@ -31,7 +31,7 @@ from cs336_harness.device import GIB, mfu
 from cs336_harness.progress import progress_bar
 from cs336_harness.studies.leaderboard.config import LeaderboardConfig
 from cs336_harness.studies.leaderboard.flops import step_flops
-from cs336_harness.studies.leaderboard.training import Training, build_training, rank_batch
+from cs336_harness.training import Training, build_training, rank_batch
 
 
 class TimeLimitExceeded(RuntimeError):
@@ -106,8 +106,9 @@ def _rank_main(rank: int, world_size: int, config: LeaderboardConfig, show_progr
     bar = progress_bar(total=total_steps, desc=f"leaderboard {config.impl}", enabled=show_progress and rank == 0,
                        unit="step")
     bar.set_postfix_str("building the model")
-    training = build_training(config, device)
-    inputs, targets = rank_batch(config, rank, device)
+    train = config.train_config()
+    training = build_training(train, device)
+    inputs, targets = rank_batch(train, rank, device)
     sync()
     peak_init = torch.cuda.max_memory_allocated(device) / GIB if cuda else None
     times: list[float] = []
