@@ -20,8 +20,10 @@ from pathlib import Path
 
 import torch
 from cs336_harness.analysis.live_memory import LiveMemory, fake_tensors
+from cs336_harness.memory_plan import memory_plan
 from cs336_harness.results import append_rows
-from cs336_harness.studies.leaderboard import PROXY_DEFAULTS, LeaderboardConfig, build_training, memory_plan, rank_batch
+from cs336_harness.studies.leaderboard import PROXY_DEFAULTS, LeaderboardConfig
+from cs336_harness.training import TrainConfig, build_training, rank_batch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -53,7 +55,7 @@ class _Census(TorchDispatchMode):
         return out
 
 
-def census(config: LeaderboardConfig) -> list[dict]:
+def census(config: TrainConfig) -> list[dict]:
     cpu = torch.device("cpu")
     with fake_tensors(), LiveMemory():
         training = build_training(config, cpu)
@@ -74,7 +76,7 @@ def main() -> None:
     args = parser.parse_args()
     config = LeaderboardConfig(**{**PROXY_DEFAULTS, "backend": "nccl", "glue": "triton", "checkpoint": args.checkpoint,
                                   "memory_cap_gib": 92.0 if args.checkpoint == "budget" else None})
-    rows = census(config)
+    rows = census(config.train_config())
     append_rows(RESULTS / "copy_census.jsonl", rows)
     print(f"{sum(r['gb'] for r in rows):.1f} GB moved by copies in one step ({rows[0]['checkpoint']})")
     for r in rows:

@@ -17,8 +17,9 @@ import json
 from pathlib import Path
 
 from cs336_harness.device import GIB
+from cs336_harness.memory_plan import memory_plan
 from cs336_harness.results import append_rows, provenance, read_rows
-from cs336_harness.studies.leaderboard import PROXY_DEFAULTS, LeaderboardConfig, memory_plan, traceable, traced_peak
+from cs336_harness.studies.leaderboard import PROXY_DEFAULTS, LeaderboardConfig, traceable, traced_peak
 
 RESULTS = Path(__file__).resolve().parents[1] / "writeup" / "results"
 _FIELDS = {f.name for f in dataclasses.fields(LeaderboardConfig)}
@@ -33,15 +34,16 @@ def trace_rows() -> list[dict]:
         fields = {k: v for k, v in row.items() if k in _FIELDS}
         fields.update(checkpoint=row["checkpoint"], backend="nccl", memory_cap_gib=None, profile=False)
         cfg = LeaderboardConfig(**fields)
-        if not traceable(cfg):
+        if not traceable(cfg.train_config()):
             continue
         key = tuple(getattr(cfg, k) for k in _SHOWN)
         if key not in latest or row["date"] > latest[key][1]["date"]:
             latest[key] = (cfg, row)
     out = []
     for cfg, row in latest.values():
-        traced = traced_peak(cfg).peak_bytes / GIB
-        planned = memory_plan(cfg, None).expected_peak_bytes / GIB
+        train = cfg.train_config()
+        traced = traced_peak(train).peak_bytes / GIB
+        planned = memory_plan(train, None).expected_peak_bytes / GIB
         out.append({
             "kind": "trace", "what": "the step's peak (GiB) counted on fake tensors, and the memory plan's",
             "config": {k: getattr(cfg, k) for k in _SHOWN},
@@ -51,11 +53,12 @@ def trace_rows() -> list[dict]:
         })
     budget = LeaderboardConfig(**{**PROXY_DEFAULTS, "backend": "nccl", "glue": "triton", "checkpoint": "budget",
                                   "memory_cap_gib": 92.0})
-    plan = memory_plan(budget, None)
+    plan = memory_plan(budget.train_config(), None)
     out.append({
         "kind": "trace", "what": "the proxy's budget policy at a 92 GiB cap: its peak on fake tensors and planned",
         "config": {**{k: getattr(budget, k) for k in _SHOWN}, "checkpoint": str(plan.policy)},
-        "traced_peak_gib": traced_peak(budget).peak_bytes / GIB, "planned_peak_gib": plan.expected_peak_bytes / GIB,
+        "traced_peak_gib": traced_peak(budget.train_config()).peak_bytes / GIB,
+        "planned_peak_gib": plan.expected_peak_bytes / GIB,
         "block_gib": {k: v / GIB for k, v in dataclasses.asdict(plan.block).items()},
     })
     return out
