@@ -47,8 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--attention", type=csv_of(str), default=(),
                    help=f"comma list of {', '.join(registry.ATTENTIONS)} (default eager)")
     r.add_argument("--optimizer", default="adamw",
-                   help="adamw (ours, default) | torch-adamw (fused on CUDA) | fused-adamw (our Triton kernel)")
-    r.add_argument("--loss", default="standard", help="standard | fused (fused linear + cross-entropy kernel)")
+                   help=f"{' | '.join(registry.OPTIMIZERS)} (default adamw, ours; torch-adamw is fused on CUDA, "
+                        "fused-adamw our Triton kernel)")
+    r.add_argument("--loss", default="standard",
+                   help=f"{' | '.join(registry.LOSSES)} (default standard: logits, then cross-entropy; fused: our "
+                        "fused linear + cross-entropy kernel; chunked: PyTorch's a chunk of tokens at a time)")
     r.add_argument("--checkpoint", type=csv_of(str), default=(),
                    help="comma list of none (default), all, group:K, first:N, sqrt, nested[:B], selective, attention, "
                         "offload[:N] (saved activations to pinned host memory), groups (= group:K for K in "

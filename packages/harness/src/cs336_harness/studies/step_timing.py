@@ -39,9 +39,6 @@ from cs336_harness.training import COMPUTE_DTYPES, build_model, saved_ops
 
 MODES = ("forward", "forward-backward", "train")
 DEFAULT_BATCH_SIZE = 4
-# The LM head's losses bench takes (those of the registry a model runs alone; "chunked" is the leaderboard
-# baselines').
-LOSSES = ("standard", "fused")
 PHASE_NAMES = instrument.PHASES
 
 
@@ -92,7 +89,7 @@ class BenchConfig:
             dims = self.dims
             raise ValueError(f"d_model ({dims['d_model']}) must be divisible by num_heads ({dims['num_heads']})")
         choices = {"mode": MODES, "dtype": COMPUTE_DTYPES, "attention": registry.ATTENTIONS,
-                   "optimizer": registry.OPTIMIZERS, "loss": LOSSES}
+                   "optimizer": registry.OPTIMIZERS, "loss": registry.LOSSES}
         for name, allowed in choices.items():
             registry.check_name(name, getattr(self, name), allowed)
         parse_policy(self.checkpoint)
