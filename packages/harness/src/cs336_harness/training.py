@@ -1,9 +1,10 @@
 """One training step composed from its pieces: a :class:`TrainConfig` in sections goes in, a :class:`Training` with
 ``step(token_ids, targets)`` comes out (:func:`build_training`).
 
-The sections (run control, warm-up and timed steps, profiling, time limits, belongs to whoever runs the step):
+The sections (run control, the warm-up and timed steps, profiling, time limits, is the runner's, not the config's):
 
-- ``model``: a :class:`cs336_basics.config.ModelConfig` (sizes, vocabulary, context), ``fused_qkv`` and ``seed``;
+- ``model``: a :class:`cs336_basics.config.ModelConfig` (sizes, vocabulary, context), with ``fused_qkv`` (one matmul
+  for q, k and v), the weights' ``seed`` and ``global_batch``, the sequences of a step over all ranks;
 - ``kernels``: one :class:`cs336_basics.model.BlockKernels`, every piece a callable: ``attention`` ``fn(q, k, v,
   is_causal) -> out`` over (batch, heads, seq, head_dim) tensors, ``norm``, ``add_norm``, ``rotary``, ``gate`` and the
   LM head's ``loss`` (their signatures in :mod:`cs336_basics.model`); :mod:`cs336_harness.registry` has the ones the
@@ -54,13 +55,14 @@ COMPUTE_DTYPES: tuple[str, ...] = ("fp32", "bf16")
 
 @dataclass(frozen=True)
 class Parallelism:
-    """How the step runs over its ranks: ``world_size`` ranks on ``backend`` (None: nccl with GPUs, gloo without),
-    ``compute_dtype`` (``fp32`` or ``bf16``; master weights, gradients and optimizer state stay fp32), ``fsdp``
-    (``ours``, :class:`cs336_sharding.fsdp.FSDP`, or ``fsdp2``, ``fully_shard`` per block and on the root, which
-    needs a process group even on one rank), ``checkpoint`` (a policy of :mod:`cs336_sharding.checkpointing`, or
-    ``budget``: the least recomputation within ``memory_cap_gib``; with ``budget_keeps_ops`` False its checkpointed
-    blocks keep nothing), ``compile_blocks`` (each block's forward under ``torch.compile``) and ``memory_cap_gib``
-    (None: on a GPU a leaderboard rank's share, :func:`cs336_harness.memory_plan.default_memory_cap_bytes`)."""
+    """How the step runs over its ranks: ``world_size`` ranks on ``backend`` (the process group's, which whoever
+    runs the step starts; None: any), ``compute_dtype`` (``fp32`` or ``bf16``; master weights, gradients and
+    optimizer state stay fp32), ``fsdp`` (``ours``, :class:`cs336_sharding.fsdp.FSDP`, or ``fsdp2``, ``fully_shard``
+    per block and on the root, which needs a process group even on one rank), ``checkpoint`` (a policy of
+    :mod:`cs336_sharding.checkpointing`, or ``budget``: the least recomputation within ``memory_cap_gib``; with
+    ``budget_keeps_ops`` False its checkpointed blocks keep nothing), ``compile_blocks`` (each block's forward under
+    ``torch.compile``) and ``memory_cap_gib`` (None: on a GPU a leaderboard rank's share,
+    :func:`cs336_harness.memory_plan.default_memory_cap_bytes`)."""
 
     world_size: int = 1
     backend: str | None = None
@@ -225,9 +227,10 @@ def build_training(config: TrainConfig, device: torch.device) -> Training:
     rank 0's weights). Our FSDP on one rank also runs without a process group, in this process.
 
     Raises:
-        ValueError: if the process group (or its absence) does not match ``config``, or ``budget`` has no memory cap
-            (given, or a GPU's to take one from).
+        ValueError: if the process group (or its absence) does not match ``config`` (ranks, backend), or ``budget``
+            has no memory cap (given, or a GPU's to take one from).
     """
+    # Imported here: the plan measures blocks that this module builds, so it imports this module.
     from cs336_harness.memory_plan import memory_plan
 
     if not isinstance(config, TrainConfig):
@@ -241,6 +244,8 @@ def build_training(config: TrainConfig, device: torch.device) -> Training:
                          "that many ranks; without one, only our FSDP on world_size 1 runs")
     if ranks is not None and ranks != par.world_size:
         raise ValueError(f"world_size is {par.world_size}, but the process group has {ranks} ranks")
+    if ranks is not None and par.backend is not None and dist.get_backend() != par.backend:
+        raise ValueError(f"backend is {par.backend!r}, but the process group runs {dist.get_backend()!r}")
     cuda = device.type == "cuda"
     plan = memory_plan(config, torch.cuda.get_device_properties(device).total_memory if cuda else None)
     model = build_model(config.model, config.kernels, fused_qkv=config.fused_qkv, seed=config.seed, device=device)
