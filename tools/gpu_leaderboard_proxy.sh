@@ -4,16 +4,17 @@
 # PyTorch-only baselines, as rows of one call (one CS336_CALL_ID), most important first:
 #   1. ours: our attention (the Gluon kernels on sm_90), our glue kernels, the budget policy (the exact memory plan:
 #      selective:13 at 92 GiB, no block recomputing a matmul), profiled, with the handout's do_bench timing;
-#   2. the strong baseline (compiled blocks, as many not checkpointed as its plan fits the cap: first:7), profiled;
+#   2. the strong baseline (each block compiled with its checkpoint; per block none, selective (matmul and SDPA
+#      outputs kept) or full checkpointing by the budget's rule: first:4+selective:8 in its plan at 92 GiB), profiled;
 #   3. the plain baseline (every block checkpointed, eager);
 #   4. ours with offload:4 (the first four blocks' saved activations in pinned host memory, the other ten kept whole:
 #      nothing recomputed), profiled, with do_bench: offloading against the budget's recomputation;
 #   5. ours with two blocks recomputing their matmuls (attention:2+selective:10, the budget's pick while selective
 #      blocks kept w2's output too): what the lighter selective blocks buy;
 #   6. ours with nothing recomputed (checkpoint none, about 110 GiB under a 130 GiB cap): what the cap still costs;
-# then the markdown tables from the rows, then the GPU tests of the proxy and of the memory plan (block memory and
-# the step's peak against the allocator, the glue kernels' step against the model's code in bf16, a small profiled
-# run of all three impls). Every run is its own process with its own timeout and --time-limit-s, none starts with
+# then the markdown tables from the rows, then the GPU tests of the proxy and of the memory plan (block memory, the
+# strong baseline's compiled selective block and the step's peak against the allocator, the glue kernels' step
+# against the model's code in bf16, a small profiled run of all three impls). Every run is its own process with its own timeout and --time-limit-s, none starts with
 # under 75 s left, so rows written before a hang or an out-of-memory come back. Results in $OUT (3 files):
 # leaderboard_proxy.jsonl (copy it to writeup/results/leaderboard_proxy.jsonl), tables.md, log.txt.
 #   run (GPU machine, repo root): bash tools/gpu_leaderboard_proxy.sh

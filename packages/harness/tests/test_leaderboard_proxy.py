@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cs336_basics.config import ModelConfig
-from cs336_basics.model import BasicsTransformerLM, BlockKernels, RotaryEmbedding, TransformerBlock
+from cs336_basics.model import BasicsTransformerLM, BlockKernels, RotaryEmbedding, TransformerBlock, TransformerBlocks
 from cs336_harness import cli, registry
 from cs336_harness.analysis import kernel_kinds
 from cs336_harness.commands import leaderboard as leaderboard_command
@@ -167,6 +167,18 @@ def test_compiled_glue_keeps_no_more_than_the_estimate() -> None:
     assert _kept_bytes(block, x) <= estimate.kept
 
 
+@pytest.mark.slow
+def test_compiled_selective_block_keeps_the_estimate() -> None:
+    # Inductor on CPU, the block compiled with its checkpoint (the strong baseline's selective blocks): its output
+    # and the outputs the op policy saves, exactly.
+    x = torch.randn(2, 23, 64, requires_grad=True)
+    holder = torch.nn.Module()
+    holder.layers = TransformerBlocks([_block(torch.float32, "model", False, attention="sdpa")])
+    apply_compile(apply_checkpointing(holder, "selective", saved_ops(_SHAPE)))
+    estimate = compiled_block_memory(_SHAPE, 2, 23, dtype_bytes=4, fused_qkv=False, attention_copied=False)
+    assert _kept_bytes(holder.layers[0], x) == estimate.selective
+
+
 # The memory plan.
 
 def test_memory_plan_reports_the_policy_and_the_expected_peak() -> None:
@@ -182,6 +194,19 @@ def test_memory_plan_reports_the_policy_and_the_expected_peak() -> None:
     assert plain.expected_peak_bytes is None and plain.cap_bytes is None
     with pytest.raises(ValueError, match="checkpoint 'budget' needs memory_cap_gib without a GPU"):
         memory_plan(dataclasses.replace(config, parallelism=Parallelism(checkpoint="budget")), None)
+
+
+def test_strong_baselines_budget_mixes_full_and_selective_blocks_on_the_proxy() -> None:
+    # 92 GiB, the proxy's cap on an H200: with selective blocks four recompute their matmuls, where full
+    # checkpointing alone (first:N) needs seven.
+    proxy = LeaderboardConfig(**leaderboard.PROXY_DEFAULTS, backend="nccl", memory_cap_gib=92.0)
+    config = leaderboard.recipe(proxy, "torch_native_compiled").train_config()
+    plan = memory_plan(config, None)
+    assert str(plan.policy) == "first:4+selective:8" and plan.expected_peak_bytes <= plan.cap_bytes
+    budget = plan.cap_bytes - reserved_bytes(config)
+    assert activation_peak_bytes(plan.block, 14, "first:3+selective:10") > budget
+    assert activation_peak_bytes(plan.block, 14, "first:4+selective:7") > budget
+    assert activation_peak_bytes(plan.block, 14, "first:6") > budget >= activation_peak_bytes(plan.block, 14, "first:7")
 
 
 # The glue wired into the model.
@@ -494,6 +519,32 @@ def test_gpu_block_memory_is_what_the_allocator_holds(glue: str) -> None:
     del out
     config = TrainConfig(shape, kernels=kernels, parallelism=Parallelism(compute_dtype="bf16"), global_batch=batch)
     assert held == pytest.approx(measure_block(config)[0].kept, rel=0.01)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_compiled_selective_block_holds_the_estimate() -> None:
+    # The strong baseline's selective block (SDPA, the model's glue), compiled with its checkpoint, in bf16.
+    batch, seq, cuda = 1, 4096, torch.device("cuda")
+    shape = ModelConfig(d_model=1024, d_ff=2816, num_layers=1, num_heads=8, context_length=seq)
+    torch.manual_seed(0)
+    block = TransformerBlock(1024, 8, 2816, RotaryEmbedding(seq, 128, device=cuda),
+                             kernels=registry.kernels("sdpa", "model"), device=cuda).to(torch.bfloat16)
+    encoder = block.attn.positional_encoder
+    encoder.cos, encoder.sin = encoder.cos.float(), encoder.sin.float()
+    holder = torch.nn.Module()
+    holder.layers = TransformerBlocks([block])
+    apply_compile(apply_checkpointing(holder, "selective", saved_ops(shape)))
+    x = torch.randn(batch, seq, 1024, device=cuda, dtype=torch.bfloat16, requires_grad=True)
+    block(x).sum().backward()  # compiles, and makes cuBLAS's workspace outside the measurement
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    out = block(x)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before
+    del out
+    estimate = compiled_block_memory(shape, batch, seq, dtype_bytes=2, fused_qkv=False, attention_copied=False)
+    assert held == pytest.approx(estimate.selective, rel=0.01)
 
 
 @pytest.mark.gpu

@@ -1,6 +1,6 @@
 """Every checkpointing policy gives the loss and gradients of the plain model, and saves less; the attention policies
-keep the fused attention's outputs (SDPA's and our Triton kernel's operator); the budget rule picks the policy that
-recomputes least within a memory budget."""
+keep the fused attention's outputs (SDPA's and our Triton kernel's operator); compiled, a block checkpointed on its
+own saves what its policy keeps; the budget rule picks the policy that recomputes least within a memory budget."""
 
 from __future__ import annotations
 
@@ -19,15 +19,19 @@ from cs336_sharding.checkpointing import (
     Segment,
     activation_peak_bytes,
     apply_checkpointing,
+    kept_bytes,
     parse_policy,
     plan_segments,
     policy_for_budget,
 )
+from cs336_sharding.parallelize import apply_compile
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-POLICIES = ["all", "group:2", "group:3", "first:2", "sqrt", "nested", "nested:3", "selective", "selective:3",
-            "attention", "attention:1+selective:2"]
+POLICIES = ["all", "group:2", "group:3", "first:2", "first:1+selective:2", "sqrt", "nested", "nested:3", "selective",
+            "selective:3", "attention", "attention:1+selective:2"]
+# Inductor's fused kernels sum in another order than the eager ops: fp32 rounding.
+COMPILED_ATOL, COMPILED_RTOL = 1e-6, 1e-5
 
 
 def _model() -> BasicsTransformerLM:
@@ -172,6 +176,51 @@ def test_selective_keeps_the_matmul_outputs_its_recomputation_uses(d_ff: int) ->
     assert matmuls["selective"] == matmuls["none"] == 2 * 7 * 2 < matmuls["attention"]
 
 
+def _saved_activations(block: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, ...]]]:
+    """``block(x)`` and the shapes of the floating-point storages autograd saves in it: not the block's parameters,
+    buffers or ``x`` (a checkpoint that replays random ops keeps the generator's state too, as bytes)."""
+    skip = {t.untyped_storage().data_ptr() for t in [*block.parameters(), *block.buffers(), x]}
+    saved: dict[int, tuple[int, ...]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point() and t.untyped_storage().data_ptr() not in skip:
+            saved[t.untyped_storage().data_ptr()] = tuple(t.shape)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = block(x)
+    return out, sorted(saved.values())
+
+
+@pytest.mark.slow
+def test_compiled_blocks_save_what_their_checkpoints_policy_keeps() -> None:
+    # Inductor on CPU, each block compiled with its checkpoint and called alone: the forward's graph of the fully
+    # checkpointed block saves nothing, the selective one the outputs of the matmuls (but the down projection's) and
+    # of the attention op, the kept one more. Were the checkpoint outside the compiled forward, each block would
+    # save the compiled forward's whole set here.
+    batch, seq, d, d_ff, heads = 2, 16, 32, 48, 2
+    torch.manual_seed(0)
+    base = BasicsTransformerLM(vocab_size=37, context_length=seq, d_model=d, num_layers=3, num_heads=heads, d_ff=d_ff,
+                               kernels=BlockKernels(attention=sdpa_attention))
+    saved = SavedOps(attention=frozenset({_attention_op("sdpa")}), skipped_operand=(d_ff, d))
+    model = apply_compile(apply_checkpointing(copy.deepcopy(base), "first:1+selective:1", saved))
+    gen = torch.Generator().manual_seed(5)
+    tokens, targets = (torch.randint(0, 37, (batch, seq), generator=gen) for _ in range(2))
+    x, kept = model.token_embeddings(tokens), []
+    for block in model.layers:
+        x, shapes = _saved_activations(block, x)
+        kept.append(shapes)
+    n = batch * seq
+    selective = sorted([(n, d)] * 4 + [(n, d_ff)] * 2 + [(batch, heads, seq, d // heads), (batch, heads, seq)])
+    assert kept[:2] == [[], selective]
+    assert len(kept[2]) > len(selective)
+    ref_loss, ref_grads = _loss_and_grads(copy.deepcopy(base), tokens, targets)
+    loss, grads = _loss_and_grads(model, tokens, targets)
+    torch.testing.assert_close(loss, ref_loss, rtol=COMPILED_RTOL, atol=COMPILED_ATOL)
+    for g, ref in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, ref, rtol=COMPILED_RTOL, atol=COMPILED_ATOL)
+
+
 def test_tiers_are_parsed_and_planned_in_order() -> None:
     spec = parse_policy("attention:1+selective:2")
     assert spec == CheckpointPolicySpec("attention", 1, 2) and str(spec) == "attention:1+selective:2"
@@ -179,12 +228,18 @@ def test_tiers_are_parsed_and_planned_in_order() -> None:
     assert parse_policy("selective:2").per_block(3) == ["selective", "selective", "kept"]
     plan = apply_checkpointing(_model(), spec).layers.plan
     assert [s.keeps if isinstance(s, Segment) else "kept" for s in plan] == spec.per_block(5)
-    for bad, message in [("first:1+selective:2", "only 'attention:N"), ("attention+selective:2", "only 'attention:N"),
-                         ("attention:1+selective", "only 'attention:N")]:
+    spec = parse_policy("first:2+selective:1")
+    assert spec == CheckpointPolicySpec("first", 2, 1) and str(spec) == "first:2+selective:1"
+    assert spec.per_block(5) == ["checkpointed", "checkpointed", "selective", "kept", "kept"]
+    assert [s.keeps if isinstance(s, Segment) else None for s in apply_checkpointing(_model(), spec).layers.plan] == [
+        "", "", "selective", None, None]
+    assert str(CheckpointPolicySpec("first", 2, 0)) == "first:2"
+    for bad, message in [("group:1+selective:2", "only 'first:N"), ("attention+selective:2", "only 'first:N"),
+                         ("first:1+selective", "only 'first:N"), ("first:1+attention:2", "only 'first:N")]:
         with pytest.raises(ValueError, match=message):
             parse_policy(bad)
-    with pytest.raises(ValueError, match="follows 'attention:N'"):
-        CheckpointPolicySpec("first", 1, 2)
+    with pytest.raises(ValueError, match="follows 'first:N', 'attention:N'"):
+        CheckpointPolicySpec("group", 1, 2)
     with pytest.raises(ValueError, match="per-block tiers cover"):
         parse_policy("group:2").per_block(4)
 
@@ -239,6 +294,8 @@ def test_peak_is_what_every_other_block_keeps_plus_the_last_blocks_activations_a
     assert activation_peak_bytes(_MEMORY, 5, "attention:2") == 2 * 12 + 2 * 100 + 100 + 30
     assert activation_peak_bytes(_MEMORY, 5, "attention:1+selective:2") == 12 + 2 * 60 + 100 + 100 + 30
     assert activation_peak_bytes(_MEMORY, 5, "selective:3") == 3 * 60 + 100 + 100 + 30
+    assert kept_bytes(_MEMORY, 5, "first:1+selective:2") == [10, 60, 60, 100, 100]
+    assert activation_peak_bytes(_MEMORY, 5, "first:1+selective:2") == 10 + 2 * 60 + 100 + 100 + 30
     # The last block's activations are all alive in its backward, recomputed or kept: checkpointing it saves nothing.
     assert activation_peak_bytes(_MEMORY, 5, "first:4") == activation_peak_bytes(_MEMORY, 5, "all")
     with pytest.raises(ValueError, match="tiers cover none, all"):
@@ -257,8 +314,14 @@ def test_peak_is_what_every_other_block_keeps_plus_the_last_blocks_activations_a
     (300, True, "attention:2+selective:2"),  # 2 * 12 + 2 * 60 + 130 = 274; attention:1+selective:3 needs 322
     (178, True, "attention:4"),  # as little as attention:5, and the last block is not recomputed
     (177, True, "first:4"),  # no room for the attention outputs
-    (300, False, "first:3"),  # 3 * 10 + 100 + 130 = 260; first:2 would need 350
     (169, True, "all"),  # nothing fits: the least memory
+    # Without the attention tier: kept, selective or fully checkpointed blocks, in the same order.
+    (530, False, "none"),
+    (370, False, "selective:4"),
+    (369, False, "first:1+selective:2"),  # 10 + 2 * 60 + 100 + 130 = 360; first:1+selective:1 needs 400
+    (300, False, "first:2+selective:2"),  # 2 * 10 + 2 * 60 + 130 = 270; first:1+selective:3 needs 320
+    (178, False, "first:4"),  # 4 * 10 + 130 = 170; first:3+selective:1 needs 220
+    (169, False, "all"),
 ])
 def test_budget_policy_recomputes_least_within_the_budget(budget: int, keep_attention: bool, policy: str) -> None:
     spec = policy_for_budget(_MEMORY, 5, budget, keep_attention=keep_attention)

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 from cs336_basics.model import BasicsTransformerLM
-from cs336_sharding.checkpointing import CheckpointedBlocks
+from cs336_sharding.checkpointing import CheckpointedBlocks, apply_checkpointing
 from cs336_sharding.fsdp import FSDP
 from cs336_sharding.parallelize import apply_compile, parallelize
 
@@ -45,3 +45,10 @@ def test_steps_reject_what_they_cannot_change() -> None:
         parallelize(_model(), compile_blocks="yes")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="nn.ModuleList"):
         parallelize(torch.nn.Linear(2, 2), checkpoint="all")
+    # Checkpoint first, then compile (once): the compiled code holds a block's checkpoint.
+    model = apply_compile(apply_checkpointing(_model(), "first:1+selective:1"))
+    assert model.layers.compiled
+    with pytest.raises(TypeError, match="already compiled"):
+        apply_compile(model)
+    with pytest.raises(TypeError, match="have their forward replaced"):
+        apply_checkpointing(apply_compile(_model()), "all")

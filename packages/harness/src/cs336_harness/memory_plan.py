@@ -155,10 +155,21 @@ def compiled_block_memory(shape: ModelConfig, batch: int, seq: int, *, dtype_byt
     - SwiGLU: w1 and w3 keep the normed input (e N d); the gate keeps a and b (2 e N f); w2 its output (e N f);
     - the block's output (e N d).
 
-    ``attention`` is the output plus the attention op's output and log-sum-exp; ``selective`` adds the outputs of the
-    matmuls the recomputation uses (q, k, v, the output projection's, w1's and w3's: 4 e N d + 2 e N f);
-    ``checkpointed`` is the output. ``working``: the backward's peak is in the gate's backward, holding w2's weight
-    gradient (e d f) and the gate's two input gradients (2 e N f).
+    Checkpointed, a compiled block has its checkpoint inside the compiled code
+    (:meth:`cs336_sharding.checkpointing.CheckpointedBlocks.compile_blocks`), so the partitioner saves exactly what
+    the segment's policy keeps and recomputes the rest from that, the block's input and its weights (RoPE's tables
+    are views of the model's buffers), all of which the step counts elsewhere:
+
+    - ``selective`` (the op policy: the matmuls' and the attention op's outputs): the output, the attention op's
+      output and log-sum-exp (e N d + 4 N h), and the outputs of the matmuls the recomputation uses: q, k and v (one
+      (N, 3 d) output with ``fused_qkv``), the output projection's, w1's and w3's (4 e N d + 2 e N f); not w2's,
+      which only the residual add reads (:class:`cs336_sharding.checkpointing.SavedOps`). The norms, RoPE, a
+      heads-first output's copy and the gate are recomputed;
+    - ``attention``: the output and the attention op's output and log-sum-exp;
+    - ``checkpointed``: the output.
+
+    ``working``: the backward's peak is in the gate's backward, holding w2's weight gradient (e d f) and the gate's
+    two input gradients (2 e N f).
     """
     d, f, h = shape.d_model, shape.d_ff, shape.num_heads
     n, e = batch * seq, dtype_bytes
@@ -307,7 +318,7 @@ def memory_plan(config: TrainConfig, device_bytes: int | None) -> MemoryPlan:
         # The policy decides the last block's backward, the peak whenever a block is kept; the first block's does
         # not depend on it.
         policy = policy_for_budget(block, config.model.num_layers, cap - reserved_bytes(config),
-                                   keep_attention=par.budget_keeps_ops)
+                                   keep_attention=par.budget_keeps_attention)
     else:
         policy = parse_policy(par.checkpoint)
     try:

@@ -60,7 +60,8 @@ class Parallelism:
     optimizer state stay fp32), ``fsdp`` (``ours``, :class:`cs336_sharding.fsdp.FSDP`, or ``fsdp2``, ``fully_shard``
     per block and on the root, which needs a process group even on one rank), ``checkpoint`` (a policy of
     :mod:`cs336_sharding.checkpointing`, or ``budget``: the least recomputation within ``memory_cap_gib``; with
-    ``budget_keeps_ops`` False its checkpointed blocks keep nothing), ``compile_blocks`` (each block's forward under
+    ``budget_keeps_attention`` False a block that recomputes its matmuls keeps nothing: no ``attention`` tier, as in
+    torchtitan's full and selective checkpointing), ``compile_blocks`` (each block's forward under
     ``torch.compile``) and ``memory_cap_gib`` (None: on a GPU a leaderboard rank's share,
     :func:`cs336_harness.memory_plan.default_memory_cap_bytes`)."""
 
@@ -69,7 +70,7 @@ class Parallelism:
     compute_dtype: str = "fp32"
     fsdp: str = "ours"
     checkpoint: str = "none"
-    budget_keeps_ops: bool = True
+    budget_keeps_attention: bool = True
     compile_blocks: bool = False
     memory_cap_gib: float | None = None
 
@@ -81,7 +82,7 @@ class Parallelism:
         check_name("fsdp", self.fsdp, FSDP_IMPLS)
         if self.checkpoint != BUDGET:
             parse_policy(self.checkpoint)
-        for name in ("budget_keeps_ops", "compile_blocks"):
+        for name in ("budget_keeps_attention", "compile_blocks"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.memory_cap_gib is not None and not self.memory_cap_gib > 0:

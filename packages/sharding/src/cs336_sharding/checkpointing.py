@@ -6,7 +6,9 @@ get its saved tensors back (Chen et al., 2016, "Training deep nets with sublinea
 ``layers`` (an ``nn.ModuleList`` of blocks run in order by its ``forward``, as ``BasicsTransformerLM`` has) by a
 :class:`CheckpointedBlocks` holding the very same blocks at the same indices, so parameter names stay
 ``layers.N.…`` and FSDP (:mod:`cs336_sharding.fsdp`) composes in either order: its hooks sit on the blocks, which
-are still called as modules (on the recomputation too).
+are still called as modules (on the recomputation too). Compiled blocks (:meth:`CheckpointedBlocks.compile_blocks`,
+after checkpointing) have a block checkpointed on its own compiled with its checkpoint, which Inductor then applies:
+the hooks run once, around the compiled forward, and the compiled backward does the recomputation.
 
 Policies (strings, as given to ``cs336 bench --checkpoint``):
 
@@ -14,7 +16,8 @@ Policies (strings, as given to ``cs336 bench --checkpoint``):
 - ``all``: each block its own segment (``group:1``).
 - ``group:K``: consecutive segments of K blocks (the last may be shorter). Peak activation memory is
   about ``N/K`` segment inputs plus ``K`` blocks' saved tensors during one segment's backward.
-- ``first:N``: checkpoint only the first N blocks, one each; the rest keep what they save.
+- ``first:N``: checkpoint only the first N blocks, one each; the rest keep what they save. ``first:N+selective:M``:
+  then the next M blocks ``selective``, the rest not checkpointed.
 - ``sqrt``: ``group:ceil(sqrt(num_layers))``, the single-level choice that balances the two terms
   when a segment input costs about as much as one block's saved tensors.
 - ``nested:B``: recursive segments, each split into B sub-segments down to single blocks; with B=2,
@@ -44,8 +47,10 @@ Memory per block is ``kept > selective > attention > checkpointed``, and so is t
 attention outputs costs ``b * T * d_model`` elements and saves the attention forward, keeping its matmul outputs too
 (``selective``) saves every matmul of the recomputation, which leaves its memory-bound norms and elementwise ops,
 and keeping the whole block saves its whole forward. So the rule is greedy in that order of cost: as few blocks
-recomputing their matmuls as fit, then as few recomputing anything. The blocks kept whole are the *last* ones:
-their backward runs first, so their activations are freed before any checkpointed block is recomputed, and the
+recomputing their matmuls as fit, then as few recomputing anything. Without the ``attention`` tier (a checkpointed
+block keeps its matmuls' and attention's outputs or nothing: torchtitan's full and op-level selective checkpointing)
+the same rule picks ``selective:M``, then ``first:N+selective:M``. The blocks kept whole are the *last* ones: their
+backward runs first, so their activations are freed before any checkpointed block is recomputed, and the
 blocks' share of the peak, reached in the last block's backward, is ``what every block but the last keeps + the
 last block's activations + its backward's working set`` (the last block's activations are all there: kept, or
 recomputed).
@@ -55,6 +60,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -66,7 +72,7 @@ from cs336_sharding.offload import BlockOffload
 POLICY_KINDS: tuple[str, ...] = ("none", "all", "group", "first", "sqrt", "nested", "selective", "attention",
                                  "offload")
 # Policies after which ``+selective:M`` may follow.
-_COMBINES = ("attention", "offload")
+_COMBINES = ("first", "attention", "offload")
 # Group sizes tried by ``cs336 bench --checkpoint groups`` (those up to the model's depth).
 GROUP_SWEEP: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 16, 32)
 _NEEDS_ARG = {"group", "first"}
@@ -75,8 +81,8 @@ _TAKES_ARG = {"group", "first", "nested", "attention", "selective", "offload"}
 
 @dataclass(frozen=True)
 class CheckpointPolicySpec:
-    """A parsed policy: ``kind`` from :data:`POLICY_KINDS`, its integer argument, if any, and for ``attention:N`` and
-    ``offload:N`` the number of ``selective`` blocks after the first N (``attention:N+selective:M``)."""
+    """A parsed policy: ``kind`` from :data:`POLICY_KINDS`, its integer argument, if any, and for ``first:N``,
+    ``attention:N`` and ``offload:N`` the number of ``selective`` blocks after the first N (``first:N+selective:M``)."""
 
     kind: str
     arg: int | None = None
@@ -93,7 +99,7 @@ class CheckpointPolicySpec:
             raise ValueError(f"checkpoint policy {self.kind!r} needs a count >= {2 if self.kind == 'nested' else 1}, "
                              f"got {self.arg}")
         if self.selective and (self.kind not in _COMBINES or self.arg is None or self.selective < 1):
-            raise ValueError(f"'+selective:M' follows 'attention:N' or 'offload:N' with M >= 1; got "
+            raise ValueError(f"'+selective:M' follows 'first:N', 'attention:N' or 'offload:N' with M >= 1; got "
                              f"{self.kind}:{self.arg} and {self.selective}")
 
     def __str__(self) -> str:
@@ -101,7 +107,8 @@ class CheckpointPolicySpec:
         return f"{text}+selective:{self.selective}" if self.selective else text
 
     def per_block(self, num_blocks: int) -> list[str]:
-        """What each of ``num_blocks`` blocks is under ``first``, ``attention``, ``selective`` and ``offload``
+        """What each of ``num_blocks`` blocks is under ``none``, ``all``, ``first``, ``attention``, ``selective`` and
+        ``offload``
         policies: ``checkpointed``, ``attention`` or ``selective`` (checkpointed, keeping those ops' outputs),
         ``offloaded`` or ``kept``.
 
@@ -111,7 +118,7 @@ class CheckpointPolicySpec:
         tier = {"all": "checkpointed", "first": "checkpointed", "attention": "attention", "selective": "selective",
                 "offload": "offloaded", "none": "kept"}.get(self.kind)
         if tier is None:
-            raise ValueError(f"per-block tiers cover none, all, first:N, attention[:N[+selective:M]], "
+            raise ValueError(f"per-block tiers cover none, all, first:N[+selective:M], attention[:N[+selective:M]], "
                              f"offload[:N[+selective:M]] and selective[:N], got {self}")
         first = num_blocks if self.arg is None else min(self.arg, num_blocks)
         then = min(self.selective, num_blocks - first)
@@ -119,9 +126,9 @@ class CheckpointPolicySpec:
 
 
 def parse_policy(text: str | CheckpointPolicySpec) -> CheckpointPolicySpec:
-    """Parse ``'none'``, ``'all'``, ``'group:4'``, ``'first:8'``, ``'sqrt'``, ``'nested:2'``, ``'selective'``,
-    ``'selective:4'``, ``'attention'``, ``'attention:2+selective:6'``, ``'offload:4'``, ``'offload:2+selective:6'``
-    (a spec is returned as it is)."""
+    """Parse ``'none'``, ``'all'``, ``'group:4'``, ``'first:8'``, ``'first:2+selective:6'``, ``'sqrt'``,
+    ``'nested:2'``, ``'selective'``, ``'selective:4'``, ``'attention'``, ``'attention:2+selective:6'``, ``'offload:4'``,
+    ``'offload:2+selective:6'`` (a spec is returned as it is)."""
     if isinstance(text, CheckpointPolicySpec):
         return text
     if not isinstance(text, str):
@@ -130,8 +137,8 @@ def parse_policy(text: str | CheckpointPolicySpec) -> CheckpointPolicySpec:
     if plus:
         first, then = parse_policy(head), parse_policy(tail)
         if first.kind not in _COMBINES or first.arg is None or then.kind != "selective" or then.arg is None:
-            raise ValueError(f"checkpoint policy {text!r}: only 'attention:N+selective:M' and 'offload:N+selective:M' "
-                             "combine two policies")
+            raise ValueError(f"checkpoint policy {text!r}: only 'first:N+selective:M', 'attention:N+selective:M' and "
+                             "'offload:N+selective:M' combine two policies")
         return CheckpointPolicySpec(first.kind, first.arg, then.arg)
     kind, sep, count = text.strip().partition(":")
     if not sep:
@@ -225,10 +232,30 @@ def _save_ops(saved: frozenset, skipped_operand: tuple[int, int] | None, ctx: ob
     return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _checkpoint(forward: Callable[..., torch.Tensor], *args: object, **kwargs: object) -> torch.Tensor:
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def _alone(item: int | Segment | Offloaded) -> int | None:
+    """The block a segment of one block holds (None for anything else)."""
+    if isinstance(item, Segment) and len(item.items) == 1 and isinstance(item.items[0], int):
+        return item.items[0]
+    return None
+
+
 class CheckpointedBlocks(nn.ModuleList):
     """The model's blocks, under their own indices, run in the checkpointed segments of ``plan``; a segment that
     keeps ops' outputs (``attention``, ``selective``) keeps them from the forward instead of recomputing them. An
-    offloaded block's saved tensors start back to the device when the backward of the block after it starts."""
+    offloaded block's saved tensors start back to the device when the backward of the block after it starts.
+
+    Compiled (:meth:`compile_blocks`), a block that is a top-level segment of its own runs its checkpoint inside its
+    compiled forward, where Inductor sees the segment: its policy decides which of the graph's outputs the forward
+    saves, and the recomputation is part of the compiled backward. (A checkpoint around a compiled forward would
+    show the policy one opaque call, and recompute the whole compiled forward.) Hooks on the block's module call
+    (FSDP's) stay outside the compiled code and run once; the recomputation reads the weights the forward's graph
+    saved, which FSDP gathers again for the block's backward anyway. The blocks of larger segments (``group:K``,
+    ``sqrt``, ``nested``), which keep nothing, and the offloaded and kept blocks have their forward compiled alone.
+    """
 
     def __init__(self, blocks: nn.ModuleList, plan: tuple[int | Segment | Offloaded, ...], policy: str,
                  saved: SavedOps):
@@ -237,6 +264,16 @@ class CheckpointedBlocks(nn.ModuleList):
         self.policy = policy
         self.saved = saved
         self.offloads = {item.index: BlockOffload(blocks[item.index]) for item in plan if isinstance(item, Offloaded)}
+        # checkpoint()'s arguments by what a segment keeps, made once: a compiled block's guards hold the very objects.
+        self._checkpoint_kwargs = {"": {}, **{keeps: {"context_fn": self._context_fn(keeps)}
+                                              for keeps in ("attention", "selective")}}
+        self.compiled = False
+        self._inside: frozenset[int] = frozenset()  # blocks whose compiled forward runs their checkpoint
+
+    def _context_fn(self, keeps: str) -> Callable:
+        skipped = self.saved.skipped_operand if keeps == "selective" else None
+        policy_fn = functools.partial(_save_ops, self.saved.kept_by(keeps), skipped)
+        return functools.partial(create_selective_checkpoint_contexts, policy_fn)
 
     def _run(self, items: tuple[int | Segment | Offloaded, ...], x: torch.Tensor) -> torch.Tensor:
         for position, item in enumerate(items):
@@ -245,20 +282,33 @@ class CheckpointedBlocks(nn.ModuleList):
             elif isinstance(item, Offloaded):
                 with self.offloads[item.index].saving():
                     x = self[item.index](x)
+            elif _alone(item) in self._inside:
+                x = self[item.items[0]](x)
             else:
-                x = self._checkpointed(item, x)
+                x = _checkpoint(self._run, item.items, x, **self._checkpoint_kwargs[item.keeps])
             previous = items[position - 1] if position else None
             if isinstance(previous, Offloaded) and x.requires_grad:
                 x.register_hook(self.offloads[previous.index].prefetch_hook)
         return x
 
-    def _checkpointed(self, segment: Segment, x: torch.Tensor) -> torch.Tensor:
-        if segment.keeps:
-            skipped = self.saved.skipped_operand if segment.keeps == "selective" else None
-            policy_fn = functools.partial(_save_ops, self.saved.kept_by(segment.keeps), skipped)
-            context_fn = functools.partial(create_selective_checkpoint_contexts, policy_fn)
-            return checkpoint(self._run, segment.items, x, use_reentrant=False, context_fn=context_fn)
-        return checkpoint(self._run, segment.items, x, use_reentrant=False)
+    def compile_blocks(self) -> None:
+        """Put each block's forward under ``torch.compile`` in place, a block that is a segment of its own with its
+        checkpoint (class docstring). Compiled blocks share graphs: one for each kind of segment on the same shapes.
+
+        Raises:
+            TypeError: if the blocks were already compiled.
+        """
+        if self.compiled:
+            raise TypeError("the checkpointed blocks are already compiled")
+        inside = {index: item.keeps for item in self.plan if (index := _alone(item)) is not None}
+        checkpointed = torch.compile(_checkpoint)
+        for index, block in enumerate(self):
+            if index in inside:
+                block.forward = functools.partial(checkpointed, block.forward, **self._checkpoint_kwargs[inside[index]])
+            else:
+                block.forward = torch.compile(block.forward)
+        self.compiled = True
+        self._inside = frozenset(inside)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._run(self.plan, x)
@@ -274,7 +324,9 @@ def apply_checkpointing(model: nn.Module, policy: str | CheckpointPolicySpec,
     those of ``saved``; returns ``model`` (parameter names unchanged).
 
     Raises:
-        TypeError: if ``model.layers`` is not an ``nn.ModuleList`` with a ``forward`` or was already checkpointed.
+        TypeError: if ``model.layers`` is not an ``nn.ModuleList`` with a ``forward``, was already checkpointed, or
+            holds blocks whose ``forward`` was replaced (compiled: checkpoint first, then compile,
+            :meth:`CheckpointedBlocks.compile_blocks`).
     """
     spec = parse_policy(policy)
     if not isinstance(saved, SavedOps):
@@ -285,6 +337,10 @@ def apply_checkpointing(model: nn.Module, policy: str | CheckpointPolicySpec,
     if not isinstance(layers, nn.ModuleList) or type(layers).forward is nn.Module.forward:
         raise TypeError("apply_checkpointing needs model.layers to be an nn.ModuleList of blocks that its forward runs "
                         f"in order (as BasicsTransformerLM's), got {type(layers).__name__}")
+    replaced = [i for i, block in enumerate(layers) if "forward" in vars(block)]
+    if replaced:
+        raise TypeError(f"blocks {replaced} of model.layers have their forward replaced (compiled?): checkpoint the "
+                        "blocks first, then compile them, so that the compiled code holds the checkpoint")
     if spec.kind != "none":
         model.layers = CheckpointedBlocks(layers, plan_segments(len(layers), spec), str(spec), saved)
     return model
@@ -325,8 +381,8 @@ def kept_bytes(memory: BlockMemory, num_blocks: int, policy: str | CheckpointPol
     """What each block keeps through the forward under ``policy`` (:meth:`CheckpointPolicySpec.per_block`).
 
     Raises:
-        ValueError: for a policy other than ``none``, ``all``, ``first:N``, ``attention[:N[+selective:M]]``,
-            ``offload[:N[+selective:M]]`` and ``selective[:N]``.
+        ValueError: for a policy other than ``none``, ``all``, ``first:N[+selective:M]``,
+            ``attention[:N[+selective:M]]``, ``offload[:N[+selective:M]]`` and ``selective[:N]``.
     """
     return [getattr(memory, tier) for tier in parse_policy(policy).per_block(num_blocks)]
 
@@ -339,8 +395,8 @@ def activation_peak_bytes(memory: BlockMemory, num_blocks: int, policy: str | Ch
     theirs). The copies out are counted as done before the backward (the later blocks' forwards hide them).
 
     Raises:
-        ValueError: for a policy other than ``none``, ``all``, ``first:N``, ``attention[:N[+selective:M]]``,
-            ``offload[:N[+selective:M]]`` and ``selective[:N]``.
+        ValueError: for a policy other than ``none``, ``all``, ``first:N[+selective:M]``,
+            ``attention[:N[+selective:M]]``, ``offload[:N[+selective:M]]`` and ``selective[:N]``.
     """
     tiers = parse_policy(policy).per_block(num_blocks)
     kept = kept_bytes(memory, num_blocks, policy)
@@ -352,30 +408,32 @@ def activation_peak_bytes(memory: BlockMemory, num_blocks: int, policy: str | Ch
 def policy_for_budget(memory: BlockMemory, num_blocks: int, budget_bytes: float, *,
                       keep_attention: bool = True) -> CheckpointPolicySpec:
     """The policy that recomputes least with an :func:`activation_peak_bytes` of at most ``budget_bytes``, by the
-    rule of the module docstring: ``none`` if it fits; else, with ``keep_attention``, ``selective:M`` with M as
-    small as fits, else ``attention:N+selective:M`` with N as small as fits and then M (M < n - N: the last block
-    stays kept); else ``first:N`` with N as small as fits (``first:n`` being every block checkpointed); ``all`` if
-    nothing fits.
+    rule of the module docstring: ``none`` if it fits; else ``selective:M`` with M as small as fits; else N blocks
+    recomputing their matmuls with N as small as fits, then M ``selective`` blocks after them with M as small as fits
+    (M < n - N: the last block stays kept): with ``keep_attention`` the N keep their attention outputs
+    (``attention:N+selective:M``), and where none of those fits, ``first:N`` with N as small as fits; without, they
+    keep nothing (``first:N+selective:M``). ``all`` if nothing fits.
 
     Args:
         memory: what one block keeps in each mode.
         num_blocks: blocks in the model.
         budget_bytes: memory for the blocks' activations (the step's memory cap less what lives through the step:
             weights, optimizer state, the LM head's buffers).
-        keep_attention: whether checkpointed blocks may keep their attention outputs (a fused attention op), and
-            their matmuls' too (``selective``); otherwise they keep nothing (``first:N``).
+        keep_attention: whether a block that recomputes its matmuls may keep its attention outputs (a fused
+            attention op; the ``attention`` tier); otherwise it keeps nothing (``first``).
     """
     if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
         raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
     if not budget_bytes > 0:
         raise ValueError(f"budget_bytes must be positive, got {budget_bytes!r}")
     n = num_blocks
-    candidates = [CheckpointPolicySpec("none")]
+    # A selective last block recomputes into more than it keeps whole: it stays kept in these.
+    candidates = [CheckpointPolicySpec("none"), *(CheckpointPolicySpec("selective", m) for m in range(1, n))]
     if keep_attention:
-        # A selective last block recomputes into more than it keeps whole: it stays kept in these.
-        candidates += [CheckpointPolicySpec("selective", m) for m in range(1, n)]
         candidates += [CheckpointPolicySpec("attention", k, m) for k in range(1, n + 1) for m in range(n - k)]
-    candidates += [CheckpointPolicySpec("first", k) for k in range(1, n + 1)]
+        candidates += [CheckpointPolicySpec("first", k) for k in range(1, n + 1)]
+    else:
+        candidates += [CheckpointPolicySpec("first", k, m) for k in range(1, n + 1) for m in range(n - k)]
     for spec in candidates:
         if activation_peak_bytes(memory, num_blocks, spec) <= budget_bytes:
             return spec

@@ -41,7 +41,10 @@ installs no saved-tensor hook and checkpointing keeps the blocks, their names an
 (``FSDP(apply_checkpointing(model, "all"))`` or ``apply_checkpointing(fsdp.module, "all")``). Units are the
 children of the innermost ``ModuleList``, so the blocks stay units inside the checkpointed segments. The backward's
 recomputation runs a unit's forward again: the pre-hook gathers it as usual, and the post-hook keeps it
-gathered if the unit's own backward has begun (it needs the recomputed views), else frees it.
+gathered if the unit's own backward has begun (it needs the recomputed views), else frees it. A block compiled with
+its checkpoint (:meth:`cs336_sharding.checkpointing.CheckpointedBlocks.compile_blocks`) recomputes inside its
+compiled backward instead, from the weight views its graph saved, which the re-gather at the start of the unit's
+backward has filled.
 
 Limitations: a weight must be used through its module's forward; a weight tied between units must belong
 to modules that each own it directly (embedding and LM head), not to the inside of a ``ModuleList`` child.

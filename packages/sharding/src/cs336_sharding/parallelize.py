@@ -11,8 +11,9 @@ The order, and why:
 
 1. activation checkpointing of ``model.layers`` (:func:`cs336_sharding.checkpointing.apply_checkpointing`), in
    place, so parameter names do not change; the caller names the ops its selective policies keep (``saved``);
-2. with ``compile_blocks``, each block's forward under ``torch.compile`` (:func:`apply_compile`): inside the
-   checkpoint, which then recomputes the compiled forward; outside FSDP's hooks, which stay eager;
+2. with ``compile_blocks``, each block's forward under ``torch.compile`` (:func:`apply_compile`), a block
+   checkpointed on its own together with its checkpoint, so that Inductor sees the selective policies (torchtitan's
+   ``apply_compile`` wraps each block's checkpoint wrapper too); inside FSDP's hooks, which stay eager;
 3. :class:`cs336_sharding.fsdp.FSDP` with ``compute_dtype`` over the process group (a single rank without one),
    last, since it hooks the blocks the steps before it keep in place.
 
@@ -27,20 +28,32 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from cs336_sharding.checkpointing import NO_SAVED_OPS, CheckpointPolicySpec, SavedOps, apply_checkpointing
+from cs336_sharding.checkpointing import (
+    NO_SAVED_OPS,
+    CheckpointedBlocks,
+    CheckpointPolicySpec,
+    SavedOps,
+    apply_checkpointing,
+)
 from cs336_sharding.fsdp import FSDP
 
 
 def apply_compile(model: nn.Module) -> nn.Module:
-    """Put each block's ``forward`` (``model.layers``) under ``torch.compile`` in place; returns ``model``.
+    """Put each block's ``forward`` (``model.layers``) under ``torch.compile`` in place; returns ``model``. Blocks
+    checkpointed by :func:`~cs336_sharding.checkpointing.apply_checkpointing` (call it first) are compiled by
+    :meth:`~cs336_sharding.checkpointing.CheckpointedBlocks.compile_blocks`: a block that is a segment of its own
+    with its checkpoint inside the compiled code.
 
     Only the forward is compiled, not the module call: hooks on a block (our FSDP's gathers, FSDP2's) stay eager
-    around it, and names and the blocks' identities do not change. The blocks share one compiled graph (the same
-    code on the same shapes), so the compile cost is paid once.
+    around it, and names and the blocks' identities do not change. The blocks share compiled graphs (the same code
+    on the same shapes; one for each kind of checkpointed segment), so the compile cost is paid once for each.
     """
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
         raise TypeError(f"apply_compile needs model.layers, a non-empty nn.ModuleList, got {type(layers).__name__}")
+    if isinstance(layers, CheckpointedBlocks):
+        layers.compile_blocks()
+        return model
     for block in layers:
         block.forward = torch.compile(block.forward)
     return model

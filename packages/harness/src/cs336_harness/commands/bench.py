@@ -53,7 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"{' | '.join(registry.LOSSES)} (default standard: logits, then cross-entropy; fused: our "
                         "fused linear + cross-entropy kernel; chunked: PyTorch's a chunk of tokens at a time)")
     r.add_argument("--checkpoint", type=csv_of(str), default=(),
-                   help="comma list of none (default), all, group:K, first:N, sqrt, nested[:B], selective, attention, "
+                   help="comma list of none (default), all, group:K, first:N[+selective:M], sqrt, nested[:B], "
+                        "selective[:N], attention[:N[+selective:M]], "
                         "offload[:N] (saved activations to pinned host memory), groups (= group:K for K in "
                         "1,2,3,4,6,8,16,32 up to num_layers)")
     r.add_argument("--sweep", action="store_true",

@@ -10,8 +10,8 @@ ranks, Triton kernels in the interpreter), which finishes in seconds. See ``cs33
 The proxy is the way to work on the step with one GPU: world size 1, one sequence of 32768 tokens, the 8B block
 shape with 14 layers (whose unsharded fp32 state is a rank's), the memory cap a rank's activation memory scaled to
 14 of its 34 layers. ``--impl ours,torch_native,torch_native_compiled`` runs our step and the two PyTorch-only
-baselines (plain: every block checkpointed; strong: compiled blocks, as many not checkpointed as fit the cap) as
-rows of one call; ``--profile`` adds each row's GPU time by kind of kernel.
+baselines (plain: every block checkpointed; strong: compiled blocks, each kept, selectively or fully checkpointed,
+the mix that fits the cap) as rows of one call; ``--profile`` adds each row's GPU time by kind of kernel.
 
 Examples::
 
@@ -85,11 +85,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "steps, one row each (default ours)")
     parser.add_argument("--attention", default="triton", help=f"{' | '.join(registry.ATTENTIONS)} (default triton)")
     parser.add_argument("--checkpoint", default="all",
-                        help="activation checkpointing policy: none, all, group:K, first:N, sqrt, nested:B, "
-                             "selective[:N], attention[:N], attention:N+selective:M, offload[:N], "
+                        help="activation checkpointing policy: none, all, group:K, first:N, first:N+selective:M, "
+                             "sqrt, nested:B, selective[:N], attention[:N], attention:N+selective:M, offload[:N], "
                              "offload:N+selective:M (what the first N blocks save goes to pinned host memory), or "
                              "budget (the least recomputation that fits the memory cap) for ours (default all); the "
-                             "baselines' are their recipes' (plain all, strong budget)")
+                             "baselines' are their recipes' (plain all, strong budget without the attention tier: "
+                             "first:N+selective:M)")
     parser.add_argument("--glue", default="model",
                         help=f"{' | '.join(registry.GLUES)}: RMSNorm, RoPE and SiLU-mul by the model's code, our "
                              "Triton kernels or torch.compile of their references (ours only; default model)")

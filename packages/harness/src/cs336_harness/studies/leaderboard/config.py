@@ -6,10 +6,12 @@ control (warm-up, steps, profiling, time limit); :meth:`LeaderboardConfig.train_
 :class:`cs336_harness.training.TrainConfig` of the named callables. Ours is our FSDP with the fused linear +
 cross-entropy; the baselines (``impl`` of :data:`RECIPES`) are the PyTorch-only steps a user would write: FSDP2
 (``fully_shard`` per block and on the root, fp32 master weights and gradient reduction), SDPA, the model's own glue,
-the chunked loss :func:`cs336_harness.registry.chunked_cross_entropy` and ``torch.optim.AdamW(fused=True)``, their
-checkpointed blocks keeping nothing; ``torch_native`` checkpoints every block (the plain recipe),
-``torch_native_compiled`` compiles each block's forward and keeps as many whole as fit the memory cap (the strong
-recipe, what torchtitan-style users run).
+the chunked loss :func:`cs336_harness.registry.chunked_cross_entropy` and ``torch.optim.AdamW(fused=True)``.
+``torch_native`` checkpoints every block, keeping nothing (the plain recipe); ``torch_native_compiled`` (the strong
+recipe, what torchtitan-style users run) compiles each block with its checkpoint and chooses per block, within the
+memory cap, torchtitan's kinds of checkpointing by the budget's rule: none, selective (the matmuls' and SDPA's
+outputs kept, the rest recomputed) or full, ``first:N+selective:M`` (N full, then M selective, the rest kept; the
+row's ``checkpoint`` says which).
 
 The proxy is world size 1, one sequence, the 8B block shape with :func:`proxy_num_layers` layers (14: unsharded,
 they and the embeddings and head hold about the fp32 state of one of the two ranks), so that a step on one GPU does
@@ -138,8 +140,9 @@ class LeaderboardConfig:
         ours = self.impl == "ours"
         kernels = registry.kernels(self.attention, self.glue, "fused" if ours else "chunked")
         parallelism = Parallelism(world_size=self.world_size, backend=self.backend, compute_dtype=self.compute_dtype,
-                                  fsdp="ours" if ours else "fsdp2", checkpoint=self.checkpoint, budget_keeps_ops=ours,
-                                  compile_blocks=self.compile_blocks, memory_cap_gib=self.memory_cap_gib)
+                                  fsdp="ours" if ours else "fsdp2", checkpoint=self.checkpoint,
+                                  budget_keeps_attention=ours, compile_blocks=self.compile_blocks,
+                                  memory_cap_gib=self.memory_cap_gib)
         return TrainConfig(self.model_config, kernels=kernels, parallelism=parallelism,
                            optimizer=OptimizerConfig(self.optimizer, self.lr, self.weight_decay),
                            global_batch=self.global_batch, fused_qkv=self.fused_qkv, seed=self.seed)
