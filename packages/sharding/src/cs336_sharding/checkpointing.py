@@ -108,9 +108,8 @@ class CheckpointPolicySpec:
 
     def per_block(self, num_blocks: int) -> list[str]:
         """What each of ``num_blocks`` blocks is under ``none``, ``all``, ``first``, ``attention``, ``selective`` and
-        ``offload``
-        policies: ``checkpointed``, ``attention`` or ``selective`` (checkpointed, keeping those ops' outputs),
-        ``offloaded`` or ``kept``.
+        ``offload`` policies: ``checkpointed``, ``attention`` or ``selective`` (checkpointed, keeping those ops'
+        outputs), ``offloaded`` or ``kept``.
 
         Raises:
             ValueError: for any other kind.
@@ -232,6 +231,18 @@ def _save_ops(saved: frozenset, skipped_operand: tuple[int, int] | None, ctx: ob
     return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+@functools.cache
+def _checkpoint_kwargs(saved: SavedOps, keeps: str) -> dict[str, Callable]:
+    """``checkpoint()``'s arguments for a segment that keeps ``keeps`` of ``saved``: one object for equal arguments,
+    as Dynamo guards a compiled segment's graph on the context function it was traced with (a new one would
+    recompile)."""
+    if not keeps:
+        return {}
+    skipped = saved.skipped_operand if keeps == "selective" else None
+    policy_fn = functools.partial(_save_ops, saved.kept_by(keeps), skipped)
+    return {"context_fn": functools.partial(create_selective_checkpoint_contexts, policy_fn)}
+
+
 def _checkpoint(forward: Callable[..., torch.Tensor], *args: object, **kwargs: object) -> torch.Tensor:
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
@@ -264,16 +275,8 @@ class CheckpointedBlocks(nn.ModuleList):
         self.policy = policy
         self.saved = saved
         self.offloads = {item.index: BlockOffload(blocks[item.index]) for item in plan if isinstance(item, Offloaded)}
-        # checkpoint()'s arguments by what a segment keeps, made once: a compiled block's guards hold the very objects.
-        self._checkpoint_kwargs = {"": {}, **{keeps: {"context_fn": self._context_fn(keeps)}
-                                              for keeps in ("attention", "selective")}}
         self.compiled = False
         self._inside: frozenset[int] = frozenset()  # blocks whose compiled forward runs their checkpoint
-
-    def _context_fn(self, keeps: str) -> Callable:
-        skipped = self.saved.skipped_operand if keeps == "selective" else None
-        policy_fn = functools.partial(_save_ops, self.saved.kept_by(keeps), skipped)
-        return functools.partial(create_selective_checkpoint_contexts, policy_fn)
 
     def _run(self, items: tuple[int | Segment | Offloaded, ...], x: torch.Tensor) -> torch.Tensor:
         for position, item in enumerate(items):
@@ -285,7 +288,7 @@ class CheckpointedBlocks(nn.ModuleList):
             elif _alone(item) in self._inside:
                 x = self[item.items[0]](x)
             else:
-                x = _checkpoint(self._run, item.items, x, **self._checkpoint_kwargs[item.keeps])
+                x = _checkpoint(self._run, item.items, x, **_checkpoint_kwargs(self.saved, item.keeps))
             previous = items[position - 1] if position else None
             if isinstance(previous, Offloaded) and x.requires_grad:
                 x.register_hook(self.offloads[previous.index].prefetch_hook)
@@ -301,10 +304,15 @@ class CheckpointedBlocks(nn.ModuleList):
         if self.compiled:
             raise TypeError("the checkpointed blocks are already compiled")
         inside = {index: item.keeps for item in self.plan if (index := _alone(item)) is not None}
-        checkpointed = torch.compile(_checkpoint)
+        # Dynamo traces the checkpoint only with the policy's arguments as Python constants; a shape seen before made
+        # dynamic would turn the skipped operand's ints symbolic. Falling back to an eager checkpoint would hide the
+        # policy from Inductor (and recompute from the module's weights after FSDP swapped them out): static shapes,
+        # and an error rather than a graph break.
+        checkpointed = torch.compile(_checkpoint, fullgraph=True, dynamic=False)
         for index, block in enumerate(self):
             if index in inside:
-                block.forward = functools.partial(checkpointed, block.forward, **self._checkpoint_kwargs[inside[index]])
+                block.forward = functools.partial(checkpointed, block.forward,
+                                                  **_checkpoint_kwargs(self.saved, inside[index]))
             else:
                 block.forward = torch.compile(block.forward)
         self.compiled = True
