@@ -160,3 +160,46 @@ def test_block_of_modules_under_fsdp2_equals_unsharded():
 def test_bad_sizes_raise_value_error(make):
     with pytest.raises(ValueError, match="must be"):
         make()
+
+
+@pytest.mark.parametrize("cast", [
+    lambda m: m.bfloat16(), lambda m: m.half(), lambda m: m.to(torch.float16), lambda m: m.to(DEVICE, torch.bfloat16),
+    lambda m: m.double(),
+])
+def test_casting_attention_keeps_its_rotary_tables_fp32(cast):
+    plain = knn.CausalSelfAttention(32, 2, context_length=20, device=DEVICE)
+    cast_module = cast(knn.CausalSelfAttention(32, 2, context_length=20, device=DEVICE))
+    assert cast_module.q_proj.weight.dtype != torch.float32
+    assert cast_module.cos.dtype == cast_module.sin.dtype == torch.float32
+    assert torch.equal(cast_module.cos, plain.cos) and torch.equal(cast_module.sin, plain.sin)
+
+
+def test_block_cast_to_half_runs_and_matches_its_fp32_self():
+    """A block cast after construction, as ``Block().cuda().bfloat16()`` (fp16: what the interpreter also takes),
+    runs and stays within fp16 rounding of the same weights in fp32."""
+    torch.manual_seed(0)
+    block = Block()
+    half = Block()
+    half.load_state_dict(block.state_dict())
+    half = half.half()
+    x = _x(2, 19, 32)
+    out = half(x.detach().half())
+    assert out.dtype == torch.float16
+    assert _rel_err(out, block(x)) < 5e-3
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("call", [
+    lambda bf16: knn.CausalSelfAttention(32, 2, 20, dtype=bf16)(torch.randn(1, 5, 32, dtype=bf16)),
+    lambda bf16: knn.CausalSelfAttention(32, 2, 20).bfloat16()(torch.randn(1, 5, 32, dtype=bf16)),
+    lambda bf16: knn.RMSNorm(32, dtype=bf16)(torch.randn(3, 32, dtype=bf16)),
+    lambda bf16: knn.SwiGLU(32, 48, dtype=bf16)(torch.randn(3, 32, dtype=bf16)),
+    lambda bf16: knn.FusedLinearCrossEntropyLoss()(torch.randn(3, 32, dtype=bf16), torch.randn(7, 32, dtype=bf16),
+                                                   torch.zeros(3, dtype=torch.long)),
+])
+def test_modules_refuse_bf16_in_the_interpreter_in_one_sentence(call):
+    with pytest.raises(ValueError) as error:
+        call(torch.bfloat16)
+    message = str(error.value)
+    assert "bfloat16 tensors on CPU, which Triton's interpreter computes wrongly" in message
+    assert "use float32 or float16 there, or a CUDA GPU." in message and "\n" not in message

@@ -81,6 +81,34 @@ def test_kernels_reject_devices_they_cannot_run_on(call):
         call()
 
 
+_BF16 = torch.bfloat16
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize(("caller", "call"), [
+    ("flash_attention", lambda: cs336_kernels.flash_attention(*(torch.randn(1, 2, 64, 32, dtype=_BF16)
+                                                                for _ in range(3)), is_causal=True)),
+    ("flash_attention", lambda: cs336_kernels.FlashAttentionTriton.apply(*(torch.randn(1, 2, 64, 32, dtype=_BF16)
+                                                                          for _ in range(3)), True)),
+    ("FusedAdamW", lambda: cs336_kernels.FusedAdamW([torch.randn(4, dtype=_BF16)])),
+    ("fused_linear_cross_entropy", lambda: cs336_kernels.fused_linear_cross_entropy(
+        torch.randn(3, 16, dtype=_BF16), torch.randn(5, 16, dtype=_BF16), torch.zeros(3, dtype=torch.long))),
+    ("rms_norm", lambda: cs336_kernels.rms_norm(torch.randn(3, 16, dtype=_BF16), torch.ones(16, dtype=_BF16))),
+    ("add_rms_norm", lambda: cs336_kernels.add_rms_norm(*(torch.randn(3, 16, dtype=_BF16) for _ in range(2)),
+                                                        torch.ones(16, dtype=_BF16))),
+    ("rope", lambda: cs336_kernels.rope(*(torch.randn(1, 3, 2, 16, dtype=_BF16) for _ in range(2)),
+                                        *(torch.randn(8, 8) for _ in range(2)), torch.arange(3))),
+    ("silu_mul", lambda: cs336_kernels.silu_mul(*(torch.randn(3, 16, dtype=_BF16) for _ in range(2)))),
+])
+def test_every_op_refuses_bf16_in_the_interpreter_in_one_sentence(caller, call):
+    """The interpreter multiplies bf16 matrices as raw bits (attention off by 1e8) and truncates casts to bf16."""
+    with pytest.raises(ValueError) as error:
+        call()
+    assert str(error.value) == (
+        f"{caller} got bfloat16 tensors on CPU, which Triton's interpreter computes wrongly (it multiplies bf16 "
+        "matrices as raw bits and truncates casts to bf16); use float32 or float16 there, or a CUDA GPU.")
+
+
 # Each kernel on CPU tensors in a process that imported cs336_kernels without TRITON_INTERPRET=1, first with
 # the variable still unset, then set after the import. Prints each error message, one per line, then what fake
 # tensors give.

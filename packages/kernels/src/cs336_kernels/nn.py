@@ -69,7 +69,8 @@ class CausalSelfAttention(torch.nn.Module):
     q, k and v stay in the projections' (batch, seq, heads, head_dim) layout: :func:`~cs336_kernels.rope`
     rotates q and k there and :func:`~cs336_kernels.flash_attention` reads the (batch, heads, seq, head_dim)
     transposed views without a copy. The rotary tables are ``cs336_basics.model.RotaryEmbedding``'s (fp32, built in
-    float64), kept as non-persistent buffers, so the state dict holds the four projections only.
+    float64), kept as non-persistent buffers, so the state dict holds the four projections only; casting the module
+    (``.bfloat16()``, ``.to(dtype)``) casts the projections and leaves the tables fp32.
 
     Args:
         d_model, num_heads: model width and heads (d_model a multiple of num_heads, an even head dim).
@@ -95,6 +96,16 @@ class CausalSelfAttention(torch.nn.Module):
         angles = torch.arange(context_length, device=device, dtype=torch.float64)[:, None] * inv_freq
         self.register_buffer("cos", angles.cos().float(), persistent=False)  # (context, head_dim / 2)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # RoPE rotates in fp32 from fp32 tables (rope refuses others): a cast of the module (.bfloat16(), .half(),
+        # .to(dtype)) changes the projections, and the tables only follow the device, their values unrounded.
+        tables = {"cos": self.cos, "sin": self.sin}
+        super()._apply(fn, recurse)
+        for name, table in tables.items():
+            if getattr(self, name).dtype != torch.float32:
+                setattr(self, name, table.to(getattr(self, name).device))
+        return self
 
     def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None) -> torch.Tensor:
         """(batch, seq, d_model) -> (batch, seq, d_model); ``token_positions`` (seq,) or (batch, seq), default

@@ -249,8 +249,8 @@ class FusedAdamW(torch.optim.Optimizer):
         devices = {p.device for p in group["params"]}
         if len(devices) > 1:
             raise ValueError(f"FusedAdamW needs every tensor of a parameter group on one device, got {devices}")
-        for device in devices:
-            check_device(device, "FusedAdamW")
+        for device, dtype in {(p.device, p.dtype) for p in group["params"]}:
+            check_device(device, "FusedAdamW", dtype)
         for p in group["params"]:
             if p.dtype not in _PARAM_DTYPES:
                 raise TypeError(

@@ -119,7 +119,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, b
         raise ValueError(f"backward must be one of {', '.join(BACKWARD_IMPLS)}, got {backward!r}")
     if forward not in FORWARD_IMPLS:
         raise ValueError(f"forward must be one of {', '.join(FORWARD_IMPLS)}, got {forward!r}")
-    check_device(q.device, "flash_attention")
+    check_device(q.device, "flash_attention", q.dtype)
 
 
 def flash_attention(
