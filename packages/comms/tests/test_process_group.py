@@ -1,10 +1,13 @@
 """Mistakes and failures a user meets first: a wrapper given something that is not a module, a rank the OS kills, a
-rank that stops answering, torchrun started with another world size; and ranks forked from a preloaded server."""
+rank that stops answering (spawned or under torchrun), torchrun started with another world size or killed; and ranks
+forked from a preloaded server."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -87,3 +90,60 @@ def test_torchrun_with_another_world_size_is_one_clear_message(monkeypatch: pyte
         check_world_size(3)
     with pytest.raises(ValueError, match=message):
         run_ranks(rank_one_stops, 3, backend="gloo")
+
+
+_TORCHRUN_RANKS = Path(__file__).parent / "torchrun_ranks.py"
+
+
+def _torchrun(folder: Path, timeout_s: float, stop_at: int) -> subprocess.Popen:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(_TORCHRUN_RANKS),
+               str(folder), str(timeout_s), str(stop_at)]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _ranks_pids(folder: Path, deadline_s: float) -> list[int]:
+    """The two ranks' pids once both wrote them."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        files = [folder / f"rank{rank}.pid" for rank in (0, 1)]
+        if all(f.exists() and f.read_text() for f in files):
+            return [int(f.read_text()) for f in files]
+        time.sleep(0.2)
+    raise AssertionError(f"the ranks did not start within {deadline_s} s")
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not ended (a zombie, ended but not reaped, counts as ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_under_torchrun_ends_the_run_with_one_line(tmp_path: Path) -> None:
+    """Rank 1 stops itself (SIGSTOP); the group's timeout is 10 s, so its peer sees it after 5 s, prints one line,
+    kills it and exits; torchrun then ends."""
+    start = time.monotonic()
+    launcher = _torchrun(tmp_path, timeout_s=10, stop_at=20)
+    pids = _ranks_pids(tmp_path, deadline_s=120)
+    _, stderr = launcher.communicate(timeout=200 - (time.monotonic() - start))
+    assert launcher.returncode != 0
+    lines = [line for line in stderr.splitlines() if "stopped answering" in line]
+    assert lines == ["rank 1 stopped answering (no heartbeat for 5 s: stopped, hung or swapped out); every rank was "
+                     "ended"], stderr
+    assert "[rank" not in stderr  # no rank's traceback (torchrun's own failure report follows the line)
+    assert not any(_running(pid) for pid in pids)
+
+
+@pytest.mark.slow
+def test_killing_torchrun_ends_its_ranks(tmp_path: Path) -> None:
+    """SIGKILL to torchrun, which can forward nothing: each rank asked Linux to kill it with its launcher."""
+    launcher = _torchrun(tmp_path, timeout_s=60, stop_at=0)
+    pids = _ranks_pids(tmp_path, deadline_s=120)
+    launcher.kill()
+    launcher.communicate()
+    end = time.monotonic() + 10
+    while any(_running(pid) for pid in pids) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert not any(_running(pid) for pid in pids)

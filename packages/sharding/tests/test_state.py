@@ -57,3 +57,17 @@ def test_bad_arguments(tmp_path: Path) -> None:
         fsdp.state_tensor("nonexistent.weight", torch.zeros(3))
     with pytest.raises(ValueError, match="this rank's shape"):
         fsdp.state_tensor("lm_head.weight", torch.zeros(3))
+
+
+@pytest.mark.parametrize("with_optimizer", [False, True])
+def test_unwritable_or_missing_paths_are_one_os_error_naming_the_path(tmp_path: Path, with_optimizer: bool) -> None:
+    """torch.distributed.checkpoint raises a CheckpointException (a BaseException, missed by ``except Exception``,
+    whose message lists ranks only); save_state and load_state turn it into an OSError naming the path and cause."""
+    model = FSDP(new_model("toy", seed=0))
+    opt = torch.optim.AdamW(model.parameters()) if with_optimizer else None
+    (tmp_path / "file").write_text("")
+    unwritable, missing = tmp_path / "file" / "state", tmp_path / "missing"
+    with pytest.raises(OSError, match=f"save_state could not write {unwritable}: Not a directory"):
+        save_state(unwritable, model, opt)
+    with pytest.raises(FileNotFoundError, match=f"load_state could not read {missing}: No such file or directory"):
+        load_state(missing, model, opt)

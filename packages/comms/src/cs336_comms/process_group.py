@@ -14,12 +14,17 @@ cause): :class:`RankStalledError` names it.
 
 Under torchrun (any number of nodes) call :func:`init_from_env` at the top of the script instead, or
 use :func:`run_ranks`, which spawns when run as a plain script and joins torchrun's group otherwise,
-so one command works both ways (there torchrun watches its workers). Inside a group, :func:`rank_and_world`
-says where this process stands.
+so one command works both ways. torchrun sees a rank that dies, not one that stops, so under it :func:`run_ranks`
+has the ranks watch each other: each beats a counter in the group's store, and once one has not beaten for the same
+limit the others print one line naming it, kill it if it runs on their host, and exit. Every rank (spawned or
+torchrun's) asks Linux to kill it when its launcher dies, so killing the launcher, even with SIGKILL, leaves no rank
+running. Inside a group, :func:`rank_and_world` says where this process stands.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import datetime
 import os
 import pickle
@@ -42,6 +47,7 @@ DEFAULT_TIMEOUT_S = 120.0
 # the GIL within milliseconds, since torch's ops and collectives release it.
 STALL_TIMEOUT_S = 60.0
 _HEARTBEAT_S = 1.0
+_PR_SET_PDEATHSIG = 1  # prctl's option (linux/prctl.h)
 
 
 class RankDiedError(RuntimeError):
@@ -71,6 +77,12 @@ class RankStalledError(RankDiedError):
         self.stalled_s = stalled_s
         self.args = (f"rank {rank} stopped answering (no heartbeat for {stalled_s:g} s: stopped, hung or swapped "
                      "out); every rank was ended",)
+
+
+def _die_with_parent() -> None:
+    """Have Linux SIGKILL this process when its parent (torchrun's agent, or the spawning process or forkserver)
+    dies: a rank whose launcher was killed, even with SIGKILL, would otherwise run on (or wait in a collective)."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def default_backend() -> str:
@@ -121,7 +133,8 @@ def current_device() -> torch.device:
 
 
 def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.device:
-    """Join the group described by torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*).
+    """Join the group described by torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*); this process
+    dies with its launcher.
 
     Returns:
         This rank's device.
@@ -131,6 +144,7 @@ def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT
         raise ValueError(f"init_from_env needs torchrun's environment; missing {', '.join(missing)}")
     backend = backend or default_backend()
     _validate_backend(backend)
+    _die_with_parent()
     device = device_for_rank(
         backend, int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     )
@@ -148,6 +162,7 @@ def _spawned(
     rank: int, fn: Callable[..., Any], world_size: int, port: int, backend: str, timeout_s: float, run_dir: str,
     args: tuple,
 ) -> None:
+    _die_with_parent()
     threading.Thread(target=_beat, args=(Path(run_dir) / f"heartbeat{rank}",), daemon=True).start()
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -272,6 +287,73 @@ def check_world_size(world_size: int) -> None:
                          f"give --nproc-per-node and the world size the same number")
 
 
+class _PeerWatch:
+    """Under torchrun: this rank's heartbeat in the group's store and its watch over the other ranks' (the spawned
+    ranks' watch is :func:`_watch`, in their parent).
+
+    A thread adds 1 to this rank's counter every second and reads every other rank's; a counter that has not moved
+    for ``stall_s`` (by this process's clock: the ranks' clocks need not agree) is a rank that stopped. The first
+    rank to see it (the one whose add to the ``reported`` key returns 1) prints one line; every rank that sees it
+    SIGKILLs it if it runs on this host (a stopped process acts on no other signal) and exits with status 1, which
+    makes torchrun end the rest. A rank that finished its work says so (``done``) and waits in :meth:`finish` until
+    every rank has, so a rank that stops after its peers finished is seen too.
+    """
+
+    _generation = 0  # groups this process joined: each group's keys get their own prefix
+
+    def __init__(self, rank: int, world_size: int, stall_s: float):
+        _PeerWatch._generation += 1
+        self.store = dist.distributed_c10d._get_default_store()
+        self.prefix = f"cs336_watch/{_PeerWatch._generation}"
+        self.rank, self.world_size, self.stall_s = rank, world_size, stall_s
+        self.store.set(f"{self.prefix}/pid/{rank}", f"{socket.gethostname()} {os.getpid()}")
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _done(self, rank: int) -> bool:
+        return self.store.check([f"{self.prefix}/done/{rank}"])
+
+    def _run(self) -> None:
+        peers = [r for r in range(self.world_size) if r != self.rank]
+        counts = dict.fromkeys(peers, -1)
+        changed = dict.fromkeys(peers, time.monotonic())
+        last_poll = time.monotonic()
+        try:
+            while not self.stop.wait(_HEARTBEAT_S):
+                self.store.add(f"{self.prefix}/beat/{self.rank}", 1)
+                now = time.monotonic()
+                if now - last_poll > 5 * _HEARTBEAT_S:
+                    changed = dict.fromkeys(peers, now)  # this process did not run either: the silence says nothing
+                last_poll = now
+                for peer in peers:
+                    count = self.store.add(f"{self.prefix}/beat/{peer}", 0)
+                    if count != counts[peer]:
+                        counts[peer], changed[peer] = count, now
+                    elif now - changed[peer] > self.stall_s and not self._done(peer):
+                        self._end(peer)
+        except (RuntimeError, OSError):
+            return  # the store is gone (its host ended): nothing is left to watch
+
+    def _end(self, peer: int) -> None:
+        if self.store.add(f"{self.prefix}/reported", 1) == 1:
+            print(RankStalledError(peer, self.stall_s).args[0], file=sys.stderr, flush=True)
+        host, pid = self.store.get(f"{self.prefix}/pid/{peer}").decode().split()
+        if host == socket.gethostname():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        sys.stdout.flush()
+        os._exit(1)
+
+    def finish(self) -> None:
+        """Say this rank is done, wait (still watching) until every rank is, then stop the thread."""
+        self.store.set(f"{self.prefix}/done/{self.rank}", "1")
+        while not all(self._done(r) for r in range(self.world_size)):
+            time.sleep(_HEARTBEAT_S / 10)
+        self.stop.set()
+        self.thread.join()
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -280,6 +362,9 @@ def run_ranks(
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> Any:
     """Run ``fn(rank, world_size, *args)`` in every rank: spawned here, or in this process under torchrun.
+
+    A rank that stops answering ends the run after ``min(timeout_s / 2, STALL_TIMEOUT_S)``, spawned
+    (:func:`spawn`) or under torchrun (:class:`_PeerWatch`: one line names it, every rank exits with status 1).
 
     Returns:
         What ``fn`` returned on rank 0, in the one process that should report it: the spawning parent, or
@@ -290,8 +375,11 @@ def run_ranks(
     check_world_size(world_size)
     init_from_env(backend, timeout_s)
     rank = dist.get_rank()
+    watch = _PeerWatch(rank, world_size, min(timeout_s / 2, STALL_TIMEOUT_S))
     try:
         result = fn(rank, world_size, *args)
+        watch.finish()
     finally:
+        watch.stop.set()
         dist.destroy_process_group()
     return result if rank == 0 else None

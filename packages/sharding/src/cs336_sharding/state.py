@@ -12,6 +12,8 @@ a checkpoint is activation checkpointing (:mod:`cs336_sharding.checkpointing`).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,24 @@ def _check(fsdp_model: FSDP, optimizer: torch.optim.Optimizer | None) -> None:
         raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
 
 
+@contextlib.contextmanager
+def _naming_the_path(what: str, path: str | Path) -> Iterator[None]:
+    """torch.distributed.checkpoint's failures as one error that names ``path``: an OSError (of the cause's errno) when
+    every rank failed on the file system, else a ValueError. Its CheckpointException is a BaseException, which an
+    ``except Exception`` misses, and its message lists the failed ranks, not what failed."""
+    try:
+        yield
+    except dcp.api.CheckpointException as error:
+        causes = {rank: failure[0] for rank, failure in error.failures.items()}
+        rank, cause = next(iter(causes.items()))
+        where = f"rank {rank}" if len(causes) == 1 else f"ranks {', '.join(map(str, causes))}"
+        if all(isinstance(c, OSError) and c.errno for c in causes.values()):
+            raise OSError(cause.errno, f"{what} {path}: {cause.strerror} (on {where})") from cause
+        raise ValueError(f"{what} {path}: {type(cause).__name__}: {cause} (on {where})") from cause
+    except OSError as error:
+        raise OSError(error.errno, f"{what} {path}: {error.strerror or error}") from error
+
+
 def _param_names(optimizer: torch.optim.Optimizer, fsdp_model: FSDP) -> list[list[str]]:
     names = {p: n for n, p in fsdp_model.module.named_parameters()}
     try:
@@ -41,7 +61,11 @@ def _model_state(fsdp_model: FSDP) -> dict[str, torch.Tensor]:
 
 
 def save_state(path: str | Path, fsdp_model: FSDP, optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Write the model's (and the optimizer's) sharded state under directory ``path``; collective."""
+    """Write the model's (and the optimizer's) sharded state under directory ``path``; collective.
+
+    Raises:
+        OSError: ``path`` cannot be written (naming it and the cause); ValueError for any other failure of the save.
+    """
     _check(fsdp_model, optimizer)
     state: dict[str, Any] = _model_state(fsdp_model)
     if optimizer is not None:
@@ -57,18 +81,29 @@ def save_state(path: str | Path, fsdp_model: FSDP, optimizer: torch.optim.Optimi
             {**{k: v for k, v in g.items() if k != "params"}, "params": names}
             for g, names in zip(optimizer.param_groups, groups, strict=True)
         )
-    dcp.save(state, checkpoint_id=str(path))
+    with _naming_the_path("save_state could not write", path):
+        dcp.save(state, checkpoint_id=str(path))
 
 
 def load_state(path: str | Path, fsdp_model: FSDP, optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Restore what :func:`save_state` wrote into the same model (at any world size); collective."""
+    """Restore what :func:`save_state` wrote into the same model (at any world size); collective.
+
+    Raises:
+        OSError: ``path`` cannot be read (naming it and the cause); ValueError when what it holds does not fit.
+    """
     _check(fsdp_model, optimizer)
+    with _naming_the_path("load_state could not read", path):
+        _load(path, fsdp_model, optimizer)
+
+
+def _load(path: str | Path, fsdp_model: FSDP, optimizer: torch.optim.Optimizer | None) -> None:
+    # Read first, also without an optimizer: for a missing folder it is the one read that names the cause.
+    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     state: dict[str, Any] = _model_state(fsdp_model)  # loaded in place into the parameters
     padded: dict[str, torch.Tensor] = {}  # optimizer state shaped like a shard, at full padded size
     if optimizer is not None:
         sharded = fsdp_model.sharded_parameters()
         params = dict(fsdp_model.module.named_parameters())
-        metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         for fqn, meta in metadata.items():
             if not fqn.startswith("optim.") or fqn == "optim.groups":
                 continue
