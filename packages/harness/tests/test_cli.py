@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -430,15 +431,16 @@ def test_a_context_length_of_zero_is_refused_not_replaced_by_the_default(argv: l
         cli.main([*argv, "--context-length", "0"])
 
 
-def test_ddp_shows_a_bucket_size_only_for_the_variants_with_buckets(monkeypatch: pytest.MonkeyPatch,
+def test_ddp_shows_a_bucket_size_only_for_the_variants_with_buckets(tmp_path: Path,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     rows = [{"variant": v, "dtype": "fp32", "bucket_size_mb": 25.0, "step_ms": 1.0, "backend": "gloo"}
             for v in ("naive", "bucketed")]
-    monkeypatch.setattr(ddp_study, "run_ddp_bench", lambda *args, **kwargs: [dict(r) for r in rows])
-    assert cli.main(["ddp", "--backend", "gloo", "--variants", "naive,bucketed"]) == 0
-    table = [line.split() for line in capsys.readouterr().out.splitlines()]
-    assert table[0][:3] == ["dtype", "variant", "bucket_size_mb"]
-    assert table[2][:3] == ["fp32", "naive", "-"] and table[3][:3] == ["fp32", "bucketed", "25.00"]
+    assert [ddp_study.bucket_where_used(r)["bucket_size_mb"] for r in rows] == [None, 25.0]  # what a run writes
+    saved = tmp_path / "rows.jsonl"
+    saved.write_text("".join(json.dumps(r) + "\n" for r in rows))  # rows that kept it, as older runs did
+    assert cli.main(["ddp", "--markdown", str(saved)]) == 0
+    table = [[cell.strip() for cell in line.split("|")[1:4]] for line in capsys.readouterr().out.splitlines()]
+    assert table[2] == ["fp32", "naive", "-"] and table[3] == ["fp32", "bucketed", "25"]
 
 
 @pytest.mark.parametrize("argv", [["ddp", "--world-size", "3", "--global-batch", "3"], ["shard", "--world-size", "3",

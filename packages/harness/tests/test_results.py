@@ -72,3 +72,48 @@ def test_provenance_names_the_command_as_typed(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr("sys.argv", [str(results._REPO_ROOT / "packages/harness/src/cs336_harness/cli.py"),
                                      "leaderboard", "--proxy", "--out", str(results._REPO_ROOT / "rows.jsonl")])
     assert results.provenance()["command"] == "cs336 leaderboard --proxy --out rows.jsonl"
+
+
+def _rows_in(path: Path) -> list[dict]:
+    return results.read_rows(path) if path.exists() else []
+
+
+@pytest.mark.slow
+def test_shard_writes_each_runs_row_as_it_finishes_so_a_killed_run_keeps_them(tmp_path: Path) -> None:
+    """``cs336 shard --out`` over four variants, killed (its whole process group, ranks included) once the first
+    row is on disk: the file holds the finished runs' rows, each a whole JSON line, and not the unfinished ones."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "rows.jsonl"
+    run = subprocess.Popen([sys.executable, "-m", "cs336_harness.cli", "shard", "--compute-dtype", "fp32", "--variants",
+                            "ddp,zero1,fsdp,fsdp2", "--out", str(out), "--quiet"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not _rows_in(out) and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        os.killpg(run.pid, signal.SIGKILL)
+        run.wait()
+    lines = out.read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    assert 1 <= len(rows) < 4, [r["variant"] for r in rows]
+    assert [r["variant"] for r in rows] == ["ddp", "zero1", "fsdp"][: len(rows)]
+    assert all(r["step_ms"] > 0 and r["size"] == "tiny" and "shard" in r["command"] for r in rows)
+
+
+def test_row_writer_appends_whole_lines_with_the_provenance_taken_once(tmp_path: Path) -> None:
+    import pickle
+
+    writer = pickle.loads(pickle.dumps(results.RowWriter.to(tmp_path / "rows.jsonl")))  # as a spawned rank gets it
+    writer([{"a": 1}])
+    writer([{"a": 2}, {"a": 3}])
+    rows = results.read_rows(tmp_path / "rows.jsonl")
+    assert [r["a"] for r in rows] == [1, 2, 3]
+    assert len({r["date"] for r in rows}) == 1 and all(r["commit"] for r in rows)
+    assert results.RowWriter.to(None) is None

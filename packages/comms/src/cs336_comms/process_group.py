@@ -119,7 +119,15 @@ def device_for_rank(backend: str, local_rank: int, local_world_size: int = 1) ->
 
 def rank_and_world(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     """This process's rank in ``group`` (default: the world) and the group's size; ``(0, 1)`` when no process
-    group is initialised, so a wrapper built outside one runs as a single rank."""
+    group is initialised, so a wrapper built outside one runs as a single rank.
+
+    Raises:
+        TypeError: if ``group`` is neither None nor a ``torch.distributed.ProcessGroup`` (checked with or without an
+            initialised group, so a wrong value never passes silently as a single rank).
+    """
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None (the world), got "
+                        f"{type(group).__name__} {group!r}")
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1

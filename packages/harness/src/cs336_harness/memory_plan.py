@@ -303,7 +303,8 @@ def memory_plan(config: TrainConfig, device_bytes: int | None) -> MemoryPlan:
     """The :class:`MemoryPlan` of ``config`` on a device of ``device_bytes`` (None on CPU).
 
     Raises:
-        ValueError: for ``budget`` without a cap (``memory_cap_gib``, or a device to take the default from).
+        ValueError: for ``budget`` without a cap (``memory_cap_gib``, or a device to take the default from), or with
+            one below what the step holds besides the blocks' activations (:func:`reserved_bytes`).
     """
     par = config.parallelism
     if par.memory_cap_gib is not None:
@@ -317,7 +318,13 @@ def memory_plan(config: TrainConfig, device_bytes: int | None) -> MemoryPlan:
                              "memory)")
         # The policy decides the last block's backward, the peak whenever a block is kept; the first block's does
         # not depend on it.
-        policy = policy_for_budget(block, config.model.num_layers, cap - reserved_bytes(config),
+        reserved = reserved_bytes(config)
+        if cap <= reserved:
+            raise ValueError(f"the memory cap, {cap / GIB:.3g} GiB, must cover what the step holds besides the blocks' "
+                             f"activations ({reserved / GIB:.3g} GiB: this rank's weights and AdamW state, two blocks' "
+                             "gathered weights, the LM head's gradient buffers) and leave room for them; raise "
+                             "memory_cap_gib (--memory-cap-gib) above that")
+        policy = policy_for_budget(block, config.model.num_layers, cap - reserved,
                                    keep_attention=par.budget_keeps_attention)
     else:
         policy = parse_policy(par.checkpoint)

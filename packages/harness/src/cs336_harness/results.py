@@ -15,6 +15,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,15 +135,51 @@ def check_writable(path: str | Path) -> Path:
     return path
 
 
+def check_writable_dir(path: str | Path) -> Path:
+    """``path`` as a Path, once files can be made in it (made if missing), so a run fails before it starts rather
+    than when it writes there.
+
+    Raises:
+        ValueError: if the folder cannot be made or a file in it cannot be written, naming the folder.
+    """
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise ValueError(f"cannot write to the folder {str(path)!r}: {e.strerror or e}") from None
+    return path
+
+
 def append_rows(path: str | Path, rows: Iterable[dict[str, Any]], meta: dict[str, Any] | None = None) -> Path:
-    """Append each row, merged with ``meta`` (default: :func:`provenance`), as one JSON line."""
+    """Append each row, merged with ``meta`` (default: :func:`provenance`), as one JSON line; the lines are
+    written in one call and the file closed, so they are whole on disk when this returns."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = provenance() if meta is None else meta
+    lines = "".join(json.dumps({**row, **meta}) + "\n" for row in rows)
     with path.open("a") as f:
-        for row in rows:
-            f.write(json.dumps({**row, **meta}) + "\n")
+        f.write(lines)
     return path
+
+
+@dataclass(frozen=True)
+class RowWriter:
+    """Appends a study's rows to ``path`` as each of its runs finishes (:func:`append_rows`), so a run that fails
+    later keeps what was measured before it. Picklable, so a spawned rank writes too; the provenance is taken
+    once, where the writer is made (:meth:`to`)."""
+
+    path: Path
+    meta: dict[str, Any]
+
+    @classmethod
+    def to(cls, path: str | Path | None) -> RowWriter | None:
+        """A writer to ``path`` with this process's provenance; None without a path (nothing is written)."""
+        return None if path is None else cls(Path(path), provenance())
+
+    def __call__(self, rows: Iterable[dict[str, Any]]) -> None:
+        append_rows(self.path, rows, self.meta)
 
 
 def _numbered_rows(path: str | Path) -> list[tuple[int, dict[str, Any]]]:

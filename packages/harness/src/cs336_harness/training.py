@@ -188,10 +188,24 @@ class Training:
     optimizer: torch.optim.Optimizer
     finish_sync: Callable[[], None]  # after backward: every .grad the averaged local gradient
     plan: MemoryPlan
+    config: TrainConfig
 
     def forward_backward(self, token_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward, loss, backward and gradient sync (each ``.grad`` is then the averaged local shard gradient);
-        returns this rank's loss (not synchronised)."""
+        returns this rank's loss (not synchronised).
+
+        Raises:
+            ValueError: for a batch other than (at most ``batch_per_rank``, at most ``context_length``) token ids,
+                the sizes its memory plan and checkpointing were made for, or targets of another shape.
+        """
+        most = (self.config.batch_per_rank, self.config.model.context_length)
+        if token_ids.dim() != 2 or any(n > m for n, m in zip(token_ids.shape, most, strict=True)):
+            raise ValueError(f"token_ids must be (batch, seq) with at most {most[0]} sequences of at most {most[1]} "
+                             f"tokens (this rank's share of the config's batch, which its memory plan and "
+                             f"checkpointing were made for), got {tuple(token_ids.shape)}")
+        if targets.shape != token_ids.shape:
+            raise ValueError(f"targets must be shaped like token_ids {tuple(token_ids.shape)}, got "
+                             f"{tuple(targets.shape)}")
         loss = self.model(token_ids, targets)
         loss.backward()
         self.finish_sync()
@@ -255,12 +269,12 @@ def build_training(config: TrainConfig, device: torch.device) -> Training:
         fsdp = parallelize(model, checkpoint=plan.policy, saved=saved, compute_dtype=config.compute_dtype,
                            compile_blocks=par.compile_blocks)
         return Training(fsdp, config.optimizer.build(list(fsdp.parameters())), fsdp.finish_gradient_synchronization,
-                        plan)
+                        plan, config)
     apply_checkpointing(model, plan.policy, saved)
     if par.compile_blocks:
         apply_compile(model)
     model = fully_shard_blocks(model, device, par.world_size, config.compute_dtype)
-    return Training(model, config.optimizer.build(list(model.parameters())), lambda: None, plan)
+    return Training(model, config.optimizer.build(list(model.parameters())), lambda: None, plan, config)
 
 
 def make_batch(config: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:

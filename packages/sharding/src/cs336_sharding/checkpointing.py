@@ -112,13 +112,16 @@ class CheckpointPolicySpec:
         outputs), ``offloaded`` or ``kept``.
 
         Raises:
-            ValueError: for any other kind.
+            ValueError: for any other kind, or for more blocks named than ``num_blocks``.
         """
         tier = {"all": "checkpointed", "first": "checkpointed", "attention": "attention", "selective": "selective",
                 "offload": "offloaded", "none": "kept"}.get(self.kind)
         if tier is None:
             raise ValueError(f"per-block tiers cover none, all, first:N[+selective:M], attention[:N[+selective:M]], "
                              f"offload[:N[+selective:M]] and selective[:N], got {self}")
+        if (self.arg or 0) + self.selective > num_blocks:
+            raise ValueError(f"checkpoint policy {self} names {(self.arg or 0) + self.selective} blocks, but the "
+                             f"model has {num_blocks}")
         first = num_blocks if self.arg is None else min(self.arg, num_blocks)
         then = min(self.selective, num_blocks - first)
         return [tier] * first + ["selective"] * then + ["kept"] * (num_blocks - first - then)

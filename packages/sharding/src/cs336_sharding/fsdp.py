@@ -219,6 +219,10 @@ class FSDP(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        wrapped = next((f"its submodule {name!r}" if name else "the module itself" for name, m in module.named_modules()
+                        if isinstance(m, FSDP)), None)
+        if wrapped is not None:
+            raise TypeError(f"module is already sharded by FSDP ({wrapped}); wrap the plain model once")
         floating = isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point
         if compute_dtype is not None and not floating:
             raise TypeError(f"compute_dtype must be a floating torch.dtype or None, got {compute_dtype!r}")

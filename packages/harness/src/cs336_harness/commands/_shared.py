@@ -26,16 +26,21 @@ def attention_shape(text: str) -> tuple[int, int, int, int]:
 
 
 def csv_of(convert: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
-    """An argparse ``type`` for a non-empty comma-separated list, each item passed through ``convert``."""
+    """An argparse ``type`` for a non-empty comma-separated list, each item passed through ``convert``; an empty
+    item (``fp32,,bf16``) or one given twice (which would run and write the same rows twice) is an error."""
 
     def parse(text: str) -> tuple[Any, ...]:
+        expected = f"expected a comma-separated list of {convert.__name__} values"
+        parts = [v.strip() for v in text.split(",")]
         try:
-            items = tuple(convert(v.strip()) for v in text.split(",") if v.strip())
+            items = tuple(convert(v) for v in parts if v)
         except ValueError:
             items = ()
-        if not items:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {convert.__name__} values, "
-                                             f"got {text!r}")
+        if not items or not all(parts):
+            raise argparse.ArgumentTypeError(f"{expected}, got {text!r}" + ("" if all(parts) else " (an empty item)"))
+        twice = [v for i, v in enumerate(items) if v in items[:i]]
+        if twice:
+            raise argparse.ArgumentTypeError(f"{expected}, each once, got {text!r} ({twice[0]} twice)")
         return items
 
     return parse

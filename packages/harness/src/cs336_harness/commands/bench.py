@@ -21,7 +21,7 @@ from cs336_harness import registry, resources
 from cs336_harness.analysis.tables import format_table
 from cs336_harness.commands._shared import add_quiet_argument, csv_of
 from cs336_harness.device import DTYPES, GIB
-from cs336_harness.results import append_rows, check_writable
+from cs336_harness.results import RowWriter, check_writable, check_writable_dir
 from cs336_harness.studies import step_timing
 
 
@@ -95,9 +95,11 @@ def host_need(config: step_timing.BenchConfig) -> resources.HostMemoryNeed:
     return resources.HostMemoryNeed(f"{config.tag} (batch {config.batch_size})", peak)
 
 
-def _run_what_fits(configs: list[step_timing.BenchConfig], progress: bool) -> list[dict]:
+def _run_what_fits(configs: list[step_timing.BenchConfig], progress: bool,
+                   write: RowWriter | None) -> list[dict]:
     """Each config's row in order: CPU configs that cannot fit in host memory are not run, and their rows say
-    ``oom`` as a CUDA out-of-memory error would (with the estimate), each said on stderr."""
+    ``oom`` as a CUDA out-of-memory error would (with the estimate), each said on stderr. ``write`` gets those rows
+    first, then each row run as it finishes."""
     available = resources.available_host_bytes()
     refused = {}
     for i, config in enumerate(configs):
@@ -107,8 +109,10 @@ def _run_what_fits(configs: list[step_timing.BenchConfig], progress: bool) -> li
             print(f"cs336 bench: not run (its row says oom): {reason}", file=sys.stderr)
             refused[i] = {**step_timing.config_fields(config), "status": "oom",
                           "host_need_gib": need.total_bytes / GIB, "host_available_gib": available / GIB}
+    if refused and write:
+        write(list(refused.values()))
     runnable = [c for i, c in enumerate(configs) if i not in refused]
-    ran = iter(step_timing.run_configs(runnable, progress=progress) if runnable else [])
+    ran = iter(step_timing.run_configs(runnable, progress=progress, write=write) if runnable else [])
     return [refused[i] if i in refused else next(ran) for i in range(len(configs))]
 
 
@@ -117,9 +121,12 @@ def run(args: argparse.Namespace) -> int:
         configs = configs_from_args(args)
         if args.out:
             check_writable(args.out)
+        for folder in (args.profile, args.memory):
+            if folder:
+                check_writable_dir(folder)
     except ValueError as e:
         raise SystemExit(f"cs336 bench: {e}") from None
-    rows = _run_what_fits(configs, progress=not args.quiet)
+    rows = _run_what_fits(configs, progress=not args.quiet, write=RowWriter.to(args.out))
     print(format_table(rows, step_timing.table_columns(rows), floatfmt=".2f"))
     for row in rows:
         for key in ("profile", "memory"):
@@ -132,6 +139,4 @@ def run(args: argparse.Namespace) -> int:
             best = min(ok, key=lambda r: (max(r["peak_forward_gib"], r["peak_backward_gib"]), r["step_ms_median"]))
             peak = max(best["peak_forward_gib"], best["peak_backward_gib"])
             print(f"lowest forward/backward peak: checkpoint {best['checkpoint']} at {peak:.2f} GiB")
-    if args.out:
-        append_rows(args.out, rows)
     return 0

@@ -29,7 +29,7 @@ from cs336_harness.commands._shared import (
     markdown_requested,
     print_markdown,
 )
-from cs336_harness.results import RowKind, append_rows, check_writable
+from cs336_harness.results import RowKind, RowWriter, check_writable
 from cs336_harness.studies.collectives import CollectivesConfig, collectives_markdown, run_collectives_study
 
 ROWS = RowKind("collectives", "op",
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"cs336 collectives: {e}") from None
     try:
-        rows = run_collectives_study(config, progress=not args.quiet)
+        rows = run_collectives_study(config, progress=not args.quiet, write=RowWriter.to(args.out))
     except RankDiedError as e:
         raise SystemExit(f"cs336 collectives: {e}; the run asked for float32 tensors of up to "
                          f"{max(config.sizes_mb):g} MiB on up to {max(config.world_sizes)} ranks") from None
@@ -108,6 +108,4 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(rows, ["op", "backend", "world_size", "size_mb", "time_ms", "algbw_gbps", "busbw_gbps"]))
     if args.plot:
         print(f"plot: {plot_collectives(rows, args.plot)}")
-    if args.out:
-        append_rows(args.out, rows)
     return 0

@@ -28,16 +28,10 @@ from cs336_harness.commands._shared import (
     print_measured_table,
 )
 from cs336_harness.device import DTYPES
-from cs336_harness.results import RowKind, append_rows, check_writable
+from cs336_harness.results import RowKind, RowWriter, check_writable, check_writable_dir
 from cs336_harness.studies import ddp as ddp_study
 
 ROWS = RowKind("ddp", "variant", {v: ("dtype", "step_ms") for v in ddp_study.VARIANTS})
-# The variants that group gradients into buckets; the others ignore --bucket-size-mb.
-_BUCKETED = ("bucketed", "torch_ddp")
-
-
-def _bucket_where_used(row: dict) -> dict:
-    return row if row["variant"] in _BUCKETED else {**row, "bucket_size_mb": None}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,7 +60,7 @@ def host_need(config: ddp_study.DDPBenchConfig) -> resources.HostMemoryNeed:
 def run(args: argparse.Namespace) -> int:
     if markdown_requested(args):
         return print_markdown(args, ROWS, lambda rows: {"ddp": ddp_study.ddp_markdown(
-            [_bucket_where_used(r) for r in rows])})
+            [ddp_study.bucket_where_used(r) for r in rows])})
     try:
         config = ddp_study.DDPBenchConfig(
             **distributed_run_fields(args), bucket_size_mb=args.bucket_size_mb, trace_dir=args.trace_dir
@@ -78,23 +72,22 @@ def run(args: argparse.Namespace) -> int:
                    for dtype in (config.dtypes if args.figure_dir else ())}
         for path in [*figures.values(), *([args.out] if args.out else [])]:
             check_writable(path)
+        if args.trace_dir:
+            check_writable_dir(args.trace_dir)
     except ValueError as e:
         raise SystemExit(f"cs336 ddp: {e}") from None
     with tempfile.TemporaryDirectory() as tmp:
         trace_dir = config.trace_dir or tmp
         config = dataclasses.replace(config, trace_dir=trace_dir)
         try:
-            rows = ddp_study.run_ddp_bench(config, progress=not args.quiet)
+            rows = ddp_study.run_ddp_bench(config, progress=not args.quiet, write=RowWriter.to(args.out))
         except RankDiedError as e:
             raise SystemExit(f"cs336 ddp: {e}; the run asked for {config.describe()}") from None
         if not rows:  # a torchrun rank other than 0
             return 0
-        rows = [_bucket_where_used(r) for r in rows]
         print_measured_table(rows, ddp_study.PRINTED_COLUMNS, floatfmt=".2f",
                              cuda_only="there are no NCCL kernels to time and no CUDA allocator to ask for peaks")
         for dtype, path in figures.items():
             ddp_study.timeline_figure_from_rows(rows, trace_dir, dtype, path)
             print(f"timeline: {path}")
-    if args.out:
-        append_rows(args.out, [{k: v for k, v in r.items() if k != "trace_dir"} for r in rows])
     return 0

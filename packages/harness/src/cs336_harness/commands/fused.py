@@ -21,7 +21,7 @@ from cs336_harness.commands._shared import (
     markdown_requested,
     print_markdown,
 )
-from cs336_harness.results import RowKind, append_rows, check_writable
+from cs336_harness.results import RowKind, RowWriter, check_writable
 from cs336_harness.studies.fused import BENCHES, FusedBenchConfig, fused_markdown, run_fused_bench
 
 # What fused_markdown reads of each benchmark's rows.
@@ -71,11 +71,9 @@ def run(args: argparse.Namespace) -> int:
             check_writable(args.out)
     except ValueError as e:
         raise SystemExit(f"cs336 fused: {e}") from None
-    rows = run_fused_bench(config, progress=not args.quiet)
+    rows = run_fused_bench(config, progress=not args.quiet, write=RowWriter.to(args.out))
     for bench in dict.fromkeys(r["bench"] for r in rows):
         picked = [r for r in rows if r["bench"] == bench]
         columns = list(dict.fromkeys(c for r in picked for c in r if c != "bench"))
         print(format_table(picked, columns, floatfmt=".3f"))
-    if args.out:
-        append_rows(args.out, rows)
     return 0

@@ -27,7 +27,7 @@ from cs336_harness.commands._shared import (
     print_measured_table,
 )
 from cs336_harness.device import DTYPES
-from cs336_harness.results import RowKind, append_rows, check_writable
+from cs336_harness.results import RowKind, RowWriter, check_writable, check_writable_dir
 from cs336_harness.studies import shard as shard_study
 
 ROWS = RowKind("shard", "variant", {v: ("dtype", "step_ms") for v in shard_study.VARIANTS})
@@ -83,12 +83,15 @@ def run(args: argparse.Namespace) -> int:
         for path in (args.out, args.figure):
             if path:
                 check_writable(path)
+        if args.trace_dir:
+            check_writable_dir(args.trace_dir)
     except ValueError as e:
         raise SystemExit(f"cs336 shard: {e}") from None
     with tempfile.TemporaryDirectory() as tmp:
         trace_dir = args.trace_dir or tmp
         try:
-            rows = shard_study.run_shard_bench(config, trace_dir, progress=not args.quiet)
+            rows = shard_study.run_shard_bench(config, trace_dir, progress=not args.quiet,
+                                               write=RowWriter.to(args.out))
         except RankDiedError as e:
             raise SystemExit(f"cs336 shard: {e}; the run asked for {config.describe()}") from None
         if not rows:  # a torchrun rank other than 0
@@ -102,6 +105,4 @@ def run(args: argparse.Namespace) -> int:
         if args.figure and "fsdp" in config.variants:
             path = shard_study.fsdp_timeline_from_rows(rows, trace_dir, config.dtypes[-1], args.figure)
             print(f"timeline: {path}")
-    if args.out:
-        append_rows(args.out, rows)
     return 0

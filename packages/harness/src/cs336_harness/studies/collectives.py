@@ -6,7 +6,7 @@ torchrun's); its rows carry time, algorithm and bus bandwidth per op and size.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,16 +41,21 @@ class CollectivesConfig:
             check_backend(backend, max(self.world_sizes))
 
 
-def run_collectives_study(config: CollectivesConfig, progress: bool = False) -> list[dict[str, Any]]:
+def run_collectives_study(config: CollectivesConfig, progress: bool = False,
+                          write: Callable[[list[dict[str, Any]]], Any] | None = None) -> list[dict[str, Any]]:
     """Every (backend, world size) of ``config``; [] on a torchrun rank other than 0. With ``progress``, a bar on
-    stderr counts the (backend, world size) runs (each spawns its ranks once and times every op and size)."""
+    stderr counts the (backend, world size) runs (each spawns its ranks once and times every op and size);
+    ``write`` (e.g. a :class:`~cs336_harness.results.RowWriter`) gets each run's rows as it finishes."""
     sizes_bytes = [int(mb * 2**20) for mb in config.sizes_mb]
     runs = [(backend, ws) for backend in config.backends for ws in config.world_sizes]
     bar = progress_bar(total=len(runs), desc="collectives", enabled=progress, unit="run")
     rows = []
     for backend, ws in runs:
         bar.set_postfix_str(f"{backend}, {ws} ranks: {len(config.ops)} ops x {len(sizes_bytes)} sizes")
-        rows += run_collectives(ws, backend, sizes_bytes, config.ops, config.warmup, config.iters)
+        run_rows = run_collectives(ws, backend, sizes_bytes, config.ops, config.warmup, config.iters)
+        if run_rows and write:
+            write(run_rows)
+        rows += run_rows
         bar.update()
     bar.close()
     return rows

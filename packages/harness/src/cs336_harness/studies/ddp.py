@@ -261,51 +261,68 @@ def _params_in_sync(model: nn.Module) -> bool:
     return bool(torch.equal(lo, hi))
 
 
-def _rank_main(rank: int, world_size: int, config: DDPBenchConfig, trace_dir: str,
-               progress: bool) -> list[dict[str, Any]]:
+# The variants that group gradients into buckets; the others ignore bucket_size_mb.
+BUCKETED: tuple[str, ...] = ("bucketed", "torch_ddp")
+
+
+def bucket_where_used(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` with ``bucket_size_mb`` None for a variant that has no buckets."""
+    return row if row["variant"] in BUCKETED else {**row, "bucket_size_mb": None}
+
+
+def _finish(row: dict[str, Any], timed: Sequence[dict[str, Any]], config: DDPBenchConfig,
+            trace_dir: Path) -> dict[str, Any]:
+    """Rank 0's row of one (dtype, variant) with its trace's metrics, what follows from them and from the ``nocomm``
+    step of its dtype (among ``timed``, every run's timing), and the config's fields."""
+    row.update(trace.comm_overlap(trace.load_trace(trace_dir / row["trace"])))
+    base = next((r["step_ms"] for r in timed if r["variant"] == "nocomm" and r["dtype"] == row["dtype"]), None)
+    row["overhead_ms"] = None if base is None else row["step_ms"] - base
+    row["exposed_share"] = None if row["exposed_comm_ms"] is None else row["exposed_comm_ms"] / row["step_ms"]
+    for tail in ("sync_tail", "comm_tail"):
+        row[f"{tail}_share"] = None if row[f"{tail}_ms"] is None else row[f"{tail}_ms"] / row["step_ms"]
+    row.update({k: v for k, v in asdict(config).items() if k not in ("dtypes", "variants", "trace_dir")},
+               backend=config.resolved_backend)
+    return bucket_where_used(row)
+
+
+def _rank_main(rank: int, world_size: int, config: DDPBenchConfig, trace_dir: str, progress: bool,
+               write: Callable[[list[dict[str, Any]]], Any] | None) -> list[dict[str, Any]]:
     device = current_device()
     runs = [(dtype, variant) for dtype in config.dtypes for variant in config.variants]
     bar = progress_bar(total=2 * len(runs), desc="ddp", enabled=progress and rank == 0, unit="run")
     # Every variant is timed before any is profiled: a profiled run slows the next variant timed in the same
     # process.
-    rows = []
+    timed, rows = [], []
     for dtype, variant in runs:
         bar.set_postfix_str(f"timing {dtype} {variant}")
-        rows.append(_time_variant(config, variant, dtype, rank, device))
+        timed.append(_time_variant(config, variant, dtype, rank, device))
         bar.update()
-    for row in rows:
+    for row in timed:
         bar.set_postfix_str(f"profiling {row['dtype']} {row['variant']}")
         row["trace"] = f"{row['dtype']}_{row['variant']}.json"
         _trace_variant(config, row["variant"], row["dtype"], rank, device, Path(trace_dir) / row["trace"])
+        if rank == 0:  # a run is finished once profiled: its row is complete, and written at once
+            rows.append(_finish(dict(row), timed, config, Path(trace_dir)))
+            if write:
+                write(rows[-1:])
         bar.update()
     bar.close()
     return rows
 
 
-def run_ddp_bench(config: DDPBenchConfig, progress: bool = False) -> list[dict[str, Any]]:
+def run_ddp_bench(config: DDPBenchConfig, progress: bool = False,
+                  write: Callable[[list[dict[str, Any]]], Any] | None = None) -> list[dict[str, Any]]:
     """Benchmark every (dtype, variant) of ``config``; rows carry the config and the trace metrics.
 
     Under torchrun only rank 0 returns rows (the others return []). Traces stay in ``config.trace_dir``
     when it is given. With ``progress``, rank 0 shows a bar on stderr: timed and profiled runs done, and which.
+    ``write`` (a picklable callable, e.g. a :class:`~cs336_harness.results.RowWriter`) gets each run's row on
+    rank 0 as soon as the run finishes.
     """
     with trace_folder(config.trace_dir) as trace_dir:
-        rows = run_ranks(_rank_main, config.world_size, config, str(trace_dir), progress,
+        rows = run_ranks(_rank_main, config.world_size, config, str(trace_dir), progress, write,
                          backend=config.resolved_backend, timeout_s=600)
-        if rows is None:  # a torchrun rank other than 0
-            return []
-        for row in rows:
-            row.update(trace.comm_overlap(trace.load_trace(trace_dir / row["trace"])))
-    nocomm = {r["dtype"]: r["step_ms"] for r in rows if r["variant"] == "nocomm"}
-    fields = {k: v for k, v in asdict(config).items() if k not in ("dtypes", "variants", "trace_dir")}
-    fields["backend"] = config.resolved_backend
-    for row in rows:
-        base = nocomm.get(row["dtype"])
-        row["overhead_ms"] = None if base is None else row["step_ms"] - base
-        row["exposed_share"] = None if row["exposed_comm_ms"] is None else row["exposed_comm_ms"] / row["step_ms"]
-        for tail in ("sync_tail", "comm_tail"):
-            row[f"{tail}_share"] = None if row[f"{tail}_ms"] is None else row[f"{tail}_ms"] / row["step_ms"]
-        row.update(fields)
-    return rows
+    return rows or []
 
 
 DDP_COLUMNS = ("dtype", "variant", "bucket_size_mb", "step_ms", "step_max_ms", "overhead_ms", "comm_ms",

@@ -214,8 +214,20 @@ def _bench_one(variant: str, dtype: str, config: ShardBenchConfig, rank: int, de
     return row
 
 
-def _rank_main(rank: int, world_size: int, config: ShardBenchConfig, trace_dir: str,
-               progress: bool) -> list[dict[str, Any]]:
+def _finish(row: dict[str, Any], config: ShardBenchConfig, traces: Path) -> dict[str, Any]:
+    """Rank 0's row of one run with its trace's metrics and the config's fields."""
+    if "trace" in row:
+        events = trace.load_trace(traces / row["trace"])
+        row.update(trace.comm_overlap(events))
+        if row["variant"] == "fsdp":
+            row.update(trace.gather_summary(events))
+    row.update({k: v for k, v in asdict(config).items() if k not in ("dtypes", "variants")},
+               backend=config.resolved_backend, attention="sdpa", optimizer="torch AdamW (fused)")
+    return row
+
+
+def _rank_main(rank: int, world_size: int, config: ShardBenchConfig, trace_dir: str, progress: bool,
+               write: Callable[[list[dict[str, Any]]], Any] | None) -> list[dict[str, Any]]:
     device = current_device()
     runs = [(dtype, variant) for dtype in config.dtypes for variant in config.variants]
     bar = progress_bar(total=len(runs), desc="shard", enabled=progress and rank == 0, unit="run")
@@ -227,35 +239,29 @@ def _rank_main(rank: int, world_size: int, config: ShardBenchConfig, trace_dir: 
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        rows.append(_bench_one(variant, dtype, config, rank, device, Path(trace_dir) / f"shard_{dtype}_{variant}.json"))
+        row = _bench_one(variant, dtype, config, rank, device, Path(trace_dir) / f"shard_{dtype}_{variant}.json")
+        if rank == 0:
+            rows.append(_finish(row, config, Path(trace_dir)))
+            if write:
+                write(rows[-1:])
         bar.update()
     bar.close()
     return rows
 
 
-def run_shard_bench(config: ShardBenchConfig, trace_dir: str | Path | None = None,
-                    progress: bool = False) -> list[dict[str, Any]]:
+def run_shard_bench(config: ShardBenchConfig, trace_dir: str | Path | None = None, progress: bool = False,
+                    write: Callable[[list[dict[str, Any]]], Any] | None = None) -> list[dict[str, Any]]:
     """Benchmark every (dtype, variant) of ``config``; rows carry the config and the trace metrics.
 
     Under torchrun only rank 0 returns rows (the others return []). Traces are kept in ``trace_dir``
     when it is given. With ``progress``, rank 0 shows a bar on stderr: runs done, and which is running.
+    ``write`` (a picklable callable, e.g. a :class:`~cs336_harness.results.RowWriter`) gets each run's row on
+    rank 0 as soon as the run finishes.
     """
     with trace_folder(trace_dir) as traces:
-        rows = run_ranks(_rank_main, config.world_size, config, str(traces), progress,
+        rows = run_ranks(_rank_main, config.world_size, config, str(traces), progress, write,
                          backend=config.resolved_backend, timeout_s=600)
-        if rows is None:  # a torchrun rank other than 0
-            return []
-        for row in rows:
-            if "trace" in row:
-                events = trace.load_trace(traces / row["trace"])
-                row.update(trace.comm_overlap(events))
-                if row["variant"] == "fsdp":
-                    row.update(trace.gather_summary(events))
-    fields = {k: v for k, v in asdict(config).items() if k not in ("dtypes", "variants")}
-    fields.update(backend=config.resolved_backend, attention="sdpa", optimizer="torch AdamW (fused)")
-    for row in rows:
-        row.update(fields)
-    return rows
+    return rows or []
 
 
 def fsdp_timeline_from_rows(rows: Sequence[dict[str, Any]], trace_dir: str | Path, dtype: str,

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from cs336_basics.config import DEFAULT_CONTEXT_LENGTH, DEFAULT_VOCAB_SIZE, PRESETS, ModelConfig
 from cs336_basics.model import BasicsTransformerLM
-from cs336_sharding.checkpointing import GROUP_SWEEP, apply_checkpointing, parse_policy
+from cs336_sharding.checkpointing import GROUP_SWEEP, apply_checkpointing, plan_segments
 
 from cs336_harness import instrument, registry
 from cs336_harness.analysis import figures, memory, trace
@@ -92,7 +92,7 @@ class BenchConfig:
                    "optimizer": registry.OPTIMIZERS, "loss": registry.LOSSES}
         for name, allowed in choices.items():
             registry.check_name(name, getattr(self, name), allowed)
-        parse_policy(self.checkpoint)
+        plan_segments(self.dims["num_layers"], self.checkpoint)  # the policy, and the blocks it names exist
         check_device(self.device)
         triton_in_step = [name for name, used in (("--attention triton", self.attention == "triton"),
                                                   ("--loss fused", self.loss == "fused")) if used]
@@ -299,15 +299,19 @@ def run_one(config: BenchConfig, on_step: Callable[[], None] | None = None) -> d
     return row
 
 
-def run_configs(configs: Sequence[BenchConfig], progress: bool = False) -> list[dict[str, Any]]:
+def run_configs(configs: Sequence[BenchConfig], progress: bool = False,
+                write: Callable[[list[dict[str, Any]]], Any] | None = None) -> list[dict[str, Any]]:
     """Run each config in turn; OOM configs give ``status == 'oom'`` rows. With ``progress``, a bar on stderr
-    counts the steps of all configs (warm-up included) and names the config running."""
+    counts the steps of all configs (warm-up included) and names the config running; ``write`` (e.g. a
+    :class:`~cs336_harness.results.RowWriter`) gets each config's row as soon as it has run."""
     bar = progress_bar(total=sum(c.warmup + c.steps for c in configs), desc="bench", enabled=progress,
                        unit="step")
     rows, done = [], 0
     for i, config in enumerate(configs):
         bar.set_postfix_str(f"config {i + 1}/{len(configs)}: {config.tag}")
         rows.append(run_one(config, bar.update))
+        if write:
+            write(rows[-1:])
         done += config.warmup + config.steps
         bar.update(done - bar.n)  # the steps an out-of-memory config did not run
     bar.close()

@@ -26,7 +26,7 @@ from typing import Any
 
 from cs336_basics.config import PRESETS, ModelConfig
 from cs336_comms.process_group import default_backend
-from cs336_sharding.checkpointing import parse_policy
+from cs336_sharding.checkpointing import plan_segments
 
 from cs336_harness import registry
 from cs336_harness.memory_plan import LEADERBOARD_MODEL, LEADERBOARD_WORLD_SIZE
@@ -100,7 +100,7 @@ class LeaderboardConfig:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.checkpoint != registry.BUDGET:
-            parse_policy(self.checkpoint)
+            plan_segments(self.model_config.num_layers, self.checkpoint)  # the policy, and the blocks it names exist
         if self.memory_cap_gib is not None and not self.memory_cap_gib > 0:
             raise ValueError(f"memory_cap_gib must be positive or None, got {self.memory_cap_gib!r}")
         if self.impl in RECIPES:

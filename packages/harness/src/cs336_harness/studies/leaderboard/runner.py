@@ -25,9 +25,10 @@ import torch
 import torch.distributed as dist
 from cs336_comms.process_group import current_device, run_ranks
 
-from cs336_harness import instrument
+from cs336_harness import instrument, registry
 from cs336_harness.analysis import kernel_kinds, trace
 from cs336_harness.device import GIB, mfu
+from cs336_harness.memory_plan import memory_plan
 from cs336_harness.progress import progress_bar
 from cs336_harness.studies.leaderboard.config import LeaderboardConfig
 from cs336_harness.studies.leaderboard.flops import step_flops
@@ -171,11 +172,15 @@ def check_runs_here(config: LeaderboardConfig) -> None:
     a GPU run on a machine without one (to see its memory plan).
 
     Raises:
-        ValueError: if ``config`` runs on nccl with more ranks than visible GPUs.
+        ValueError: if ``config`` runs on nccl with more ranks than visible GPUs, or its budget's memory cap cannot
+            hold the step (:func:`~cs336_harness.memory_plan.memory_plan`).
     """
     if config.resolved_backend == "nccl" and config.world_size > torch.cuda.device_count():
         raise ValueError(f"world_size {config.world_size} needs that many GPUs for nccl; "
                          f"{torch.cuda.device_count()} visible")
+    if config.checkpoint == registry.BUDGET:
+        nccl = config.resolved_backend == "nccl"
+        memory_plan(config.train_config, torch.cuda.get_device_properties(0).total_memory if nccl else None)
 
 
 def run_leaderboard(config: LeaderboardConfig, progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
