@@ -6,9 +6,10 @@ counts each shared page once over the processes that map it), sampled every 0.2 
     uv run python tools/rank_host_memory.py                               # ddp and collectives at 2 and 8 ranks
     uv run python tools/rank_host_memory.py -- ddp --world-size 4 --global-batch 4
 
-A rank's private memory is what each added rank costs; its share of the libraries it maps is not counted again.
-``cs336_harness.resources.RANK_BASE_BYTES`` must be at least the largest per-rank figure less what the run's
-tensors account for (tests/test_host_memory.py checks it against these rows).
+A rank's private memory is what each added rank costs at least; its PSS share adds its part of the shared libraries.
+The row also has what the command's own host-memory check counts for a rank's tensors (``rank_tensors_gib``):
+``cs336_harness.resources.RANK_BASE_BYTES`` must cover the larger per-rank figure less that, in every row
+(tests/test_host_memory.py checks it against these rows).
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ import sys
 import time
 from pathlib import Path
 
+from cs336_harness import cli, resources
+from cs336_harness.commands import collectives as collectives_command
+from cs336_harness.commands import ddp as ddp_command
+from cs336_harness.commands._shared import distributed_run_fields
 from cs336_harness.results import append_rows, provenance
+from cs336_harness.studies.collectives import CollectivesConfig
+from cs336_harness.studies.ddp import DDPBenchConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = [
@@ -58,6 +65,19 @@ def _is_rank(pid: int) -> bool:
         return False
 
 
+def tensor_bytes(argv: list[str]) -> float:
+    """What the command's own host-memory check counts for one rank besides :data:`RANK_BASE_BYTES` (its tensors)."""
+    args = cli.parse_args(argv)
+    if args.command == "ddp":
+        need = ddp_command.host_need(DDPBenchConfig(**distributed_run_fields(args)))
+    elif args.command == "collectives":
+        need = collectives_command.host_need(CollectivesConfig(("gloo",), args.world_sizes, args.sizes_mb, args.ops,
+                                                               args.warmup, args.iters))
+    else:
+        raise SystemExit(f"measures ddp and collectives runs, got {args.command!r}")
+    return need.rank_bytes - resources.RANK_BASE_BYTES
+
+
 def measure(argv: list[str]) -> dict:
     command = [sys.executable, "-m", "cs336_harness.cli", *argv]
     run = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -75,7 +95,7 @@ def measure(argv: list[str]) -> dict:
         raise SystemExit(f"{' '.join(argv)} failed: {stderr.strip().splitlines()[-1:]}")
     return {"what": "host memory of a command's spawned ranks, sampled every 0.2 s", "run": " ".join(argv),
             "ranks": ranks_seen, "rank_private_gib": rank_uss / 2**30, "ranks_pss_gib": ranks_pss / 2**30,
-            "cpu_count": os.cpu_count()}
+            "rank_tensors_gib": tensor_bytes(argv) / 2**30, "cpu_count": os.cpu_count()}
 
 
 def main() -> int:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from comms_spawn_checks import parent_pid, rank_one_killed, rank_one_stops
 from cs336_comms.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlappedDDP
 from cs336_comms.process_group import (
@@ -28,6 +29,14 @@ from cs336_comms.process_group import (
 def test_wrappers_reject_what_is_not_a_module(wrapper: type) -> None:
     with pytest.raises(TypeError, match="module must be a torch.nn.Module, got str"):
         wrapper("hello")
+
+
+@pytest.mark.parametrize("wrapper", [NaiveDDP, FlatDDP, OverlappedDDP, BucketedDDP])
+def test_wrappers_reject_a_group_that_is_not_one_without_a_process_group(wrapper: type) -> None:
+    """Without an initialised group a wrapper runs as one rank; a wrong value must not pass silently as that."""
+    with pytest.raises(TypeError, match=r"^process_group must be a torch.distributed.ProcessGroup or None \(the "
+                                        r"world\), got str 'world'$"):
+        wrapper(torch.nn.Linear(2, 2), process_group="world")
 
 
 def test_rank_death_messages() -> None:

@@ -491,3 +491,39 @@ def test_a_cpu_run_too_big_for_host_memory_is_refused_before_it_starts(
     else:
         with pytest.raises(SystemExit, match=re.escape(f"cs336 {argv[0]}: {what}")):
             cli.main(argv)
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["collectives", "--backends", "gloo,gloo"], "argument --backends: expected a comma-separated list of str values, "
+                                                 "each once, got 'gloo,gloo' (gloo twice)"),
+    (["bench", "--compute-dtype", "fp32,,bf16"], "argument --compute-dtype: expected a comma-separated list of str "
+                                                 "values, got 'fp32,,bf16' (an empty item)"),
+    (["ddp", "--variants", "naive,", "--backend", "gloo"], "(an empty item)"),
+])
+def test_an_empty_or_repeated_list_item_is_one_line(argv: list[str], said: str, no_run: None,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(argv)
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert error.startswith(f"cs336 {argv[0]}: error: ") and error.endswith(said), error
+
+
+@pytest.mark.parametrize("name", ["bench", "leaderboard"])
+def test_a_policy_naming_more_blocks_than_the_model_has_is_one_line(name: str, no_run: None) -> None:
+    with pytest.raises(SystemExit, match=f"^cs336 {name}: checkpoint policy first:99 names 99 blocks, but the model "
+                                         "has 2$"):
+        cli.main([name, "--checkpoint", "first:99"])
+
+
+def test_a_budget_cap_below_what_the_step_holds_names_the_cap_and_what_it_must_cover() -> None:
+    with pytest.raises(SystemExit, match=r"^cs336 leaderboard: the memory cap, 40 GiB, must cover what the step holds "
+                                         r"besides the blocks' activations \(48.9 GiB: this rank's weights and AdamW "
+                                         r"state, .*; raise memory_cap_gib \(--memory-cap-gib\) above that$"):
+        cli.main(["leaderboard", "--proxy", "--checkpoint", "budget", "--memory-cap-gib", "40", "--memory-plan"])
+
+
+@pytest.mark.parametrize("argv", [["ddp", "--backend", "gloo"], ["shard", "--backend", "gloo"]])
+def test_an_unwritable_trace_dir_fails_before_the_run(argv: list[str], no_run: None) -> None:
+    with pytest.raises(SystemExit, match=f"^cs336 {argv[0]}: cannot write to the folder '/proc/nope/traces': No such "
+                                         "file or directory$"):
+        cli.main([*argv, "--trace-dir", "/proc/nope/traces"])

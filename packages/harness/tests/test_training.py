@@ -74,3 +74,26 @@ def test_own_attention_and_optimizer_train_under_a_memory_budget() -> None:
 def test_config_rejects_bad_values(make, error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
         make()
+
+
+def test_a_step_on_a_batch_larger_than_the_configs_is_refused() -> None:
+    """The memory plan and checkpointing were sized for the config's batch: a larger one is an error, not a run."""
+    config = TrainConfig(dataclasses.replace(MODEL, context_length=16), global_batch=2)
+    training = build_training(config, torch.device("cpu"))
+    inputs, targets = make_batch(config)
+    assert training.step(inputs[:1], targets[:1]).isfinite()  # a smaller share fits what was planned
+    for ids in (torch.cat([inputs, inputs]), torch.cat([inputs, inputs], dim=1)):
+        with pytest.raises(ValueError, match=r"^token_ids must be \(batch, seq\) with at most 2 sequences of at most "
+                                             rf"16 tokens .*, got \({ids.shape[0]}, {ids.shape[1]}\)$"):
+            training.step(ids, ids)
+    with pytest.raises(ValueError, match=r"targets must be shaped like token_ids \(2, 16\), got \(2, 15\)"):
+        training.step(inputs, targets[:, :-1])
+
+
+def test_a_budget_cap_below_what_the_step_holds_names_the_cap_and_what_it_must_cover() -> None:
+    config = TrainConfig(MODEL, parallelism=Parallelism(checkpoint="budget", memory_cap_gib=1e-4))
+    with pytest.raises(ValueError, match=r"^the memory cap, 0.0001 GiB, must cover what the step holds besides the "
+                                         r"blocks' activations \(.* GiB: this rank's weights and AdamW state, .*\) "
+                                         r"and leave room for them; raise memory_cap_gib \(--memory-cap-gib\) above "
+                                         r"that$"):
+        memory_plan(config, None)

@@ -5,6 +5,7 @@ own saves what its policy keeps; the budget rule picks the policy that recompute
 from __future__ import annotations
 
 import copy
+import re
 import weakref
 
 import pytest
@@ -266,6 +267,14 @@ def test_segments_follow_the_policy() -> None:
 def test_bad_policies_are_rejected(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_policy(text)
+
+
+@pytest.mark.parametrize(("policy", "named"), [("first:99", 99), ("attention:6", 6), ("offload:3+selective:3", 6),
+                                              ("selective:9", 9)])
+def test_a_policy_naming_more_blocks_than_the_model_has_is_rejected(policy: str, named: int) -> None:
+    with pytest.raises(ValueError, match=rf"^checkpoint policy {re.escape(policy)} names {named} blocks, but the "
+                                         r"model has 5$"):
+        apply_checkpointing(_model(), policy)
 
 
 def test_double_application_and_non_modulelist_are_rejected() -> None:

@@ -174,6 +174,18 @@ def test_bad_arguments() -> None:
         FSDP(new_model("toy", seed=0), compute_dtype=torch.int32)
 
 
+def test_wrapping_twice_and_a_group_that_is_not_one_are_type_errors() -> None:
+    model = new_model("toy", seed=0)
+    with pytest.raises(TypeError, match=r"^module is already sharded by FSDP \(the module itself\); wrap the plain "
+                                        r"model once$"):
+        FSDP(FSDP(model))
+    with pytest.raises(TypeError, match=r"already sharded by FSDP \(its submodule '0'\)"):
+        FSDP(torch.nn.Sequential(FSDP(new_model("toy", seed=1))))
+    with pytest.raises(TypeError, match=r"^process_group must be a torch.distributed.ProcessGroup or None \(the "
+                                        r"world\), got str 'world'$"):
+        FSDP(new_model("toy", seed=0), process_group="world")  # type: ignore[arg-type]
+
+
 def test_wrapper_is_freed_after_use() -> None:
     fsdp = FSDP(new_model("toy", seed=0))
     loss_of(fsdp, *batches(1)[0][0]).backward()
