@@ -527,3 +527,18 @@ def test_an_unwritable_trace_dir_fails_before_the_run(argv: list[str], no_run: N
     with pytest.raises(SystemExit, match=f"^cs336 {argv[0]}: cannot write to the folder '/proc/nope/traces': No such "
                                          "file or directory$"):
         cli.main([*argv, "--trace-dir", "/proc/nope/traces"])
+
+
+@pytest.mark.parametrize("argv", [["ddp", "--world-size", "64", "--global-batch", "64"],
+                                  ["shard", "--world-size", "64", "--global-batch", "64"],
+                                  ["leaderboard", "--world-size", "64", "--global-batch", "64"],
+                                  ["collectives", "--world-sizes", "2,64", "--backends", "gloo"]])
+def test_every_multi_rank_command_refuses_more_ranks_than_host_memory_holds(argv: list[str], no_run: None,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """64 gloo ranks on a 24 GiB machine (what ran one out of memory): each rank's own memory is the measured
+    ``RANK_BASE_BYTES`` (tests/test_host_memory.py), so at most 24 GiB / (that + its tensors) ranks fit."""
+    monkeypatch.setattr(resources, "available_host_bytes", lambda: 24 * 2**30)
+    with pytest.raises(SystemExit, match=rf"^cs336 {argv[0]}: .* on (up to )?64 ranks .*needs at least .* GiB of "
+                                         r"host memory \(64 ranks of .*\), and 24 GiB is available: at most "
+                                         r"(3\d|4[0-3]) of these ranks fit$"):
+        cli.main(argv)
