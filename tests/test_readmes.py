@@ -10,7 +10,8 @@ example must say how it is checked): ``cpu`` runs it on this machine (``uv run X
 is a pytest run of this repo's tests (its paths and markers are checked; CI and the GPU calls run the suites);
 ``ci`` is a line that ``.ci/run`` runs; ``gpu-call`` is one of the lent machine's scripts (``tools/gpu*.sh``: it
 must exist and parse, and the command it wraps must parse); ``nsys`` is a Nsight command (our GPU machine has no
-working nsys: the cs336 command it profiles must parse).
+working nsys: the cs336 command it profiles must parse); ``experiment`` re-runs a patch of ``experiments/`` (the patch
+must apply on the commit named, and the script run must be one the patches create).
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ COMMANDS: dict[str, str] = {
     "bash tools/gpu.sh python3 -m pytest -m gpu packages/sharding": "gpu-call",
     "bash tools/gpu.sh python3 -m cs336_harness.cli bench --size xl": "gpu-call",
     "bash tools/gpu.sh python3 -m pytest -m gpu": "gpu-call",
+    "git switch --detach 7b59342 && git apply experiments/s11a_attention_pieces.patch": "experiment",
+    "bash tools/gpu.sh python3 scratch/attn_probe.py": "experiment",
 }
 
 
@@ -271,3 +274,20 @@ def test_nsys_line_profiles_a_command_that_parses(block: Block, command: str) ->
         cli.parse_args(words[words.index("cs336") + 1 :])
     else:
         assert words[1] == "stats" and words[-1] == "bench_small.nsys-rep"
+
+
+@pytest.mark.parametrize(("block", "command"), _params("experiment"))
+def test_experiment_line_applies_its_patch_or_runs_a_script_a_patch_makes(block: Block, command: str,
+                                                                           tmp_path: Path) -> None:
+    words = shlex.split(command)
+    if words[0] == "git":
+        commit, patch = words[3], words[-1]
+        index = {**os.environ, "GIT_INDEX_FILE": str(tmp_path / "index")}
+        subprocess.run(["git", "read-tree", commit], cwd=ROOT, env=index, check=True, capture_output=True)
+        applied = subprocess.run(["git", "apply", "--cached", "--check", patch], cwd=ROOT, env=index,
+                                 capture_output=True, text=True)
+        assert applied.returncode == 0, f"{patch} does not apply on {commit}: {applied.stderr}"
+    else:
+        script = words[-1]
+        assert words[:3] == ["bash", "tools/gpu.sh", "python3"] and script.startswith("scratch/")
+        assert any(f"+++ b/{script}\n" in p.read_text() for p in (ROOT / "experiments").glob("*.patch")), script
