@@ -27,10 +27,11 @@ def test_a_run_that_fits_has_no_shortfall_and_one_that_does_not_says_why() -> No
 
 
 def test_spawned_ranks_each_count_their_own_process_and_the_message_says_how_many_fit() -> None:
-    need = resources.HostMemoryNeed("a run on 8 ranks", {"tensors": 0.75 * GIB}, ranks=8, spawned=True)
+    need = resources.HostMemoryNeed("a run on 8 ranks", {"tensors": GIB - resources.RANK_BASE_BYTES}, ranks=8,
+                                    spawned=True)
     assert need.total_bytes == 8 * GIB
     assert need.shortfall(available=3 * GIB) == (
-        "a run on 8 ranks needs at least 8 GiB of host memory (8 ranks of 1 GiB: the process 0.25, tensors 0.75), "
+        "a run on 8 ranks needs at least 8 GiB of host memory (8 ranks of 1 GiB: the process 0.55, tensors 0.45), "
         "and 3 GiB is available: at most 3 of these ranks fit")
     assert need.shortfall(available=1.5 * GIB).endswith(": one of these ranks fits")
 

@@ -85,28 +85,62 @@ _BF16 = torch.bfloat16
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize(("caller", "call"), [
-    ("flash_attention", lambda: cs336_kernels.flash_attention(*(torch.randn(1, 2, 64, 32, dtype=_BF16)
-                                                                for _ in range(3)), is_causal=True)),
-    ("flash_attention", lambda: cs336_kernels.FlashAttentionTriton.apply(*(torch.randn(1, 2, 64, 32, dtype=_BF16)
-                                                                          for _ in range(3)), True)),
-    ("FusedAdamW", lambda: cs336_kernels.FusedAdamW([torch.randn(4, dtype=_BF16)])),
-    ("fused_linear_cross_entropy", lambda: cs336_kernels.fused_linear_cross_entropy(
-        torch.randn(3, 16, dtype=_BF16), torch.randn(5, 16, dtype=_BF16), torch.zeros(3, dtype=torch.long))),
-    ("rms_norm", lambda: cs336_kernels.rms_norm(torch.randn(3, 16, dtype=_BF16), torch.ones(16, dtype=_BF16))),
-    ("add_rms_norm", lambda: cs336_kernels.add_rms_norm(*(torch.randn(3, 16, dtype=_BF16) for _ in range(2)),
-                                                        torch.ones(16, dtype=_BF16))),
-    ("rope", lambda: cs336_kernels.rope(*(torch.randn(1, 3, 2, 16, dtype=_BF16) for _ in range(2)),
-                                        *(torch.randn(8, 8) for _ in range(2)), torch.arange(3))),
-    ("silu_mul", lambda: cs336_kernels.silu_mul(*(torch.randn(3, 16, dtype=_BF16) for _ in range(2)))),
+@pytest.mark.parametrize(("caller", "wrong", "call"), [
+    ("flash_attention", "it multiplies bf16 matrices as raw bits",
+     lambda: cs336_kernels.flash_attention(*(torch.randn(1, 2, 64, 32, dtype=_BF16) for _ in range(3)), True)),
+    ("flash_attention", "it multiplies bf16 matrices as raw bits",
+     lambda: cs336_kernels.FlashAttentionTriton.apply(*(torch.randn(1, 2, 64, 32, dtype=_BF16) for _ in range(3)))),
+    ("FusedAdamW", "it truncates the updated bf16 parameters where a GPU rounds to nearest, so every step would shrink "
+     "them toward zero", lambda: cs336_kernels.FusedAdamW([torch.randn(4, dtype=_BF16)])),
 ])
-def test_every_op_refuses_bf16_in_the_interpreter_in_one_sentence(caller, call):
-    """The interpreter multiplies bf16 matrices as raw bits (attention off by 1e8) and truncates casts to bf16."""
+def test_what_the_interpreter_computes_wrongly_in_bf16_is_refused_in_one_sentence(caller, wrong, call):
+    """Attention's bf16 tl.dot in the interpreter is off by 1e8; AdamW's truncated updates shrink the parameters."""
     with pytest.raises(ValueError) as error:
         call()
-    assert str(error.value) == (
-        f"{caller} got bfloat16 tensors on CPU, which Triton's interpreter computes wrongly (it multiplies bf16 "
-        "matrices as raw bits and truncates casts to bf16); use float32 or float16 there, or a CUDA GPU.")
+    assert str(error.value) == (f"{caller} got bfloat16 tensors on CPU, which Triton's interpreter computes wrongly "
+                                f"({wrong}); use float32 or float16 there, or a CUDA GPU.")
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest elementwise |got - want| / |want| (``want`` float64, away from zero)."""
+    return ((got.double() - want).abs() / want.abs().clamp_min(1e-3)).max().item()
+
+
+# The bf16 roundings on the way to each output (the interpreter truncates each one, a GPU rounds it to nearest): the
+# norm's output; the residual sum, then the norm; RoPE's rotation; SwiGLU's sigmoid, a * sigmoid(a), then * b.
+_BF16_ROUNDINGS = {"rms_norm": 1, "add_rms_norm": 2, "rope": 1, "silu_mul": 3}
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm", "rope", "silu_mul", "fused_linear_cross_entropy"])
+def test_the_elementwise_kernels_are_right_in_bf16_in_the_interpreter(op):
+    """They take bf16 in the interpreter, whose casts truncate where a GPU rounds to nearest: each rounding within
+    bf16's eps (relative), against a float64 reference on the same bf16 inputs."""
+    g = torch.Generator().manual_seed(0)
+
+    def bf16(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(_BF16)
+
+    x, delta, w, a, b = bf16(5, 48), bf16(5, 48), bf16(48), bf16(5, 48), bf16(5, 48)
+    q, k, angles = bf16(1, 7, 2, 16), bf16(1, 7, 2, 16), torch.rand(7, 8, generator=g) * 6
+    hidden, weight, targets = bf16(9, 32), bf16(11, 32), torch.randint(0, 11, (9,), generator=g)
+    cases = {
+        "rms_norm": lambda f: [f(x, w)],
+        "add_rms_norm": lambda f: list(f(x, delta, w)),
+        "rope": lambda f: list(f(q, k, angles.cos(), angles.sin(), torch.arange(7))),
+        "silu_mul": lambda f: [f(a, b)],
+        "fused_linear_cross_entropy": lambda f: [f(hidden, weight, targets)],
+    }
+    ours = cases[op](getattr(cs336_kernels, op))
+    reference = {"fused_linear_cross_entropy": "linear_cross_entropy_reference"}.get(op, f"{op}_reference")
+    want = cases[op](lambda *t: getattr(cs336_kernels, reference)(
+        *(v.double() if v.is_floating_point() else v for v in t)))
+    for got, expected in zip(ours, want, strict=True):
+        if op == "fused_linear_cross_entropy":  # an fp32 loss of bf16 logits (torch's matmul): their tolerance
+            assert abs(got.item() - expected.item()) < 1e-2 * abs(expected.item())
+        else:
+            bound = (1 + torch.finfo(_BF16).eps) ** _BF16_ROUNDINGS[op] - 1  # each rounding within eps, relative
+            assert _relative_error(got, expected) <= bound, (op, _relative_error(got, expected), bound)
 
 
 # Each kernel on CPU tensors in a process that imported cs336_kernels without TRITON_INTERPRET=1, first with

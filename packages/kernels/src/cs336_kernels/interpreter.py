@@ -5,9 +5,9 @@ imported: with ``TRITON_INTERPRET=1`` every kernel runs in Triton's numpy interp
 (slow, for tests), otherwise it is compiled for a GPU. Setting the variable after the import changes
 nothing, so the mode is read once here and :func:`check_device` names the fix.
 
-The interpreter computes bf16 wrongly: numpy has no bfloat16, so it holds bf16 values as their raw 16 bits and its
-matrix products multiply those integers (attention outputs off by 1e8), and its casts to bf16 truncate instead of
-rounding to nearest. :func:`check_device` therefore refuses bf16 tensors there; fp32 and fp16 compute correctly.
+numpy has no bfloat16: the interpreter holds bf16 values as their raw 16 bits, multiplies those integers in a bf16
+``tl.dot`` (attention outputs off by 1e8), and truncates a cast to bf16 where a GPU rounds to nearest (one ulp).
+The elementwise kernels take bf16 there at that cost; :func:`check_bf16` refuses it where the result is wrong.
 """
 
 from __future__ import annotations
@@ -26,24 +26,17 @@ if INTERPRET:
                           "install cs336-kernels[cpu] (or numpy<2.4)") from error
 
 
-def check_device(device: torch.device, caller: str, dtype: torch.dtype) -> None:
-    """Raise ValueError unless the kernels can run on ``device`` in ``dtype`` in this process.
+def check_device(device: torch.device, caller: str) -> None:
+    """Raise ValueError unless the kernels can run on ``device`` in this process.
 
     Args:
         device: where the caller's tensors are.
         caller: what is asking, for the message (e.g. ``"flash_attention"``).
-        dtype: the dtype the kernels compute in (the caller's floating-point tensors).
     """
-    interpreted = INTERPRET and device.type == "cpu"
-    if device.type == "cuda" or (interpreted and dtype != torch.bfloat16):
+    if device.type == "cuda" or (INTERPRET and device.type == "cpu"):
         return
     if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
         return  # fake tensors run the operators' fake implementations, no kernel (e.g. counting a step's memory)
-    if interpreted:
-        raise ValueError(
-            f"{caller} got bfloat16 tensors on CPU, which Triton's interpreter computes wrongly (it multiplies bf16 "
-            "matrices as raw bits and truncates casts to bf16); use float32 or float16 there, or a CUDA GPU."
-        )
     late = " (it is set now, but was not when cs336_kernels was imported)" if (
         os.environ.get("TRITON_INTERPRET") == "1" and not INTERPRET
     ) else ""
@@ -51,3 +44,17 @@ def check_device(device: torch.device, caller: str, dtype: torch.dtype) -> None:
         f"{caller} runs Triton kernels on CUDA tensors, or on CPU tensors in Triton's interpreter; got "
         f"tensors on {device}. To run on CPU, set TRITON_INTERPRET=1 before importing cs336_kernels{late}."
     )
+
+
+def check_bf16(device: torch.device, dtype: torch.dtype, caller: str, wrong: str) -> None:
+    """Raise ValueError for bf16 tensors on CPU in the interpreter, which ``caller`` computes wrongly there.
+
+    Args:
+        device, dtype: the caller's tensors'.
+        caller: what is asking, for the message (e.g. ``"flash_attention"``).
+        wrong: what goes wrong, for the message (e.g. ``"it multiplies bf16 matrices as raw bits"``).
+    """
+    fake = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None  # no kernel runs
+    if INTERPRET and device.type == "cpu" and dtype == torch.bfloat16 and not fake:
+        raise ValueError(f"{caller} got bfloat16 tensors on CPU, which Triton's interpreter computes wrongly "
+                         f"({wrong}); use float32 or float16 there, or a CUDA GPU.")

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cs336_kernels.interpreter import check_device
+from cs336_kernels.interpreter import check_bf16, check_device
 from cs336_kernels.ops._common import device_context
 
 # Elements per loop iteration: 8 values per thread at 8 warps, two 16-byte fp32 loads per array. At 16 per thread
@@ -249,8 +249,11 @@ class FusedAdamW(torch.optim.Optimizer):
         devices = {p.device for p in group["params"]}
         if len(devices) > 1:
             raise ValueError(f"FusedAdamW needs every tensor of a parameter group on one device, got {devices}")
-        for device, dtype in {(p.device, p.dtype) for p in group["params"]}:
-            check_device(device, "FusedAdamW", dtype)
+        for device in devices:
+            check_device(device, "FusedAdamW")
+        for dtype in {p.dtype for p in group["params"]}:
+            check_bf16(next(iter(devices)), dtype, "FusedAdamW", "it truncates the updated bf16 parameters where a GPU "
+                       "rounds to nearest, so every step would shrink them toward zero")
         for p in group["params"]:
             if p.dtype not in _PARAM_DTYPES:
                 raise TypeError(

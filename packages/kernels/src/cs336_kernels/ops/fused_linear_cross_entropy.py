@@ -333,7 +333,7 @@ def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     if not hidden.device == weight.device == targets.device:
         raise ValueError(f"hidden, weight and targets must be on one device, got {hidden.device}, "
                          f"{weight.device}, {targets.device}")
-    check_device(hidden.device, "fused_linear_cross_entropy", hidden.dtype)
+    check_device(hidden.device, "fused_linear_cross_entropy")
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
 

@@ -382,7 +382,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.
         (..., d) contiguous, in x's dtype; its gradient for the weight comes back in the weight's dtype.
     """
     _check_inputs(x, weight, eps)
-    check_device(x.device, "rms_norm", x.dtype)
+    check_device(x.device, "rms_norm")
     return rms_norm_op(x, weight, float(eps))[0]
 
 
@@ -421,7 +421,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
         ``h = x + delta`` followed by :func:`rms_norm` (and their gradients as autograd sums them).
     """
     _check_add_inputs(x, delta, weight, eps)
-    check_device(x.device, "add_rms_norm", x.dtype)
+    check_device(x.device, "add_rms_norm")
     h, y, _ = add_rms_norm_op(x, delta, weight, float(eps))
     return h, y
 

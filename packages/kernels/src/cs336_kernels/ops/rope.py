@@ -166,7 +166,7 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
     if not q.device == k.device == cos.device == sin.device == positions.device:
         raise ValueError(f"q, k, cos, sin and positions must be on one device, got {q.device}, {k.device}, "
                          f"{cos.device}, {sin.device}, {positions.device}")
-    check_device(q.device, "rope", q.dtype)
+    check_device(q.device, "rope")
     # An index outside the tables would read another tensor's memory. The check reads the positions: free on
     # CPU, a host sync on a GPU, so it runs on CPU only (the model's positions are an arange), and not while
     # torch.compile traces (a value read from a tensor would break the graph).

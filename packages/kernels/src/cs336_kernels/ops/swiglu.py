@@ -194,7 +194,7 @@ def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         (..., n) contiguous, in the input dtype.
     """
     _check_inputs(a, b)
-    check_device(a.device, "silu_mul", a.dtype)
+    check_device(a.device, "silu_mul")
     return silu_mul_op(a, b)
 
 

@@ -26,7 +26,7 @@ from typing import Literal
 
 import torch
 
-from cs336_kernels.interpreter import check_device
+from cs336_kernels.interpreter import check_bf16, check_device
 from cs336_kernels.ops._common import output_like, unit_stride
 from cs336_kernels.ops.flash_attention.backward import flash_backward_triton
 from cs336_kernels.ops.flash_attention.checks import check_inputs
@@ -119,7 +119,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, b
         raise ValueError(f"backward must be one of {', '.join(BACKWARD_IMPLS)}, got {backward!r}")
     if forward not in FORWARD_IMPLS:
         raise ValueError(f"forward must be one of {', '.join(FORWARD_IMPLS)}, got {forward!r}")
-    check_device(q.device, "flash_attention", q.dtype)
+    check_device(q.device, "flash_attention")
+    check_bf16(q.device, q.dtype, "flash_attention", "it multiplies bf16 matrices as raw bits")
 
 
 def flash_attention(
