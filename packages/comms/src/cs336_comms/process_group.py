@@ -346,7 +346,8 @@ class _PeerWatch:
     def _end(self, peer: int) -> None:
         if self.store.add(f"{self.prefix}/reported", 1) == 1:
             print(RankStalledError(peer, self.stall_s).args[0], file=sys.stderr, flush=True)
-        host, pid = self.store.get(f"{self.prefix}/pid/{peer}").decode().split()
+        key = f"{self.prefix}/pid/{peer}"
+        host, pid = self.store.get(key).decode().split() if self.store.check([key]) else (None, "0")
         if host == socket.gethostname():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid), signal.SIGKILL)

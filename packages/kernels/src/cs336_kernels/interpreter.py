@@ -54,7 +54,8 @@ def check_bf16(device: torch.device, dtype: torch.dtype, caller: str, wrong: str
         caller: what is asking, for the message (e.g. ``"flash_attention"``).
         wrong: what goes wrong, for the message (e.g. ``"it multiplies bf16 matrices as raw bits"``).
     """
-    fake = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None  # no kernel runs
-    if INTERPRET and device.type == "cpu" and dtype == torch.bfloat16 and not fake:
+    if not (INTERPRET and device.type == "cpu" and dtype == torch.bfloat16):
+        return  # decided from constants first: torch.compile traces this and cannot trace the dispatch-mode query
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None:  # fake tensors run no kernel
         raise ValueError(f"{caller} got bfloat16 tensors on CPU, which Triton's interpreter computes wrongly "
                          f"({wrong}); use float32 or float16 there, or a CUDA GPU.")
