@@ -24,5 +24,5 @@ def test_the_rank_figure_covers_every_measured_rank_and_is_close_to_the_largest(
     bases = _measured_bases()
     assert {run.split()[0] for run in bases} == {"ddp", "collectives"} and any(" 8 " in run for run in bases)
     largest = max(bases.values())
-    assert largest <= RANK_BASE_BYTES / GIB <= 1.1 * largest, bases
+    assert largest <= RANK_BASE_BYTES / GIB <= 1.25 * largest, bases
 

@@ -105,7 +105,7 @@ def main() -> int:
     args = parser.parse_args()
     for argv in [args.argv] if args.argv else RUNS:
         row = measure(argv)
-        append_rows(args.out, [row], provenance([Path(__file__).name, *argv]))
+        append_rows(args.out, [row], provenance())
         print(f"{row['run']}: {row['ranks']} ranks, at most {row['rank_private_gib']:.3f} GiB private per rank, "
               f"{row['ranks_pss_gib']:.3f} GiB PSS in all")
     return 0
