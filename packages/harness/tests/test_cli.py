@@ -475,8 +475,8 @@ def test_torchrun_with_another_world_size_is_one_line_from_rank_0(argv: list[str
     (["leaderboard", "--size", "8B", "--backend", "gloo"], "the leaderboard step (ours) of size 8B (34 layers), "
                                                            "context 32, global batch 2 on 2 ranks needs at least"),
     (["collectives", "--world-sizes", "1000"], "collectives on 1000 ranks with float32 tensors of up to 100 MiB "
-                                               "needs at least 598 GiB of host memory (1000 ranks of 0.598 GiB: the "
-                                               "process 0.5, tensors 0.0978), and 16 GiB is available: at most 26 "
+                                               "needs at least 648 GiB of host memory (1000 ranks of 0.648 GiB: the "
+                                               "process 0.55, tensors 0.0978), and 16 GiB is available: at most 24 "
                                                "of these ranks fit"),
 ])
 def test_a_cpu_run_too_big_for_host_memory_is_refused_before_it_starts(

@@ -31,7 +31,7 @@ def test_spawned_ranks_each_count_their_own_process_and_the_message_says_how_man
                                     spawned=True)
     assert need.total_bytes == 8 * GIB
     assert need.shortfall(available=3 * GIB) == (
-        "a run on 8 ranks needs at least 8 GiB of host memory (8 ranks of 1 GiB: the process 0.5, tensors 0.5), "
+        "a run on 8 ranks needs at least 8 GiB of host memory (8 ranks of 1 GiB: the process 0.55, tensors 0.45), "
         "and 3 GiB is available: at most 3 of these ranks fit")
     assert need.shortfall(available=1.5 * GIB).endswith(": one of these ranks fits")
 
