@@ -103,9 +103,10 @@ def main() -> int:
     parser.add_argument("--out", default=str(ROOT / "writeup/results/host_memory.jsonl"), help="rows file")
     parser.add_argument("argv", nargs="*", help="after --: one cs336 command line instead of the default runs")
     args = parser.parse_args()
+    meta = provenance()  # before the first row makes the tree differ from its commit
     for argv in [args.argv] if args.argv else RUNS:
         row = measure(argv)
-        append_rows(args.out, [row], provenance())
+        append_rows(args.out, [row], meta)
         print(f"{row['run']}: {row['ranks']} ranks, at most {row['rank_private_gib']:.3f} GiB private per rank, "
               f"{row['ranks_pss_gib']:.3f} GiB PSS in all")
     return 0
