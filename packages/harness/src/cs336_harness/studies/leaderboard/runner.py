@@ -180,7 +180,7 @@ def check_runs_here(config: LeaderboardConfig) -> None:
                          f"{torch.cuda.device_count()} visible")
     if config.checkpoint == registry.BUDGET:
         nccl = config.resolved_backend == "nccl"
-        memory_plan(config.train_config, torch.cuda.get_device_properties(0).total_memory if nccl else None)
+        memory_plan(config.train_config(), torch.cuda.get_device_properties(0).total_memory if nccl else None)
 
 
 def run_leaderboard(config: LeaderboardConfig, progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
