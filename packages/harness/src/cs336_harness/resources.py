@@ -38,7 +38,7 @@ from cs336_harness.device import GIB
 
 # A spawned rank's own memory besides the tensors the checks count (torch imported, the process group joined, the
 # profiler's and the step's buffers): the larger of a rank's private memory and its share of all the ranks' PSS, less
-# those tensors, was at most 0.523 GiB over `cs336 ddp` and `cs336 collectives` on 2 and 8 gloo ranks (the most
+# those tensors, was at most 0.527 GiB over `cs336 ddp` and `cs336 collectives` on 2 and 8 gloo ranks (the most
 # on 2 ranks, which split the shared libraries' pages two ways) (writeup/results/host_memory.jsonl, from
 # tools/rank_host_memory.py; tests/test_host_memory.py holds this to it).
 RANK_BASE_BYTES = 11 * GIB // 20
