@@ -512,16 +512,22 @@ def test_gpu_block_memory_is_what_the_allocator_holds(glue: str) -> None:
                              kernels=kernels, device=torch.device("cuda")).to(torch.bfloat16)
     encoder = block.attn.positional_encoder
     encoder.cos, encoder.sin = encoder.cos.float(), encoder.sin.float()
+    config = TrainConfig(shape, kernels=kernels, parallelism=Parallelism(compute_dtype="bf16"), global_batch=batch)
+    assert _held_by_a_forward(block, batch, seq) == pytest.approx(measure_block(config)[0].kept, rel=0.01)
+
+
+def _held_by_a_forward(block: torch.nn.Module, batch: int, seq: int) -> int:
+    """Bytes the allocator holds after one bf16 forward of ``block`` on (batch, seq, 1024), what its backward keeps;
+    a forward + backward first compiles, autotunes and makes cuBLAS's workspace outside the measurement."""
     x = torch.randn(batch, seq, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    block(x).sum().backward()  # compiles, autotunes, and makes cuBLAS's workspace outside the measurement
+    block(x).sum().backward()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     out = block(x)
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated() - before
     del out
-    config = TrainConfig(shape, kernels=kernels, parallelism=Parallelism(compute_dtype="bf16"), global_batch=batch)
-    assert held == pytest.approx(measure_block(config)[0].kept, rel=0.01)
+    return held
 
 
 @pytest.mark.gpu
@@ -538,16 +544,8 @@ def test_gpu_compiled_selective_block_holds_the_estimate() -> None:
     holder = torch.nn.Module()
     holder.layers = TransformerBlocks([block])
     apply_compile(apply_checkpointing(holder, "selective", saved_ops(shape)))
-    x = torch.randn(batch, seq, 1024, device=cuda, dtype=torch.bfloat16, requires_grad=True)
-    block(x).sum().backward()  # compiles, and makes cuBLAS's workspace outside the measurement
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    out = block(x)
-    torch.cuda.synchronize()
-    held = torch.cuda.memory_allocated() - before
-    del out
     estimate = compiled_block_memory(shape, batch, seq, dtype_bytes=2, fused_qkv=False, attention_copied=False)
-    assert held == pytest.approx(estimate.selective, rel=0.01)
+    assert _held_by_a_forward(block, batch, seq) == pytest.approx(estimate.selective, rel=0.01)
 
 
 @pytest.mark.gpu
