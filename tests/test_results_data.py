@@ -1,6 +1,6 @@
 """``writeup/results/`` holds data and logs only: no code (experiment code is a patch in ``experiments/``), no
-archives, and every row's command is what a user types from the repository root, naming no folder of the machine
-that ran it."""
+archives, and every row's command is what a user types from the repository root: no value in a row names a folder
+of the machine that ran it (its command, the files it wrote)."""
 
 import json
 import re
@@ -8,8 +8,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "writeup" / "results"
-# An absolute path: a slash opening a shell word or the value of --flag=.
-ABSOLUTE = re.compile(r"(?:^|[\s=(])(/[^\s)]*)")
+# An absolute path: a slash and a name opening a shell word or the value of --flag= ("max / min" is no path).
+ABSOLUTE = re.compile(r"(?:^|[\s=(])(/[A-Za-z_.][^\s)]*)")
 
 
 def code_or_archives(folder: Path) -> list[str]:
@@ -17,13 +17,21 @@ def code_or_archives(folder: Path) -> list[str]:
                   if p.is_file() and any(s in p.name for s in (".py", ".sh", ".tgz")))
 
 
-def absolute_commands(folder: Path) -> list[str]:
+def _strings(value: object) -> list[str]:
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return [value] if isinstance(value, str) else []
+
+
+def absolute_paths(folder: Path) -> list[str]:
     found = []
     for path in sorted(folder.rglob("*.jsonl")):
         for number, line in enumerate(path.read_text().splitlines(), 1):
-            command = json.loads(line).get("command") if line.strip() else None
-            if command is not None and ABSOLUTE.search(command):
-                found.append(f"{path.relative_to(folder)}:{number}: {command}")
+            for text in _strings(json.loads(line)) if line.strip() else []:
+                if ABSOLUTE.search(text):
+                    found.append(f"{path.relative_to(folder)}:{number}: {text}")
     return found
 
 
@@ -32,7 +40,7 @@ def test_results_hold_no_code_and_no_archives() -> None:
 
 
 def test_no_row_names_a_folder_of_the_machine_that_ran_it() -> None:
-    assert absolute_commands(RESULTS) == []
+    assert absolute_paths(RESULTS) == []
 
 
 def test_the_checks_catch_what_they_look_for(tmp_path: Path) -> None:
@@ -43,6 +51,8 @@ def test_the_checks_catch_what_they_look_for(tmp_path: Path) -> None:
     rows = [{"command": "cs336 bench --out writeup/results/x.jsonl --plot $OUT/a.png"}, {"value": 1},
             {"command": "/work/main/packages/harness/src/cs336_harness/cli.py bench"},
             {"command": "cs336 ddp --trace-dir=/tmp/tr"}, {"command": "uv run python tools/x.py --out /root/out/x"},
-            {"command": "bash tools/gpu.sh python3 scratch/p.py (scratch/ from experiments/p.patch on abc1234)"}]
+            {"command": "bash tools/gpu.sh python3 scratch/p.py (scratch/ from experiments/p.patch on abc1234)"},
+            {"memory": {"snapshot": "/tmp/tmp.x/memory.pickle"}, "note": "max / min"},
+            {"profile": {"trace": "writeup/results/traces/t.json.gz"}, "ms_calls": [1.0, 2.0]}]
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
-    assert [hit.split(":")[1] for hit in absolute_commands(tmp_path)] == ["3", "4", "5"]
+    assert [hit.split(":")[1] for hit in absolute_paths(tmp_path)] == ["3", "4", "5", "7"]

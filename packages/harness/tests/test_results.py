@@ -68,6 +68,16 @@ def test_command_line_is_what_a_user_types_from_the_repository_root(monkeypatch:
     assert results.command_line([str(cli), "bench", "--out", "/root/out/r"]) == "cs336 bench --out /root/out/r"
 
 
+def test_portable_path_is_what_a_row_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The files a run writes (a profile's trace, a memory snapshot) are named in its rows as its command names them.
+    root = results._REPO_ROOT
+    monkeypatch.setenv("OUT", "/root/out")
+    assert results.portable_path(root / "writeup/results/traces/t.json.gz") == "writeup/results/traces/t.json.gz"
+    assert results.portable_path("/root/out/memory/m.pickle") == "$OUT/memory/m.pickle"
+    assert results.portable_path("traces/t.json.gz") == "traces/t.json.gz"
+    assert results.portable_path("/data/t.json.gz") == "/data/t.json.gz"
+
+
 def test_provenance_names_the_command_as_typed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("sys.argv", [str(results._REPO_ROOT / "packages/harness/src/cs336_harness/cli.py"),
                                      "leaderboard", "--proxy", "--out", str(results._REPO_ROOT / "rows.jsonl")])

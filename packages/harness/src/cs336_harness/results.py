@@ -76,20 +76,31 @@ def command_line(argv: Sequence[str]) -> str:
     return " ".join([*words, *map(_word, args)])
 
 
+def portable_path(path: str | Path) -> str:
+    """``path`` as a row names it: relative to the repository inside it, ``$OUT/...`` inside ``$OUT`` (the GPU
+    machine's output folder), else as given."""
+    text = str(path)
+    if not text.startswith("/"):
+        return text
+    resolved = Path(text).resolve()
+    out = os.environ.get("OUT")
+    if resolved.is_relative_to(_REPO_ROOT):
+        return str(resolved.relative_to(_REPO_ROOT))
+    if out and resolved.is_relative_to(Path(out).resolve()):
+        rest = str(resolved.relative_to(Path(out).resolve()))
+        return "$OUT" + ("/" + rest if rest != "." else "")
+    return text
+
+
 def _word(arg: str) -> str:
-    """One shell word of :func:`command_line`; an absolute path also as the value of ``--flag=PATH``."""
+    """One shell word of :func:`command_line`: :func:`portable_path` of an absolute path, also as the value of
+    ``--flag=PATH``."""
     flag, value = arg.split("=", 1) if arg.startswith("-") and "=" in arg else ("", arg)
     prefix = flag + "=" if flag else ""
-    if not value.startswith("/"):
-        return shlex.quote(arg)
-    path = Path(value).resolve()
-    out = os.environ.get("OUT")
-    if path.is_relative_to(_REPO_ROOT):
-        return shlex.quote(prefix + str(path.relative_to(_REPO_ROOT)))
-    if out and path.is_relative_to(Path(out).resolve()):
-        rest = str(path.relative_to(Path(out).resolve()))
-        return (shlex.quote(prefix) if prefix else "") + "$OUT" + (shlex.quote("/" + rest) if rest != "." else "")
-    return shlex.quote(arg)
+    portable = portable_path(value)
+    if portable.startswith("$OUT"):  # $OUT stays a variable for the shell to expand
+        return (shlex.quote(prefix) if prefix else "") + "$OUT" + (shlex.quote(portable[4:]) if portable[4:] else "")
+    return shlex.quote(prefix + portable)
 
 
 def provenance(argv: Sequence[str] | None = None) -> dict[str, Any]:

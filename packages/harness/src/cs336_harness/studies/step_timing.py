@@ -34,7 +34,7 @@ from cs336_harness.analysis import figures, memory, trace
 from cs336_harness.device import DTYPES, GIB, check_device, default_device, sync
 from cs336_harness.instrument import annotate
 from cs336_harness.progress import progress_bar
-from cs336_harness.results import append_rows
+from cs336_harness.results import append_rows, portable_path
 from cs336_harness.training import COMPUTE_DTYPES, build_model, saved_ops
 
 MODES = ("forward", "forward-backward", "train")
@@ -266,7 +266,7 @@ def _write_profile(prof: torch.profiler.profile, config: BenchConfig) -> dict[st
     append_rows(out / "kernels.jsonl", [{**config_fields(config), **k} for k in kernels])
     png = figures.plot_timeline(events, out / f"timeline_{config.tag}.png", title=config.tag)
     shares = {f"share_{k}": v for k, v in trace.class_shares(events, "forward").items()}
-    return {"trace": str(trace_path), "timeline": str(png), "forward_kernel_classes": shares,
+    return {"trace": portable_path(trace_path), "timeline": portable_path(png), "forward_kernel_classes": shares,
             "step_kernel_classes": trace.class_shares(events, "step")}
 
 
@@ -274,7 +274,8 @@ def _write_memory(config: BenchConfig) -> dict[str, Any]:
     snap_path = Path(config.memory_dir or ".") / f"memory_{config.tag}.pickle"
     snapshot = memory.load_snapshot(snap_path)
     png = figures.plot_active_memory(snapshot, snap_path.with_suffix(".png"), title=config.tag)
-    return {"snapshot": str(snap_path), "timeline": str(png), "largest": memory.largest_allocations(snapshot)}
+    return {"snapshot": portable_path(snap_path), "timeline": portable_path(png),
+            "largest": memory.largest_allocations(snapshot)}
 
 
 def _free_device_memory(device: str) -> None:
