@@ -25,7 +25,7 @@ OUT="${OUT:-$root/gpu_out}"
 mkdir -p "$OUT"
 work="$(mktemp -d)"
 deadline=$(($(date +%s) + ${FA4_DEADLINE_S:-470}))
-left() { echo $((deadline - $(date +%s))); }
+source tools/gpu_steps.sh
 export CS336_CALL_ID="${CS336_CALL_ID:-$(date -u +%Y%m%dT%H%M%SZ)-fa4-$$}"  # one id for every row of this call
 export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}"
 PEERS="${PEERS:-/tmp/peers}"
@@ -34,14 +34,6 @@ export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_D
 py=(bash tools/gpu.sh python3)
 shapes=(1,32,32768,128 4,32,4096,128 1,16,16384,64 1,32,16384,128)
 
-step() {  # step NAME NEEDS_S MAX_S CMD...: CMD under a timeout, skipped when fewer than NEEDS_S seconds are left
-  local name="$1" needs="$2" max="$3"; shift 3
-  if [ "$(left)" -lt "$needs" ]; then echo "[skip: deadline] $name ($(left) s left)"; return 1; fi
-  local limit=$(($(left) - 5))
-  [ "$limit" -gt "$max" ] && limit=$max
-  echo "== $name (limit ${limit} s, $(left) s left)"
-  timeout "$limit" "$@" || { echo "== $name FAILED or timed out (rc $?)"; return 1; }
-}
 
 ncu_launch() {  # ncu_launch NAME REGEX SHAPE IMPL: the second launch of kernel REGEX (-s 1 skips the warm-up's)
   local name="$1" regex="$2" shape="$3" impl="$4"

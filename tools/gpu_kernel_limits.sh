@@ -21,7 +21,7 @@ OUT="${OUT:-$root/gpu_out}"
 mkdir -p "$OUT"
 mode="${1:-explore}"
 deadline=$(($(date +%s) + ${KL_DEADLINE_S:-345}))
-left() { echo $((deadline - $(date +%s))); }
+source tools/gpu_steps.sh
 export CS336_CALL_ID="${CS336_CALL_ID:-$(date -u +%Y%m%dT%H%M%SZ)-limits-$$}"  # one id for every row of this call
 export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}"
 PEERS="${PEERS:-/tmp/peers}"
@@ -33,14 +33,6 @@ rows="$OUT/kernel_limits.jsonl"
 xdist=()
 "${py[@]}" -c "import xdist" 2>/dev/null && xdist=(-n 8)
 
-step() {  # step NAME MAX_S MIN_S COMMAND...: COMMAND with a timeout of at most MAX_S, skipped if it would get < MIN_S
-  local name="$1" max="$2" min="$3"; shift 3
-  local limit=$(($(left) - 5))
-  [ "$limit" -gt "$max" ] && limit=$max
-  if [ "$limit" -lt "$min" ]; then echo "[skip: deadline] $name ($(left) s left)"; return; fi
-  echo "== $name (limit ${limit} s, $(left) s left)"
-  timeout "$limit" "$@" || echo "== $name FAILED or timed out (rc $?)"
-}
 tests() {  # tests RUN all|rms: the glue kernels' tests (whole files on the GPU and test_compile's glue cases; rms:
   # RMSNorm's alone), then the benchmark's GPU tests (the four glue ops against the model's modules, proxy shapes)
   local files=(packages/kernels/tests/test_rms_norm.py) select="rms"
@@ -48,13 +40,13 @@ tests() {  # tests RUN all|rms: the glue kernels' tests (whole files on the GPU 
     files+=(packages/kernels/tests/test_rope.py packages/kernels/tests/test_swiglu.py)
     select="rms or rope or silu or swiglu"
   fi
-  step "glue kernels' GPU tests ($2), run $1" 70 40 "${py[@]}" -m pytest "${files[@]}" \
+  step "glue kernels' GPU tests ($2), run $1" 40 70 "${py[@]}" -m pytest "${files[@]}" \
     packages/kernels/tests/test_compile.py -k "$select" -q -p no:cacheprovider "${xdist[@]}"
-  step "benchmark GPU tests, run $1" 35 20 "${py[@]}" -m pytest -m gpu packages/harness/tests/test_fused_bench.py \
+  step "benchmark GPU tests, run $1" 20 35 "${py[@]}" -m pytest -m gpu packages/harness/tests/test_fused_bench.py \
     -q -p no:cacheprovider
 }
 bench() {  # bench OP MAX_S: one glue op's rows, appended to $rows
-  step "cs336 fused --bench $1" "$2" 30 "${py[@]}" -m cs336_harness.cli fused --bench "$1" --warmup-ms 30 \
+  step "cs336 fused --bench $1" 30 "$2" "${py[@]}" -m cs336_harness.cli fused --bench "$1" --warmup-ms 30 \
     --rep-ms 150 --repeats 5 --quiet --out "$rows"
 }
 benches() {
@@ -76,7 +68,7 @@ benches() {
       tests 1 rms
       # The sweep keeps 185 s for the benchmarks; its own clock starts after its imports, hence the 15 s margin.
       sweep_s=$(($(left) - 185)); [ "$sweep_s" -gt 90 ] && sweep_s=90
-      step "glue_sweep" "$sweep_s" 50 "${py[@]}" tools/glue_sweep.py --time-limit-s $((sweep_s - 15)) \
+      step "glue_sweep" 50 "$sweep_s" "${py[@]}" tools/glue_sweep.py --time-limit-s $((sweep_s - 15)) \
         --out "$OUT/glue_sweep.jsonl"
       benches
       ;;
