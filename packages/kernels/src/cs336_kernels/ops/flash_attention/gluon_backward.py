@@ -5,9 +5,8 @@ mode, below):
 
 - a one-warp producer that loads the program's K and V tiles once, then streams the Q and dO tiles of every
   query head of the GQA group, with their rows of L and D, by TMA into a ``STAGES``-deep shared-memory ring
-  (no global loads: a consumer reads its rows of L from shared memory while S^T's product runs, so that the
-  exponentials start as soon as it retires, and D likewise before dP^T's wait at d = 64; at d = 128 D is read
-  after that wait, as there are no registers to hold it across the wait without spilling);
+  (so the consumers read L and D from shared memory just before they need them: no global loads, and no
+  registers holding them across the products);
 - two consumer warpgroups, each owning ``BLOCK_N / 2`` of the keys, that run five wgmma products per
   (query tile, key tile): ``S^T = K Q^T`` and ``dP^T = V dO^T`` (keys as rows, so that P^T and dS^T are
   already the register A operands of the next two), ``dV += P^T dO``, ``dK += dS^T Q``, and
@@ -223,21 +222,17 @@ def _bwd_consumer(
         mbarrier.wait(qdo_ready.index(stage), (t // STAGES) & 1)
         s_t = warpgroup_mma(k_own, q_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dp_t = warpgroup_mma(v_own, do_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        # Query rows past the end read L = D = 0 (TMA fills them with zeros); their Q and dO rows are zeros
-        # too, so they add nothing. L is read before the wait, so the load is not on the exponentials' path.
-        lse2 = l_bufs.index(stage).reshape([BLOCK_M]).load(col_s)  # L * log2(e)
         s_t = warpgroup_mma_wait(1, deps=(s_t,))
+        # Query rows past the end read L = D = 0 (TMA fills them with zeros); their Q and dO rows are zeros
+        # too, so they add nothing.
+        lse2 = l_bufs.index(stage).reshape([BLOCK_M]).load(col_s)  # L * log2(e)
         p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
         if i < masked_until:  # never without the causal mask: masked_until is 0 then
             p_t = gl.where(offs_q[None, :] >= offs_k[:, None], p_t, 0.0)
         p16 = gl.convert_layout(p_t.to(dtype), a_layout)
         dv = warpgroup_mma(p16, do_smem, dv, is_async=True)
-        if HEAD_DIM == 64:  # d = 128 spills if D is held across the wait
-            delta = d_bufs.index(stage).reshape([BLOCK_M]).load(col_s)
-            dp_t = warpgroup_mma_wait(1, deps=(dp_t,))
-        else:
-            dp_t = warpgroup_mma_wait(1, deps=(dp_t,))
-            delta = d_bufs.index(stage).reshape([BLOCK_M]).load(col_s)
+        dp_t = warpgroup_mma_wait(1, deps=(dp_t,))
+        delta = d_bufs.index(stage).reshape([BLOCK_M]).load(col_s)
         ds16 = (p_t * (dp_t - delta[None, :])).to(dtype)
         ds_bufs.index(slot).slice(CONSUMER * KEYS, KEYS, dim=0).store(ds16)
         fence_async_shared()
