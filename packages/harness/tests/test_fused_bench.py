@@ -209,6 +209,41 @@ def test_glue_rows_take_turns_and_compare_with_the_copy(monkeypatch):
     assert eager["speedup_vs_eager"] == 1.0 and eager["out_rel_err_vs_eager"] == 0.0
 
 
+def test_a_callable_that_fails_while_timed_loses_only_its_own_row(monkeypatch):
+    """An implementation that fails in the round-robin (out of memory in its second do_bench, as QuACK's rotary did
+    in call s18c) gets ``error`` and no times; every other row keeps all of its times."""
+    monkeypatch.setattr(torch, "compile", lambda fn: fn)
+    case = _tiny_cases("cpu")["add_rms_norm"]
+    monkeypatch.setitem(block_glue._GLUE_CASES, "add-rms-norm", lambda config, peers: case)
+    monkeypatch.setattr(block_glue, "_first_call", lambda impl: {"extra_gib": 0.0, "first": impl.run()[0].detach()})
+    monkeypatch.setattr(block_glue, "copy_step", lambda nbytes: lambda: None)
+    failing = case.impls["torch_compile"]
+    seen = []
+    real_step = block_glue.glue_step
+
+    def fake_step(impl):
+        if impl is failing:
+            seen.append(impl)
+            if len(seen) == 2:
+                raise torch.OutOfMemoryError("CUDA out of memory")
+        real_step(impl)
+
+    def fake_median_ms(fn, config, grad_to_none=()):
+        fn()
+        return 1.0
+
+    monkeypatch.setattr(block_glue, "glue_step", fake_step)
+    monkeypatch.setattr(block_glue, "median_ms", fake_median_ms)
+    monkeypatch.setattr(block_glue, "graph_median_ms", lambda fn, config, grad_to_none=(): 0.5)
+    rows = block_glue.bench_glue("add-rms-norm", SimpleNamespace(repeats=3))
+    bad = next(r for r in rows if r["impl"] == "torch_compile")
+    assert bad["error"] == "OutOfMemoryError: CUDA out of memory" and "ms" not in bad and "graph_ms" not in bad
+    assert len(seen) == 2  # not timed again after it failed
+    for r in rows:
+        if r is not bad and r["impl"] not in ("liger", "quack"):
+            assert len(r["ms_calls"]) == 3 and "error" not in r, r
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_references_are_the_model_modules(device, dtype):

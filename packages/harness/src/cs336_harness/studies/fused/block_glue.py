@@ -76,7 +76,14 @@ from cs336_kernels.ops.rms_norm import (
 )
 
 from cs336_harness.device import GIB
-from cs336_harness.studies.fused.common import copy_step, graph_median_ms, median_ms, peer_module, rel_err
+from cs336_harness.studies.fused.common import (
+    copy_step,
+    free_cached_memory,
+    graph_median_ms,
+    median_ms,
+    peer_module,
+    rel_err,
+)
 from cs336_harness.studies.fused.config import FusedBenchConfig
 
 GLUE_OPS = {"rms-norm": "rms_norm", "add-rms-norm": "add_rms_norm", "rope": "rope", "swiglu": "silu_mul"}
@@ -180,9 +187,12 @@ def rms_norm_case(n: int, d: int, liger: Peer, quack: Peer, device: str = "cuda"
 
 def add_rms_norm_case(n: int, d: int, liger: Peer, quack: Peer, device: str = "cuda") -> GlueCase:
     """The residual stream x (n, d), the attention's output delta added to it, and a bf16 weight. Outputs are
-    (y, h), so the row's forward difference is the norm's."""
+    (y, h), so the row's forward difference is the norm's. Only x is a leaf that takes a gradient: in the model x
+    and delta are both made by earlier ops, and the one gradient tensor of h flows to both without a copy, but two
+    leaves given the same tensor make autograd copy it for one of them (a pass over n x d that the model never
+    makes)."""
     gen = torch.Generator(device=device).manual_seed(4)
-    x, delta = _leaf((n, d), gen), _leaf((n, d), gen)
+    x, delta = _leaf((n, d), gen), _leaf((n, d), gen).detach()
     w = (1 + 0.1 * torch.randn(d, device=device, generator=gen)).bfloat16().requires_grad_()
     dy, dh = (torch.randn(n, d, device=device, generator=gen).bfloat16() for _ in range(2))
     module = RMSNorm(d, device=device, dtype=torch.bfloat16)
@@ -195,19 +205,19 @@ def add_rms_norm_case(n: int, d: int, liger: Peer, quack: Peer, device: str = "c
         return module(h), h
 
     impls: dict[str, GlueImpl | str] = {
-        "ours": GlueImpl(lambda: add_rms_norm(x, delta, w)[::-1], (dy, dh), (x, delta, w)),
-        "torch_compile": GlueImpl(lambda: compiled(x, delta, w)[::-1], (dy, dh), (x, delta, w)),
-        "eager": GlueImpl(eager, (dy, dh), (x, delta, module.weight)),
+        "ours": GlueImpl(lambda: add_rms_norm(x, delta, w)[::-1], (dy, dh), (x, w)),
+        "torch_compile": GlueImpl(lambda: compiled(x, delta, w)[::-1], (dy, dh), (x, w)),
+        "eager": GlueImpl(eager, (dy, dh), (x, module.weight)),
         # Its (y, residual sum) with the "gemma" casting (fp32 throughout); its backward adds dh to the norm's
         # gradient before the one rounding (autograd rounds each) and writes dx into dy.
         "liger": _peer_impl(liger, lambda m: GlueImpl(
             lambda: m.liger_fused_add_rms_norm(x, delta, w, EPS, casting_mode="gemma"), (dy.clone(), dh),
-            (x, delta, w), note="casting_mode='gemma'; dx + dh rounded once; backward writes dx into dy")),
+            (x, w), note="casting_mode='gemma'; dx + dh rounded once; backward writes dx into dy")),
         # The pre-norm residual: rmsnorm(delta, residual=x, prenorm=True) returns (y, x + delta); its backward
         # hands x and delta one gradient tensor.
         "quack": _peer_impl(quack, lambda m: GlueImpl(
             lambda: m.rmsnorm(delta, w, residual=x, prenorm=True, eps=EPS), (dy.clone(), dh.clone()),
-            (x, delta, w), note="residual=x, prenorm=True; x and delta get one gradient tensor")),
+            (x, w), note="residual=x, prenorm=True")),
     }
     nbytes = 8 * n * d * x.element_size() + 8 * n + 3 * d * w.element_size()
     return GlueCase(f"{n}x{d}", nbytes, impls, norm_parts(x, w, dy, delta, dh))
@@ -335,12 +345,24 @@ class _Timed:
 def _time_round_robin(timed: Sequence[_Timed], config: FusedBenchConfig) -> None:
     """``config.repeats`` do_bench medians and CUDA-graph medians of every callable (do_bench's alone for those
     with ``graph`` False), taken in turns; each row gets ms (the median of the repeats), ms_calls, max_over_min and
-    gbps, and the same prefixed ``graph_`` (or ``graph_error`` where the callable cannot be captured)."""
+    gbps, and the same prefixed ``graph_`` (or ``graph_error`` where the callable cannot be captured); a callable
+    that fails gets ``error`` and no times, and the others go on."""
     calls: list[list[float]] = [[] for _ in timed]
     graph_calls: list[list[float]] = [[] for _ in timed]
     for _ in range(config.repeats):
         for t, ms, graph_ms in zip(timed, calls, graph_calls, strict=True):
-            ms.append(median_ms(t.fn, config, grad_to_none=t.leaves))
+            if "error" in t.row:
+                continue
+            try:
+                ms.append(median_ms(t.fn, config, grad_to_none=t.leaves))
+            except Exception as e:  # noqa: BLE001 (one failing callable must not lose the other rows)
+                print(f"cs336 fused: {t.row['op']} {t.row['impl']} ({t.row['part']}) failed: {type(e).__name__}: "
+                      f"{e}", file=sys.stderr)
+                t.row["error"] = f"{type(e).__name__}: {e}"
+                ms.clear()
+                graph_ms.clear()
+                free_cached_memory()
+                continue
             if not t.graph or "graph_error" in t.row:
                 continue
             try:
@@ -377,7 +399,7 @@ def bench_glue(op: str, config: FusedBenchConfig) -> list[dict[str, Any]]:
         except Exception as e:  # noqa: BLE001 (one failing implementation must not lose the other rows)
             print(f"cs336 fused: {op} {name} failed: {type(e).__name__}: {e}", file=sys.stderr)
             row["error"] = f"{type(e).__name__}: {e}"
-            torch.cuda.empty_cache()
+            free_cached_memory()
             continue
         if impl.compare:
             outputs[name] = first["first"]

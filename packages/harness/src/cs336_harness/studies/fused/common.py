@@ -56,8 +56,20 @@ def graph_median_ms(fn: Callable[[], Any], config: FusedBenchConfig, grad_to_non
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / calls)
+    # The gradients left by the last captured call live in the graph's memory pool; the pool returns to the
+    # allocator only once they and the graph are gone (else every timed callable keeps its pool until the GPU is full).
+    for t in grad_to_none:
+        t.grad = None
     del graph
+    free_cached_memory()
     return statistics.median(times)
+
+
+def free_cached_memory() -> None:
+    """Return the CUDA caching allocator's free blocks (a dead graph's pool among them) to the device."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 def copy_step(nbytes: int, device: str = "cuda") -> Callable[[], Any]:
