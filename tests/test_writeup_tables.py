@@ -25,3 +25,18 @@ def test_row_mfu_counts_model_flops_against_the_rows_gpu() -> None:
     assert writeup.row_mfu(row) == pytest.approx(flops / (0.25 * 2 * 772e12))
     assert writeup.row_mfu({**row, "device": "NVIDIA H200"}) == writeup.row_mfu(row)
     assert writeup.row_mfu({**row, "device": "2x NVIDIA A100-SXM4-80GB"}) is None
+
+
+def test_anchor_tables_leave_out_rows_of_a_change_not_kept(monkeypatch) -> None:
+    """A call that timed a kernel change beside the kept kernels marks the change's rows with ``variant``; the
+    tables show the kept kernels whatever the order of the rows."""
+
+    def row(impl: str, ms: float, **extra) -> dict:
+        return {"bench": "anchors", "impl": impl, "batch": 1, "heads": 2, "seq": 64, "d": 64, "status": "ok",
+                "fwd_ms": ms / 3, "bwd_ms": 2 * ms / 3, "fwd_bwd_ms": ms, "fwd_bwd_tflops": 1.0, "call_id": "c2",
+                **extra}
+
+    timed = [row("ours", 1.0), row("sdpa", 2.0), row("fa4", 0.5), row("ours", 9.0, variant="tried, not kept")]
+    monkeypatch.setattr(writeup, "rows", lambda name: timed if name == "attention_anchors" else [])
+    assert "| 1 |" in writeup.table_anchors() and "| 9 |" not in writeup.table_anchors()
+    assert "| 1 | 2 | 0.5 | 0.5 | 0.25 |" in writeup.table_anchors_fa4()

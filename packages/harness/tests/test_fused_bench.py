@@ -209,6 +209,36 @@ def test_glue_rows_take_turns_and_compare_with_the_copy(monkeypatch):
     assert eager["speedup_vs_eager"] == 1.0 and eager["out_rel_err_vs_eager"] == 0.0
 
 
+def test_our_glue_steps_copy_nothing(monkeypatch):
+    """Our forward + backward of each case makes no copy: in particular the add's case gives only x as a leaf, as two
+    leaves handed one gradient tensor make autograd copy it for one of them (a pass over the activations that the
+    model, where x and delta are made by earlier ops, never makes)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CopyLog(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.copies = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.copy_, torch.ops.aten.clone):
+                self.copies.append(func)
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(torch, "compile", lambda fn: fn)
+    for op, case in _tiny_cases("cpu").items():
+        impl = case.impls["ours"]
+        with CopyLog() as log:
+            block_glue.glue_step(impl)
+        assert log.copies == [], (op, log.copies)
+        assert all(leaf.grad is not None for leaf in impl.leaves), op
+    x, delta, w = (torch.randn(5, 8, requires_grad=True) for _ in range(3))  # the copy the case avoids
+    h, y = block_glue.add_rms_norm(x, delta, w[0])
+    with CopyLog() as log:
+        torch.autograd.backward((y, h), (torch.ones(5, 8), torch.ones(5, 8)))
+    assert log.copies == [torch.ops.aten.copy_.default]
+
+
 def test_a_callable_that_fails_while_timed_loses_only_its_own_row(monkeypatch):
     """An implementation that fails in the round-robin (out of memory in its second do_bench, as QuACK's rotary did
     in call s18c) gets ``error`` and no times; every other row keeps all of its times."""

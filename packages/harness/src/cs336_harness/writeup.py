@@ -389,8 +389,10 @@ def table_proxy_latest() -> str:
 def table_anchors() -> str:
     """Our attention against library kernels, the latest run of the anchors benchmark (one row per shape and
     implementation)."""
+    # Rows with a ``variant`` timed a change that was not kept, beside the kernels that were.
     anchors = [r for r in rows("attention_anchors") if r.get("impl") in ("ours", "ours_deterministic", "triton", "sdpa",
-                                                                            "sdpa_flash", "flex")]
+                                                                            "sdpa_flash", "flex")
+               and not r.get("variant")]
     latest = max(r.get("call_id") or "" for r in anchors)
     # A run may time an implementation at a shape twice (a second pass beside the deterministic modes): its last row.
     last = {(r["batch"], r["heads"], r["seq"], r["d"], r["impl"]): r for r in anchors
@@ -409,7 +411,8 @@ def table_anchors() -> str:
 def table_anchors_fa4() -> str:
     """Ours, cuDNN and FlashAttention-4 forward + backward from the latest call that timed FA4, with each one's time
     over cuDNN's in that call."""
-    timed = [r for r in rows("attention_anchors") if r.get("status") == "ok" and "fwd_bwd_ms" in r]
+    timed = [r for r in rows("attention_anchors") if r.get("status") == "ok" and "fwd_bwd_ms" in r
+             and not r.get("variant")]
     latest = max(r["call_id"] for r in timed if r["impl"] == "fa4")
     last = {(r["batch"], r["heads"], r["seq"], r["d"], r["impl"]): r for r in timed if r.get("call_id") == latest}
     out = []
