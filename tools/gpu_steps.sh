@@ -1,4 +1,5 @@
-# Sourced by the GPU-call scripts that run timed steps (tools/gpu_attention_fa4.sh, tools/gpu_kernel_limits.sh):
+# Sourced by the GPU-call scripts that run timed steps (tools/gpu_attention_fa4.sh, tools/gpu_kernel_limits.sh,
+# tools/gpu_attention_ab.sh):
 # each step under its own timeout, none started past the caller's $deadline (epoch seconds), so that what finished
 # before a hang or the call's end comes back.
 left() { echo $((deadline - $(date +%s))); }
