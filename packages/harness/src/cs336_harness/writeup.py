@@ -386,13 +386,17 @@ def table_proxy_latest() -> str:
 
 # ------------------------------------------------------------------------------------------- appendix
 
+def _kept_anchors() -> list[dict[str, Any]]:
+    """The anchors rows of the kernels that were kept: a row with a ``variant`` timed a change that was not, beside
+    them in the same call."""
+    return [r for r in rows("attention_anchors") if not r.get("variant")]
+
+
 def table_anchors() -> str:
     """Our attention against library kernels, the latest run of the anchors benchmark (one row per shape and
     implementation)."""
-    # Rows with a ``variant`` timed a change that was not kept, beside the kernels that were.
-    anchors = [r for r in rows("attention_anchors") if r.get("impl") in ("ours", "ours_deterministic", "triton", "sdpa",
-                                                                            "sdpa_flash", "flex")
-               and not r.get("variant")]
+    anchors = [r for r in _kept_anchors() if r.get("impl") in ("ours", "ours_deterministic", "triton", "sdpa",
+                                                                 "sdpa_flash", "flex")]
     latest = max(r.get("call_id") or "" for r in anchors)
     # A run may time an implementation at a shape twice (a second pass beside the deterministic modes): its last row.
     last = {(r["batch"], r["heads"], r["seq"], r["d"], r["impl"]): r for r in anchors
@@ -411,8 +415,7 @@ def table_anchors() -> str:
 def table_anchors_fa4() -> str:
     """Ours, cuDNN and FlashAttention-4 forward + backward from the latest call that timed FA4, with each one's time
     over cuDNN's in that call."""
-    timed = [r for r in rows("attention_anchors") if r.get("status") == "ok" and "fwd_bwd_ms" in r
-             and not r.get("variant")]
+    timed = [r for r in _kept_anchors() if r.get("status") == "ok" and "fwd_bwd_ms" in r]
     latest = max(r["call_id"] for r in timed if r["impl"] == "fa4")
     last = {(r["batch"], r["heads"], r["seq"], r["d"], r["impl"]): r for r in timed if r.get("call_id") == latest}
     out = []
