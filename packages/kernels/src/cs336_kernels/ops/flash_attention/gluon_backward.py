@@ -1,7 +1,6 @@
 """FlashAttention backward for Hopper (sm_90) in Gluon, warp-specialised as in FlashAttention-3 (Shah et al., 2024).
 
-One program owns ``BLOCK_N`` keys of one (batch, key/value head) and runs three partitions (four in deterministic
-mode, below):
+One program owns ``BLOCK_N`` keys of one (batch, key/value head) and runs four partitions:
 
 - a one-warp producer that loads the program's K and V tiles once, then streams the Q and dO tiles of every
   query head of the GQA group, with their rows of L and D, by TMA into a ``STAGES``-deep shared-memory ring
@@ -12,13 +11,17 @@ mode, below):
   already the register A operands of the next two), ``dV += P^T dO``, ``dK += dS^T Q``, and
   ``dQ = dS K`` over all the program's keys. Both consumers write their dS^T rows to shared memory; with
   d = 128 each computes half of dQ's columns every tile, and issues dK's product after dQ's so that the tensor
-  cores run it while the consumer stages dQ; with d = 64 they take turns by query tile. dQ is added in fp32
-  into a global accumulator by TMA reduce-adds (``cp.reduce.async.bulk.tensor``) from two staging buffers per
-  consumer, so a consumer waits only for the reduce-add of two dQ tiles ago. dK and dV stay in registers
-  until the end. The accumulator is ours alone, so its rows may be in any order: each dQ tile's rows are staged
-  permuted within groups of eight (:func:`staged_row`), which makes the consumers' fp32 stores into the 128-byte
-  swizzled staging buffers free of bank conflicts, and one pass (:func:`unstage_dq`) puts them back in order
-  while it scales dQ and casts it to the inputs' dtype.
+  cores run it while the consumer stages dQ; with d = 64 they take turns by query tile. A consumer stores its dQ
+  tile into its own staging buffer once that is free and hands it to the dQ writer without waiting for the add.
+  dK and dV stay in registers until the end;
+- a one-warp dQ writer (FlashAttention-4's design) that adds each staged dQ tile in fp32 into a global
+  accumulator by a TMA reduce-add (``cp.reduce.async.bulk.tensor``) and frees the buffer as soon as the TMA has
+  read it, long before the consumer's next dQ tile is ready.
+
+The accumulator is ours alone, so its rows may be in any order: each dQ tile's rows are staged permuted within
+groups of eight (:func:`staged_row`), which makes the consumers' fp32 stores into the 128-byte swizzled staging
+buffers free of bank conflicts, and one pass (:func:`unstage_dq`) puts them back in order while it scales dQ and
+casts it to the inputs' dtype.
 
 ``P^T = exp2(S^T * scale * log2(e) - L * log2(e))`` is recomputed from the forward's logsumexp (read as
 ``L * log2(e)``, made once per row before the kernel) and ``dS^T = P^T * (dP^T - D)`` uses ``D = rowsum(dO * O)``.
@@ -29,9 +32,10 @@ that straddle the causal diagonal are masked. The reduce-adds land in an order t
 not bitwise reproducible (dK and dV are: each program owns its keys and sums the query heads of its group in a fixed
 order), except under ``torch.use_deterministic_algorithms(True)``: then the key blocks of a head are launched last
 first and each adds into a dQ tile only once every later key block has (FlashAttention-3's deterministic mode),
-counted by a lock per tile. A consumer hands each completed reduce-add to a one-warp releaser partition, which counts
-the tile's adds as landed (a GPU-scope release, whose fence would otherwise stall the consumer's warpgroup every
-tile). Launching the longest programs last and the waits cost some speed; dQ is then bitwise reproducible.
+counted by a lock per tile. The dQ writer spins on the lock before it issues a tile's adds, waits for them to
+complete and then counts them as landed (a GPU-scope release); the consumers never touch the lock, and wait for it
+only if the writer still spins for their previous dQ tile when the next one is ready. Launching the longest programs
+last and the waits cost some speed; dQ is then bitwise reproducible.
 
 The kernels need an sm_90 GPU; they do not run in the Triton interpreter.
 """
@@ -69,11 +73,9 @@ from cs336_kernels.ops.flash_attention.gluon_common import (
 )
 
 # Per head dim: (BLOCK_M queries per tile, BLOCK_N keys per program, STAGES of the Q/dO ring). Shared memory
-# at d = 128: K, V 2 x 32 KiB, Q/dO ring 2 x 32 KiB, dS^T 2 x 16 KiB, dQ staging 4 x 16 KiB, L/D ring 1 KiB =
-# 225 KiB of the 227 an sm_90 block may have.
+# at d = 128: K, V 2 x 32 KiB, Q/dO ring 2 x 32 KiB, dS^T 2 x 16 KiB, dQ staging 2 x 16 KiB, L/D ring 1 KiB =
+# 193 KiB of the 227 an sm_90 block may have.
 CONFIGS = {64: (64, 128, 3), 128: (64, 128, 2)}
-# Two dQ staging buffers per consumer.
-DQ_BUFFERS = 2
 
 
 @builtin
@@ -99,39 +101,55 @@ def _fence_async_global():
 
 
 @gluon.jit
-def _hand_over(ready, free, n):
-    # Hands this consumer's last reduce-add to the releaser once it has completed: written, not only read from
-    # shared memory (``cp.async.bulk.wait_group`` without ``.read``, which tma.store_wait does not emit). The
-    # thread that issued it waits, the fence orders its completion before the arrive, the barrier holds the
-    # others until then; `n` counts the hand-overs before this one, and the releaser must have taken the last.
+def _wait_reduce_adds():
+    # Waits until this thread's reduce-adds have been written to global memory, not only read from shared memory
+    # (``cp.async.bulk.wait_group`` without ``.read``, which tma.store_wait does not emit).
     gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; mov.b32 $0, 0;", "=r", [], dtype=gl.int32,
                               is_pure=False, pack=1)
-    _fence_async_global()
-    gl.thread_barrier()
-    mbarrier.wait(free, (n & 1) ^ 1)
-    mbarrier.arrive(ready)
 
 
 @gluon.jit
-def _bwd_releaser(DQ_LOCKS, handed, taken, b, h_kv, H_KV, q_first, n_q, n_tiles_q, GROUP, SPLIT_DQ: gl.constexpr,
-                  DETERMINISTIC: gl.constexpr):
-    # Deterministic mode (otherwise it returns at once): counts each dQ tile's reduce-adds as landed, in the
-    # consumers' order, once the consumers have handed them over (both halves' with d = 128; with d = 64 the
-    # consumers take tiles in turn). The release (a GPU-scope fence before the add) waits here, not in a consumer.
-    if DETERMINISTIC:
-        for t in range(GROUP * n_q):
-            h = h_kv * GROUP + t // n_q
-            lock = DQ_LOCKS + (b * H_KV * GROUP + h).to(gl.int64) * n_tiles_q + q_first + t % n_q
-            if SPLIT_DQ:
-                for c in gl.static_range(2):
-                    mbarrier.wait(handed.index(c), t & 1)
-                gl.atomic_add(lock, 1, sem="release", scope="gpu")
-                for c in gl.static_range(2):
-                    mbarrier.arrive(taken.index(c))
+def _bwd_dq_writer(
+    dq_desc, DQ_LOCKS, dq_bufs, dq_full, dq_free, b, h_kv, H_KV, pid_n, q_first, n_q, n_tiles_q, GROUP,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr,
+    DETERMINISTIC: gl.constexpr,
+):
+    # Adds the consumers' staged dQ tiles into the accumulator in the consumers' tile order and frees each
+    # staging buffer as soon as its reduce-add has read it. In deterministic mode it first waits until the later
+    # key blocks have added into the tile, and counts the tile's adds as landed once they have completed: the spin
+    # on the lock and the GPU-scope release wait here, not in a consumer.
+    SPLIT_DQ: gl.constexpr = HEAD_DIM == 128
+    DQ_COLS: gl.constexpr = HEAD_DIM // 2 if SPLIT_DQ else HEAD_DIM
+    n_key_blocks = gl.num_programs(0)
+    for t in range(GROUP * n_q):
+        h = h_kv * GROUP + t // n_q
+        i = q_first + t % n_q
+        if DETERMINISTIC:
+            lock = DQ_LOCKS + (b * H_KV * GROUP + h).to(gl.int64) * n_tiles_q + i
+            # The key blocks that add before this one: those after it that see tile i.
+            if IS_CAUSAL:
+                last = gl.minimum(n_key_blocks - 1, (i * BLOCK_M + BLOCK_M - 1) // BLOCK_N)
             else:
-                mbarrier.wait(handed.index(t % 2), (t // 2) & 1)
-                gl.atomic_add(lock, 1, sem="release", scope="gpu")
-                mbarrier.arrive(taken.index(t % 2))
+                last = n_key_blocks - 1
+            landed = _load_acquire(lock)
+            while landed < last - pid_n:
+                landed = _load_acquire(lock)
+            _fence_async_global()
+        # d = 128: both consumers' column halves of tile t, the t-th dQ tile of each; d = 64: the whole tile, the
+        # (t // 2)-th of consumer t % 2.
+        for half in gl.static_range(2 if SPLIT_DQ else 1):
+            consumer = half if SPLIT_DQ else t % 2
+            mbarrier.wait(dq_full.index(consumer), (t if SPLIT_DQ else t // 2) & 1)
+            _tma_reduce_add(dq_desc, [b, h, i * BLOCK_M, half * DQ_COLS], dq_bufs.index(consumer))
+            tma.store_wait(0)
+            mbarrier.arrive(dq_free.index(consumer))
+        if DETERMINISTIC:
+            # The fence orders the adds' completion before the release; the barrier holds the warp until the
+            # thread that issued them has seen them complete.
+            _wait_reduce_adds()
+            _fence_async_global()
+            gl.thread_barrier()
+            gl.atomic_add(lock, 1, sem="release", scope="gpu")
 
 
 @gluon.jit
@@ -167,10 +185,9 @@ def _store_rows(OUT, strides, x, b, h, rows, cols, N_ROWS):
 
 @gluon.jit
 def _bwd_consumer(
-    dq_desc, DK, DV, dk_strides, dv_strides, DQ_LOCKS, bufs, dq_bufs, handed, taken, b, h_kv, H_KV, pid_n,
-    q_first, n_q, n_tiles_q, masked_until, GROUP, N_KEYS, qk_scale, sm_scale,
-    CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-    STAGES: gl.constexpr, DQ_BUFFERS: gl.constexpr, IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr,
+    DK, DV, dk_strides, dv_strides, bufs, dq_bufs, dq_full, dq_free, b, h_kv, pid_n, q_first, n_q, masked_until,
+    GROUP, N_KEYS, qk_scale, sm_scale, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
 ):
     k_buf, v_buf, q_bufs, do_bufs, l_bufs, d_bufs, ds_bufs, kv_ready, qdo_ready, qdo_empty, ds_ready = bufs
     dtype: gl.constexpr = k_buf.dtype
@@ -197,13 +214,6 @@ def _bwd_consumer(
     dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
     dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=kv_layout)
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=kv_layout)
-    # Deterministic dQ: each (query head, query tile) has a lock counting the key blocks whose reduce-adds into it
-    # have landed. They add in descending key order (the launch order), each once the later key blocks have, and
-    # hand theirs to the releaser one dQ tile later (the reduce-add has long completed by then), if `has_pending`;
-    # `n_handed` counts the hand-overs.
-    n_handed = 0
-    has_pending = False
-    n_key_blocks = gl.num_programs(0)
     mbarrier.wait(kv_ready.index(0), 0)
     if HEAD_DIM == 64:
         # This consumer's K and V rows as the register A operands of S^T and dP^T (16 registers a thread each,
@@ -212,7 +222,6 @@ def _bwd_consumer(
         v_own = v_own.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
 
     for t in range(GROUP * n_q):
-        h = h_kv * GROUP + t // n_q
         i = q_first + t % n_q
         stage = t % STAGES
         slot = t % 2
@@ -242,9 +251,6 @@ def _bwd_consumer(
             # d = 64 issues dK first: dQ first measured slower there (writeup/results/attention_notes.md).
             dk = warpgroup_mma(ds16, q_smem, dk, is_async=True)
         if (t % 2 == CONSUMER) | SPLIT_DQ:
-            if DETERMINISTIC and has_pending:
-                _hand_over(handed.index(CONSUMER), taken.index(CONSUMER), n_handed)
-                n_handed += 1
             # dQ needs both consumers' dS^T rows. The slot is reused two tiles later; by then the other
             # consumer has passed this tile's ds_ready wait (it is two arrivals behind at most).
             mbarrier.wait(ds_ready.index(slot), (t // 2) & 1)
@@ -252,33 +258,15 @@ def _bwd_consumer(
             if SPLIT_DQ:
                 # Issued after dQ, so that the tensor cores run it while this consumer stages dQ (below).
                 dk = warpgroup_mma(ds16, q_smem, dk, is_async=True)
-            if DETERMINISTIC:
-                lock = DQ_LOCKS + (b * H_KV * GROUP + h).to(gl.int64) * n_tiles_q + i
-                # The key blocks that add before this one: those after it that see tile i.
-                if IS_CAUSAL:
-                    last = gl.minimum(n_key_blocks - 1, (i * BLOCK_M + BLOCK_M - 1) // BLOCK_N)
-                else:
-                    last = n_key_blocks - 1
-                # The first read of the lock overlaps the product.
-                landed = _load_acquire(lock)
-            if SPLIT_DQ:
                 # Groups retire in order: dV and dQ are done, dK may still run.
                 dq, p16 = warpgroup_mma_wait(1, deps=(dq, p16))
             else:
                 # Waits for every wgmma in flight; dK and dV pass through the wait after the branch.
                 dq, p16, ds16 = warpgroup_mma_wait(0, deps=(dq, p16, ds16))
-            # A staging buffer is reused DQ_BUFFERS dQ tiles later, once its reduce-add has read it.
-            if SPLIT_DQ:
-                dq_tile = dq_bufs.index(CONSUMER * DQ_BUFFERS + t % DQ_BUFFERS)
-            else:
-                dq_tile = dq_bufs.index(CONSUMER * DQ_BUFFERS + (t // 2) % DQ_BUFFERS)
-            if DETERMINISTIC:
-                while landed < last - pid_n:
-                    landed = _load_acquire(lock)
-                _fence_async_global()
-                has_pending = True
-            else:
-                tma.store_wait(DQ_BUFFERS - 1)
+            # This consumer's staging buffer, once the dQ writer's reduce-add has read its previous tile (a fresh
+            # mbarrier counts as having completed the phase before phase 0: the first tile does not wait).
+            dq_tile = dq_bufs.index(CONSUMER)
+            mbarrier.wait(dq_free.index(CONSUMER), ((t if SPLIT_DQ else t // 2) & 1) ^ 1)
             # Tile row 8a + 4b + 2c + d goes to staging row 8a + 4c + 2d + b (staged_row). A store instruction
             # writes 32 bytes of each of eight rows, and a half-warp four of them; in row order the swizzle maps
             # rows 2j and 2j + 1 onto the same banks (two wavefronts where one suffices), in this order the four
@@ -286,25 +274,17 @@ def _bwd_consumer(
             dq = dq.reshape([BLOCK_M // 8, 2, 2, 2, DQ_COLS]).permute((0, 2, 3, 1, 4)).reshape([BLOCK_M, DQ_COLS])
             dq_tile.reshape([BLOCK_M, DQ_COLS]).store(dq)
             fence_async_shared()
-            _tma_reduce_add(dq_desc, [b, h, i * BLOCK_M, CONSUMER * DQ_COLS if SPLIT_DQ else 0], dq_tile)
+            mbarrier.arrive(dq_full.index(CONSUMER))
             if SPLIT_DQ:
                 dk, ds16 = warpgroup_mma_wait(0, deps=(dk, ds16))
-        elif DETERMINISTIC and has_pending:
-            # d = 64: the other consumer's tile; hand this one's last over now rather than a tile later.
-            _hand_over(handed.index(CONSUMER), taken.index(CONSUMER), n_handed)
-            n_handed += 1
-            has_pending = False
         dk, dv, p16, ds16 = warpgroup_mma_wait(0, deps=(dk, dv, p16, ds16))
         mbarrier.arrive(qdo_empty.index(stage))
 
-    if DETERMINISTIC and has_pending:
-        _hand_over(handed.index(CONSUMER), taken.index(CONSUMER), n_handed)
     # dK, dV rows past the end of the keys are dropped by the mask.
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
     rows = k0 + CONSUMER * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kv_layout))
     _store_rows(DK, dk_strides, (dk * sm_scale).to(dtype), b, h_kv, rows, offs_d, N_KEYS)
     _store_rows(DV, dv_strides, dv.to(dtype), b, h_kv, rows, offs_d, N_KEYS)
-    tma.store_wait(0)
 
 
 # Lengths and head counts only enter comparisons and offsets: one build serves them all.
@@ -314,7 +294,7 @@ def _attn_bwd_kernel(
     stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
     H_KV, GROUP, N_QUERIES, N_KEYS, qk_scale, sm_scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    IS_CAUSAL: gl.constexpr, DQ_BUFFERS: gl.constexpr, DETERMINISTIC: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr,
 ):
     # Grid: (key tiles, batch * key/value heads). Causal programs with the first keys see the most queries
     # and start first, except in deterministic mode: there the key blocks of a head start last first, the order
@@ -344,14 +324,14 @@ def _attn_bwd_kernel(
     d_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + d_desc.block_type.shape, d_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-    dq_bufs = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFFERS] + dq_desc.block_type.shape, dq_desc.layout)
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     qdo_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    # Deterministic mode: each consumer hands its completed reduce-adds to the releaser, which takes them.
-    handed = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    taken = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # Per consumer's staging buffer: staged by the consumer (full), read by the dQ writer's reduce-add (free).
+    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready.index(0), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(qdo_ready.index(s), count=1)
@@ -359,27 +339,24 @@ def _attn_bwd_kernel(
         mbarrier.init(qdo_empty.index(s), count=2)
     for s in gl.static_range(2):
         mbarrier.init(ds_ready.index(s), count=2)
-        if DETERMINISTIC:
-            mbarrier.init(handed.index(s), count=1)
-            mbarrier.init(taken.index(s), count=1)
+        mbarrier.init(dq_full.index(s), count=1)
+        mbarrier.init(dq_free.index(s), count=1)
 
     bufs = (k_buf, v_buf, q_bufs, do_bufs, l_bufs, d_bufs, ds_bufs, kv_ready, qdo_ready, qdo_empty, ds_ready)
     dk_strides = (stride_dkb, stride_dkh, stride_dkt)
     dv_strides = (stride_dvb, stride_dvh, stride_dvt)
     gl.warp_specialize(
         [
-            (_bwd_consumer, (dq_desc, DK, DV, dk_strides, dv_strides, DQ_LOCKS, bufs, dq_bufs, handed, taken, b,
-                             h_kv, H_KV, pid_n, q_first, n_q, n_tiles_q, masked_until, GROUP, N_KEYS, qk_scale,
-                             sm_scale, 0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DQ_BUFFERS, IS_CAUSAL,
-                             DETERMINISTIC)),
-            (_bwd_consumer, (dq_desc, DK, DV, dk_strides, dv_strides, DQ_LOCKS, bufs, dq_bufs, handed, taken, b,
-                             h_kv, H_KV, pid_n, q_first, n_q, n_tiles_q, masked_until, GROUP, N_KEYS, qk_scale,
-                             sm_scale, 1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DQ_BUFFERS, IS_CAUSAL,
-                             DETERMINISTIC)),
+            (_bwd_consumer, (DK, DV, dk_strides, dv_strides, bufs, dq_bufs, dq_full, dq_free, b, h_kv, pid_n,
+                             q_first, n_q, masked_until, GROUP, N_KEYS, qk_scale, sm_scale, 0, BLOCK_M, BLOCK_N,
+                             HEAD_DIM, STAGES)),
+            (_bwd_consumer, (DK, DV, dk_strides, dv_strides, bufs, dq_bufs, dq_full, dq_free, b, h_kv, pid_n,
+                             q_first, n_q, masked_until, GROUP, N_KEYS, qk_scale, sm_scale, 1, BLOCK_M, BLOCK_N,
+                             HEAD_DIM, STAGES)),
             (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, l_desc, d_desc, bufs, b, h_kv, k0, q_first, n_q,
                              GROUP, BLOCK_M, STAGES)),
-            (_bwd_releaser, (DQ_LOCKS, handed, taken, b, h_kv, H_KV, q_first, n_q, n_tiles_q, GROUP,
-                             HEAD_DIM == 128, DETERMINISTIC)),
+            (_bwd_dq_writer, (dq_desc, DQ_LOCKS, dq_bufs, dq_full, dq_free, b, h_kv, H_KV, pid_n, q_first, n_q,
+                              n_tiles_q, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, IS_CAUSAL, DETERMINISTIC)),
         ],
         [4, 1, 1],
         [CONSUMER_REGISTERS, PRODUCER_REGISTERS, PRODUCER_REGISTERS],
@@ -459,7 +436,7 @@ def backward_args(
         heads_kv, heads_q // heads_kv, n_queries, n_keys, sm_scale * LOG2E, sm_scale,
     )
     return args, {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages,
-                  "IS_CAUSAL": is_causal, "DQ_BUFFERS": DQ_BUFFERS, "DETERMINISTIC": dq_locks is not None}
+                  "IS_CAUSAL": is_causal, "DETERMINISTIC": dq_locks is not None}
 
 
 def dq_lock_count(q: torch.Tensor) -> int:

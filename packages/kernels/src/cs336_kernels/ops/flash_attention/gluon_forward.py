@@ -152,10 +152,13 @@ def _scores(s, j, row0, masked_from, N_KEYS, qk_scale, m_i, s_layout: gl.constex
     # straddle the diagonal or the end of the keys.
     if j >= masked_from:
         offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        keep = offs_n[None, :] < N_KEYS
         if IS_CAUSAL:
+            # Row i sees keys below min(i + 1, N_KEYS): one comparison a score, each key index used once, so
+            # ptxas does not keep the tile's key indices in registers for a second pass.
             offs_m = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-            keep = keep & (offs_m[:, None] >= offs_n[None, :])
+            keep = offs_n[None, :] < gl.minimum(offs_m + 1, N_KEYS)[:, None]
+        else:
+            keep = offs_n[None, :] < N_KEYS
         s = gl.where(keep, s, float("-inf"))
     # Key 0 is in the first tile and visible to every row, so m_new is finite from the first tile on.
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
