@@ -184,7 +184,8 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         q: (batch, seq, heads_q, head_dim) in fp32, fp16 or bf16, any strides; head_dim even.
         k: (batch, seq, heads_k, head_dim), same dtype (heads_k may differ from heads_q).
         cos, sin: (context, head_dim / 2) fp32 tables (``RotaryEmbedding.cos`` / ``.sin``), constants.
-        positions: (seq,) or (batch, seq) int32/int64 in [0, context) (one host sync checks the range).
+        positions: (seq,) or (batch, seq) int32/int64 in [0, context) (checked for CPU tensors; on a GPU the check
+            would be a host sync, so it is the caller's).
 
     Returns:
         (q_rot, k_rot), contiguous (batch, seq, heads, head_dim) in the input dtype.

@@ -229,7 +229,13 @@ def rope_case(n: int, d_model: int, heads: int, liger: Peer, quack: Peer, device
     head_dim = d_model // heads
     gen = torch.Generator(device=device).manual_seed(2)
     q_proj, k_proj = _leaf((1, n, d_model), gen), _leaf((1, n, d_model), gen)
-    q, k = q_proj.view(1, n, heads, head_dim), k_proj.view(1, n, heads, head_dim)  # (1, N, H, Dh) views
+
+    def heads_of(*projections: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # (1, N, H, Dh) views, taken inside each timed call: autograd runs a node's backward on the stream its
+        # forward ran on, so a view taken once outside would run its backward on the default stream, which a
+        # CUDA-graph capture on another stream cannot include.
+        return tuple(t.view(1, n, heads, head_dim) for t in projections)
+
     dq, dk = (torch.randn(1, n, heads, head_dim, device=device, generator=gen).bfloat16() for _ in range(2))
     module = RotaryEmbedding(n, head_dim, device=device)
     positions = torch.arange(n, device=device)
@@ -238,7 +244,7 @@ def rope_case(n: int, d_model: int, heads: int, liger: Peer, quack: Peer, device
 
     def eager() -> tuple[torch.Tensor, ...]:
         # The model rotates (batch, heads, seq, head_dim) views; transposing back is free.
-        return tuple(module(t.transpose(1, 2), positions).transpose(1, 2) for t in (q, k))
+        return tuple(module(t.transpose(1, 2), positions).transpose(1, 2) for t in heads_of(q_proj, k_proj))
 
     def liger_impl(m: Any) -> GlueImpl:
         # Liger follows Hugging Face: it rotates the halves (x[i], x[i + Dh/2]) with full-width (1, N, Dh) tables,
@@ -247,23 +253,24 @@ def rope_case(n: int, d_model: int, heads: int, liger: Peer, quack: Peer, device
         cos_full, sin_full = (torch.cat((t, t), dim=-1)[None] for t in (cos, sin))
 
         def liger_rope() -> tuple[torch.Tensor, ...]:
-            views = (t.view(1, n, heads, head_dim).transpose(1, 2) for t in (lq, lk))
+            views = (t.transpose(1, 2) for t in heads_of(lq, lk))
             return tuple(out.transpose(1, 2) for out in m.liger_rope(*views, cos_full, sin_full))
 
         return GlueImpl(liger_rope, (dq.clone(), dk.clone()), (lq, lk), compare=False,
                         note="rotates halves (Hugging Face convention), not interleaved pairs")
 
     impls: dict[str, GlueImpl | str] = {
-        "ours": GlueImpl(lambda: rope(q, k, cos, sin, positions), (dq, dk), (q_proj, k_proj)),
-        "torch_compile": GlueImpl(lambda: compiled(q, k, cos, sin, positions), (dq, dk), (q_proj, k_proj)),
+        "ours": GlueImpl(lambda: rope(*heads_of(q_proj, k_proj), cos, sin, positions), (dq, dk), (q_proj, k_proj)),
+        "torch_compile": GlueImpl(lambda: compiled(*heads_of(q_proj, k_proj), cos, sin, positions), (dq, dk),
+                                  (q_proj, k_proj)),
         "eager": GlueImpl(eager, (dq, dk), (q_proj, k_proj)),
         "liger": _peer_impl(liger, liger_impl),
         # Interleaved pairs with (N, Dh / 2) tables: our convention; one call for q, one for k.
         "quack": _peer_impl(quack, lambda m: GlueImpl(
-            lambda: tuple(m.apply_rotary_emb(t, cos, sin, interleaved=True) for t in (q, k)), (dq, dk),
-            (q_proj, k_proj), note="interleaved=True, q and k in two calls")),
+            lambda: tuple(m.apply_rotary_emb(t, cos, sin, interleaved=True) for t in heads_of(q_proj, k_proj)),
+            (dq, dk), (q_proj, k_proj), note="interleaved=True, q and k in two calls")),
     }
-    nbytes = 4 * (q.numel() + k.numel()) * q.element_size() + 8 * n * head_dim + 16 * n
+    nbytes = 4 * (q_proj.numel() + k_proj.numel()) * q_proj.element_size() + 8 * n * head_dim + 16 * n
     return GlueCase(f"1x{n}x{heads}x{head_dim}", nbytes, impls)
 
 

@@ -40,28 +40,31 @@ def graph_median_ms(fn: Callable[[], Any], config: FusedBenchConfig, grad_to_non
             call()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            call()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    replays = max(3, int(config.rep_ms / max(start.elapsed_time(end), 1e-3)))
-    times = []
-    for _ in range(replays):
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                call()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    # The gradients left by the last captured call live in the graph's memory pool; the pool returns to the
-    # allocator only once they and the graph are gone (else every timed callable keeps its pool until the GPU is full).
-    for t in grad_to_none:
-        t.grad = None
-    del graph
-    free_cached_memory()
+        replays = max(3, int(config.rep_ms / max(start.elapsed_time(end), 1e-3)))
+        times = []
+        for _ in range(replays):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / calls)
+    finally:
+        # The gradients left by the last captured call live in the graph's memory pool; the pool returns to the
+        # allocator only once they and the graph are gone, and a capture that failed holds its pool too (else
+        # every callable timed, or failing, keeps its pool until the GPU is full).
+        for t in grad_to_none:
+            t.grad = None
+        del graph
+        free_cached_memory()
     return statistics.median(times)
 
 
