@@ -12,13 +12,15 @@ from cs336_harness import results
 def fake_git(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     """Point the commit file at tmp_path and answer git with the given HEAD and status."""
 
-    def install(head: str | None, status: str = "", recorded: str | None = None) -> None:
+    def install(head: str | None, status: str = "", recorded: str | None = None, toplevel: Path = tmp_path) -> None:
         commit_file = tmp_path / ".commit"
         if recorded is not None:
             commit_file.write_text(recorded + "\n")
         monkeypatch.setattr(results, "_COMMIT_FILE", commit_file)
-        answers = {"rev-parse": head, "status": status if head else None}
-        monkeypatch.setattr(results, "_git", lambda *args: answers[args[0]])
+        answers = {("rev-parse", "--show-toplevel"): str(toplevel) if head else None,
+                   ("rev-parse", "--short=12", "HEAD"): head,
+                   ("status", "--porcelain", "--untracked-files=no"): status if head else None}
+        monkeypatch.setattr(results, "_git", lambda *args: answers[args])
 
     return install
 
@@ -34,6 +36,12 @@ def fake_git(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
 def test_git_commit(fake_git, head: str | None, status: str, recorded: str | None, expected: str) -> None:
     fake_git(head, status, recorded)
     assert results.git_commit() == expected
+
+
+def test_git_commit_of_a_tree_staged_inside_another_checkout(fake_git, tmp_path: Path) -> None:
+    """The outer checkout's HEAD and status say nothing of the staged tree, even where its HEAD is the same commit."""
+    fake_git("abc123", " M x.py", "abc123", toplevel=tmp_path.parent)
+    assert results.git_commit() == "abc123+unchecked"
 
 
 def test_check_writable_leaves_no_file_behind_and_keeps_an_existing_one(tmp_path: Path) -> None:

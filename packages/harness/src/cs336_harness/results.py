@@ -42,10 +42,13 @@ def _git(*args: str) -> str | None:
 def git_commit() -> str:
     """The commit the code ran from, with ``+dirty`` if tracked files were modified.
 
-    Where ``.commit`` names another commit than git's HEAD, or there is no git (the GPU machine's copy),
-    it is read from ``.commit`` and marked ``+unchecked``.
+    Where ``.commit`` names another commit than git's HEAD, or there is no git of this tree's own (the GPU
+    machine's copy, a tree staged inside another checkout), it is read from ``.commit`` and marked ``+unchecked``.
     """
-    commit = _git("rev-parse", "--short=12", "HEAD")
+    # A tree staged inside another checkout (tools/stage_base.sh's .base) sees that checkout's git: not its own.
+    toplevel = _git("rev-parse", "--show-toplevel")
+    own_git = toplevel is not None and Path(toplevel).resolve() == _COMMIT_FILE.parent.resolve()
+    commit = _git("rev-parse", "--short=12", "HEAD") if own_git else None
     recorded = _COMMIT_FILE.read_text().strip() if _COMMIT_FILE.exists() else None
     if commit and recorded in (None, commit):
         return commit + ("+dirty" if _git("status", "--porcelain", "--untracked-files=no") else "")
