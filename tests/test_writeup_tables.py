@@ -40,3 +40,28 @@ def test_anchor_tables_leave_out_rows_of_a_change_not_kept(monkeypatch) -> None:
     monkeypatch.setattr(writeup, "rows", lambda name: timed if name == "attention_anchors" else [])
     assert "| 1 |" in writeup.table_anchors() and "| 9 |" not in writeup.table_anchors()
     assert "| 1 | 2 | 0.5 | 0.5 | 0.25 |" in writeup.table_anchors_fa4()
+
+
+def test_tables_take_each_shape_and_op_from_the_latest_call_that_timed_ours(monkeypatch) -> None:
+    """A later call whose ours rows at a shape are a change not kept, or whose ours failed at an op, leaves that
+    shape's or op's line to the call before it."""
+
+    def anchor(impl: str, ms: float, d: int, call_id: str, **extra) -> dict:
+        return {"bench": "anchors", "impl": impl, "batch": 1, "heads": 2, "seq": 64, "d": d, "status": "ok",
+                "fwd_ms": ms / 3, "bwd_ms": 2 * ms / 3, "fwd_bwd_ms": ms, "fwd_bwd_tflops": 1.0, "call_id": call_id,
+                **extra}
+
+    def glue(impl: str, call_id: str, date: str, **times) -> dict:
+        return {"bench": "glue", "op": "rope", "part": "fwd+bwd", "impl": impl, "call_id": call_id, "date": date,
+                **times}
+
+    anchors = [anchor("ours", 1.0, 64, "c1"), anchor("sdpa", 2.0, 64, "c1"), anchor("ours", 3.0, 128, "c1"),
+               anchor("ours", 9.0, 64, "c2", variant="not kept"), anchor("sdpa", 8.0, 64, "c2"),
+               anchor("ours", 4.0, 128, "c2")]
+    kernels = [glue("ours", "k1", "2026-01-01", ms=0.75, vs_copy=0.5), glue("copy", "k1", "2026-01-01", ms=0.5),
+               glue("ours", "k2", "2026-01-02", error="OutOfMemoryError"), glue("copy", "k2", "2026-01-02", ms=0.4)]
+    monkeypatch.setattr(writeup, "rows", lambda name: {"attention_anchors": anchors, "kernel_limits": kernels}[name])
+    table = writeup.table_anchors()
+    assert "| 1 |" in table and "| 2 |" in table and "| 4 |" in table
+    assert not any(f"| {ms} |" in table for ms in (3, 8, 9))
+    assert "| rope | do_bench | 0.75 |" in writeup.table_glue() and "0.4" not in writeup.table_glue()

@@ -393,14 +393,21 @@ def _kept_anchors() -> list[dict[str, Any]]:
 
 
 def table_anchors() -> str:
-    """Our attention against library kernels, the latest run of the anchors benchmark (one row per shape and
-    implementation)."""
-    anchors = [r for r in _kept_anchors() if r.get("impl") in ("ours", "ours_deterministic", "triton", "sdpa",
-                                                                 "sdpa_flash", "flex")]
-    latest = max(r.get("call_id") or "" for r in anchors)
+    """Our attention against library kernels: per shape, the latest call that timed our kept kernels there (one row
+    per implementation of that call)."""
+    anchors = [r for r in _kept_anchors() if r.get("bench") == "anchors" and r.get("impl") in (
+        "ours", "ours_deterministic", "triton", "sdpa", "sdpa_flash", "flex")]
+
+    def shape(r: dict[str, Any]) -> tuple[int, int, int, int]:
+        return r["batch"], r["heads"], r["seq"], r["d"]
+
+    latest: dict[tuple[int, int, int, int], str] = {}
+    for r in anchors:
+        if r["impl"] == "ours":
+            latest[shape(r)] = max(latest.get(shape(r), ""), r.get("call_id") or "")
     # A run may time an implementation at a shape twice (a second pass beside the deterministic modes): its last row.
-    last = {(r["batch"], r["heads"], r["seq"], r["d"], r["impl"]): r for r in anchors
-            if (r.get("call_id") or "") == latest}
+    last = {(*shape(r), r["impl"]): r for r in anchors
+            if shape(r) in latest and (r.get("call_id") or "") == latest[shape(r)]}
     picked = sorted(last.values(), key=lambda r: (-r["seq"] * r["d"] * r["batch"], r["fwd_bwd_ms"]))
     names = {"ours": "ours (default)", "ours_deterministic": "ours, deterministic mode",
              "triton": "ours, Triton backward", "sdpa": "SDPA (cuDNN)",
@@ -462,13 +469,16 @@ def table_lm_head() -> str:
 
 
 def table_glue() -> str:
-    """One line per glue op from its latest call in ``kernel_limits``: each implementation's forward + backward, the
-    GPU's time alone (CUDA-graph replays) where the call measured it, else do_bench's (host included), and ours
-    against a copy of the same bytes."""
+    """One line per glue op from its latest call in ``kernel_limits`` that timed ours: each implementation's forward +
+    backward, the GPU's time alone (CUDA-graph replays) where the call measured it, else do_bench's (host included),
+    and ours against a copy of the same bytes."""
     glue = [r for r in rows("kernel_limits") if r.get("bench") == "glue" and r.get("part") == "fwd+bwd"]
     out = []
     for op in dict.fromkeys(r["op"] for r in glue):
-        call_id = max((r for r in glue if r["op"] == op), key=lambda r: r["date"])["call_id"]
+        timed_ours = [r for r in glue if r["op"] == op and r["impl"] == "ours" and "ms" in r]
+        if not timed_ours:
+            continue
+        call_id = max(timed_ours, key=lambda r: r["date"])["call_id"]
         call = [r for r in glue if r["op"] == op and r["call_id"] == call_id and "ms" in r]
         graph = all("graph_ms" in r for r in call if r["impl"] != "copy")
         line: dict[str, Any] = {"op": op.replace("_", " "), "timing": "GPU alone" if graph else "do_bench"}
