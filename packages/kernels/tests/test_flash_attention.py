@@ -25,7 +25,7 @@ from cs336_kernels.ops.flash_attention import (
     tuning,
 )
 from cs336_kernels.ops.flash_attention.forward import flash_forward_triton
-from cs336_kernels.ops.flash_attention.gluon_backward import unstage_dq
+from cs336_kernels.ops.flash_attention.gluon_backward import CONFIGS, unstage_dq
 from cs336_kernels.ops.flash_attention.gluon_common import gluon_applies
 from cs336_kernels.ops.flash_attention.reference import flash_backward_pytorch, flash_forward_pytorch
 
@@ -182,8 +182,10 @@ def test_backward_with_tma_loads_matches_reference(monkeypatch, shape_q, shape_k
 
 @pytest.mark.parametrize(("n_queries", "head_dim"), [(128, 64), (70, 128)])
 def test_the_gluon_backwards_dq_accumulator_is_unstaged_in_row_order_and_scaled(n_queries, head_dim):
-    # The Gluon backward stages row 8a + 4b + 2c + d of every 64-row dQ tile at row 8a + 4c + 2d + b.
-    rows = -(-n_queries // 64) * 64
+    # The Gluon backward stages row 8a + 4b + 2c + d of every dQ tile (64 rows at d = 128, 128 at d = 64) at row
+    # 8a + 4c + 2d + b.
+    block_m = CONFIGS[head_dim][0]
+    rows = -(-n_queries // block_m) * block_m
     dq = torch.randn(2, 3, rows, head_dim, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     r = torch.arange(rows)
     a, b, c, d = r // 8, (r // 4) % 2, (r // 2) % 2, r % 2
@@ -194,7 +196,7 @@ def test_the_gluon_backwards_dq_accumulator_is_unstaged_in_row_order_and_scaled(
     out = torch.full((2, n_queries, 3, head_dim), float("nan"), dtype=torch.float16, device=DEVICE).transpose(1, 2)
     assert unstage_dq(staged, out, 0.125) is out
     torch.testing.assert_close(out, (dq[:, :, :n_queries] * 0.125).half(), rtol=0, atol=0)
-    with pytest.raises(ValueError, match="multiple of 64"):
+    with pytest.raises(ValueError, match=f"multiple of {block_m}"):
         unstage_dq(staged[:, :, :-1].contiguous(), out[:, :, 1:], 1.0)
     with pytest.raises(ValueError, match="unit stride"):
         unstage_dq(staged, out.transpose(2, 3).contiguous().transpose(2, 3), 1.0)

@@ -56,8 +56,8 @@ def _check_backward(q, k, v, do, is_causal):
         assert rel < REL_TOL[q.dtype], f"{name}: relative error {rel:.2e}"
 
 
-# (shape of q, shape of k and v): one query and one key; lengths that are not multiples of the 64-row query
-# tiles or the 128-key tiles (127, 1000, 4097); Tq < Tk and Tq > Tk; grouped-query heads (2:1, 4:1, 2:1).
+# (shape of q, shape of k and v): one query and one key; lengths that are not multiples of the query tiles (64
+# or 128 rows) or the 128-key tiles (127, 1000, 4097); Tq < Tk and Tq > Tk; grouped-query heads (2:1, 4:1, 2:1).
 SHAPES = [
     ((1, 2, 1, 64), (1, 2, 1, 64)),
     ((2, 4, 127, 128), (2, 2, 127, 128)),

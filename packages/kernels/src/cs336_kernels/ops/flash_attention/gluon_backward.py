@@ -9,11 +9,11 @@ One program owns ``BLOCK_N`` keys of one (batch, key/value head) and runs four p
 - two consumer warpgroups, each owning ``BLOCK_N / 2`` of the keys, that run five wgmma products per
   (query tile, key tile): ``S^T = K Q^T`` and ``dP^T = V dO^T`` (keys as rows, so that P^T and dS^T are
   already the register A operands of the next two), ``dV += P^T dO``, ``dK += dS^T Q``, and
-  ``dQ = dS K`` over all the program's keys. Both consumers write their dS^T rows to shared memory; with
-  d = 128 each computes half of dQ's columns every tile, and issues dK's product after dQ's so that the tensor
-  cores run it while the consumer stages dQ; with d = 64 they take turns by query tile. A consumer stores its dQ
-  tile into its own staging buffer once that is free and hands it to the dQ writer without waiting for the add.
-  dK and dV stay in registers until the end;
+  ``dQ = dS K`` over all the program's keys. Both consumers write their dS^T rows to shared memory, and each
+  computes a part of every dQ tile from them: half its columns at d = 128 (64-query tiles), half its rows at
+  d = 64 (128-query tiles, FlashAttention-4's choice on sm_90). A consumer issues dK's product after dQ's so that
+  the tensor cores run it while the consumer stores its dQ part into its own staging buffer, once that is free,
+  and hands it to the dQ writer without waiting for the add. dK and dV stay in registers until the end;
 - a one-warp dQ writer (FlashAttention-4's design) that adds each staged dQ tile in fp32 into a global
   accumulator by a TMA reduce-add (``cp.reduce.async.bulk.tensor``) and frees the buffer as soon as the TMA has
   read it, long before the consumer's next dQ tile is ready.
@@ -74,8 +74,16 @@ from cs336_kernels.ops.flash_attention.gluon_common import (
 
 # Per head dim: (BLOCK_M queries per tile, BLOCK_N keys per program, STAGES of the Q/dO ring). Shared memory
 # at d = 128: K, V 2 x 32 KiB, Q/dO ring 2 x 32 KiB, dS^T 2 x 16 KiB, dQ staging 2 x 16 KiB, L/D ring 1 KiB =
-# 193 KiB of the 227 an sm_90 block may have.
-CONFIGS = {64: (64, 128, 3), 128: (64, 128, 2)}
+# 193 KiB of the 227 an sm_90 block may have; at d = 64: K, V 2 x 16 KiB, Q/dO ring 2 x 32 KiB, dS^T 2 x 32 KiB,
+# dQ staging 2 x 16 KiB, L/D ring 2 KiB = 194 KiB.
+CONFIGS = {64: (128, 128, 2), 128: (64, 128, 2)}
+
+
+@gluon.constexpr_function
+def dq_part(block_m, head_dim):
+    """The (rows, columns) of the dQ tile part each consumer computes, stages and hands to the dQ writer every
+    query tile: at d = 128 half the columns of a 64-row tile, at d = 64 half the rows of a 128-row one."""
+    return [block_m, head_dim // 2] if head_dim == 128 else [block_m // 2, head_dim]
 
 
 @builtin
@@ -119,7 +127,8 @@ def _bwd_dq_writer(
     # key blocks have added into the tile, and counts the tile's adds as landed once they have completed: the spin
     # on the lock and the GPU-scope release wait here, not in a consumer.
     SPLIT_DQ: gl.constexpr = HEAD_DIM == 128
-    DQ_COLS: gl.constexpr = HEAD_DIM // 2 if SPLIT_DQ else HEAD_DIM
+    DQ_ROWS: gl.constexpr = dq_part(BLOCK_M, HEAD_DIM)[0]
+    DQ_COLS: gl.constexpr = dq_part(BLOCK_M, HEAD_DIM)[1]
     n_key_blocks = gl.num_programs(0)
     for t in range(GROUP * n_q):
         h = h_kv * GROUP + t // n_q
@@ -135,14 +144,15 @@ def _bwd_dq_writer(
             while landed < last - pid_n:
                 landed = _load_acquire(lock)
             _fence_async_global()
-        # d = 128: both consumers' column halves of tile t, the t-th dQ tile of each; d = 64: the whole tile, the
-        # (t // 2)-th of consumer t % 2.
-        for half in gl.static_range(2 if SPLIT_DQ else 1):
-            consumer = half if SPLIT_DQ else t % 2
-            mbarrier.wait(dq_full.index(consumer), (t if SPLIT_DQ else t // 2) & 1)
-            _tma_reduce_add(dq_desc, [b, h, i * BLOCK_M, half * DQ_COLS], dq_bufs.index(consumer))
+        # Each consumer's part of tile t, its t-th: a column half (d = 128) or a row half (d = 64).
+        for half in gl.static_range(2):
+            mbarrier.wait(dq_full.index(half), t & 1)
+            if SPLIT_DQ:
+                _tma_reduce_add(dq_desc, [b, h, i * BLOCK_M, half * DQ_COLS], dq_bufs.index(half))
+            else:
+                _tma_reduce_add(dq_desc, [b, h, i * BLOCK_M + half * DQ_ROWS, 0], dq_bufs.index(half))
             tma.store_wait(0)
-            mbarrier.arrive(dq_free.index(consumer))
+            mbarrier.arrive(dq_free.index(half))
         if DETERMINISTIC:
             # The fence orders the adds' completion before the release; the barrier holds the warp until the
             # thread that issued them has seen them complete.
@@ -192,10 +202,11 @@ def _bwd_consumer(
     k_buf, v_buf, q_bufs, do_bufs, l_bufs, d_bufs, ds_bufs, kv_ready, qdo_ready, qdo_empty, ds_ready = bufs
     dtype: gl.constexpr = k_buf.dtype
     KEYS: gl.constexpr = BLOCK_N // 2
-    # d = 128: each consumer computes dQ for half the columns (a (64, 64) fp32 tile, 32 registers a thread);
-    # d = 64: the whole (64, 64) tile, one consumer per query tile in turn.
+    # Each consumer computes a (64, 64) fp32 part of every dQ tile (32 registers a thread): d = 128 half the
+    # columns of a 64-query tile, d = 64 half the rows of a 128-query one.
     SPLIT_DQ: gl.constexpr = HEAD_DIM == 128
-    DQ_COLS: gl.constexpr = HEAD_DIM // 2 if SPLIT_DQ else HEAD_DIM
+    DQ_ROWS: gl.constexpr = dq_part(BLOCK_M, HEAD_DIM)[0]
+    DQ_COLS: gl.constexpr = dq_part(BLOCK_M, HEAD_DIM)[1]
     k0 = pid_n * BLOCK_N
     s_layout: gl.constexpr = mma_layout(BLOCK_M)
     kv_layout: gl.constexpr = mma_layout(HEAD_DIM)
@@ -209,17 +220,15 @@ def _bwd_consumer(
     k_own = k_all.slice(CONSUMER * KEYS, KEYS, dim=0)
     v_own = v_buf.reshape([BLOCK_N, HEAD_DIM]).slice(CONSUMER * KEYS, KEYS, dim=0)
     k_dq = k_all.slice(CONSUMER * DQ_COLS, DQ_COLS, dim=1) if SPLIT_DQ else k_all
+    # d = 64 puts off dV's product until dS^T is made, so that P^T's and dP^T's 128 fp32 registers a thread do
+    # not live beside dV's product in flight (d = 128's 64-query tiles leave room for it).
+    LATE_DV: gl.constexpr = HEAD_DIM == 64
     offs_k = k0 + CONSUMER * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
     s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout)
-    dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
+    dq_zero = gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, layout=dq_layout)
     dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=kv_layout)
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=kv_layout)
     mbarrier.wait(kv_ready.index(0), 0)
-    if HEAD_DIM == 64:
-        # This consumer's K and V rows as the register A operands of S^T and dP^T (16 registers a thread each,
-        # which d = 128 does not have to spare): the products then read only Q and dO from shared memory.
-        k_own = k_own.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
-        v_own = v_own.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
 
     for t in range(GROUP * n_q):
         i = q_first + t % n_q
@@ -235,49 +244,49 @@ def _bwd_consumer(
         # Query rows past the end read L = D = 0 (TMA fills them with zeros); their Q and dO rows are zeros
         # too, so they add nothing.
         lse2 = l_bufs.index(stage).reshape([BLOCK_M]).load(col_s)  # L * log2(e)
-        p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
         if i < masked_until:  # never without the causal mask: masked_until is 0 then
-            p_t = gl.where(offs_q[None, :] >= offs_k[:, None], p_t, 0.0)
-        p16 = gl.convert_layout(p_t.to(dtype), a_layout)
-        dv = warpgroup_mma(p16, do_smem, dv, is_async=True)
-        dp_t = warpgroup_mma_wait(1, deps=(dp_t,))
+            s_t = gl.where(offs_q[None, :] >= offs_k[:, None], s_t, float("-inf"))
+        p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
+        if not LATE_DV:
+            p16 = gl.convert_layout(p_t.to(dtype), a_layout)
+            dv = warpgroup_mma(p16, do_smem, dv, is_async=True)
+            dp_t = warpgroup_mma_wait(1, deps=(dp_t,))
+        else:
+            dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
         delta = d_bufs.index(stage).reshape([BLOCK_M]).load(col_s)
         ds16 = (p_t * (dp_t - delta[None, :])).to(dtype)
         ds_bufs.index(slot).slice(CONSUMER * KEYS, KEYS, dim=0).store(ds16)
         fence_async_shared()
         mbarrier.arrive(ds_ready.index(slot))
+        if LATE_DV:
+            p16 = gl.convert_layout(p_t.to(dtype), a_layout)
+            dv = warpgroup_mma(p16, do_smem, dv, is_async=True)
         ds16 = gl.convert_layout(ds16, a_layout)
-        if not SPLIT_DQ:
-            # d = 64 issues dK first: dQ first measured slower there (writeup/results/attention_notes.md).
-            dk = warpgroup_mma(ds16, q_smem, dk, is_async=True)
-        if (t % 2 == CONSUMER) | SPLIT_DQ:
-            # dQ needs both consumers' dS^T rows. The slot is reused two tiles later; by then the other
-            # consumer has passed this tile's ds_ready wait (it is two arrivals behind at most).
-            mbarrier.wait(ds_ready.index(slot), (t // 2) & 1)
-            dq = warpgroup_mma(ds_bufs.index(slot).permute((1, 0)), k_dq, dq_zero, use_acc=False, is_async=True)
-            if SPLIT_DQ:
-                # Issued after dQ, so that the tensor cores run it while this consumer stages dQ (below).
-                dk = warpgroup_mma(ds16, q_smem, dk, is_async=True)
-                # Groups retire in order: dV and dQ are done, dK may still run.
-                dq, p16 = warpgroup_mma_wait(1, deps=(dq, p16))
-            else:
-                # Waits for every wgmma in flight; dK and dV pass through the wait after the branch.
-                dq, p16, ds16 = warpgroup_mma_wait(0, deps=(dq, p16, ds16))
-            # This consumer's staging buffer, once the dQ writer's reduce-add has read its previous tile (a fresh
-            # mbarrier counts as having completed the phase before phase 0: the first tile does not wait).
-            dq_tile = dq_bufs.index(CONSUMER)
-            mbarrier.wait(dq_free.index(CONSUMER), ((t if SPLIT_DQ else t // 2) & 1) ^ 1)
-            # Tile row 8a + 4b + 2c + d goes to staging row 8a + 4c + 2d + b (staged_row). A store instruction
-            # writes 32 bytes of each of eight rows, and a half-warp four of them; in row order the swizzle maps
-            # rows 2j and 2j + 1 onto the same banks (two wavefronts where one suffices), in this order the four
-            # rows differ in the swizzle's upper bits and fill the 32 banks once.
-            dq = dq.reshape([BLOCK_M // 8, 2, 2, 2, DQ_COLS]).permute((0, 2, 3, 1, 4)).reshape([BLOCK_M, DQ_COLS])
-            dq_tile.reshape([BLOCK_M, DQ_COLS]).store(dq)
-            fence_async_shared()
-            mbarrier.arrive(dq_full.index(CONSUMER))
-            if SPLIT_DQ:
-                dk, ds16 = warpgroup_mma_wait(0, deps=(dk, ds16))
-        dk, dv, p16, ds16 = warpgroup_mma_wait(0, deps=(dk, dv, p16, ds16))
+        # dQ needs both consumers' dS^T rows. The slot is reused two tiles later; by then the other consumer has
+        # passed this tile's ds_ready wait (it is two arrivals behind at most).
+        mbarrier.wait(ds_ready.index(slot), (t // 2) & 1)
+        if SPLIT_DQ:
+            ds_dq = ds_bufs.index(slot).permute((1, 0))
+        else:
+            ds_dq = ds_bufs.index(slot).slice(CONSUMER * DQ_ROWS, DQ_ROWS, dim=1).permute((1, 0))
+        dq = warpgroup_mma(ds_dq, k_dq, dq_zero, use_acc=False, is_async=True)
+        # Issued after dQ, so that the tensor cores run it while this consumer stages dQ (below).
+        dk = warpgroup_mma(ds16, q_smem, dk, is_async=True)
+        # Groups retire in order: dV and dQ are done, dK may still run.
+        dq, p16 = warpgroup_mma_wait(1, deps=(dq, p16))
+        # This consumer's staging buffer, once the dQ writer's reduce-add has read its previous part (a fresh
+        # mbarrier counts as having completed the phase before phase 0: the first tile does not wait).
+        dq_tile = dq_bufs.index(CONSUMER)
+        mbarrier.wait(dq_free.index(CONSUMER), (t & 1) ^ 1)
+        # Part row 8a + 4b + 2c + d goes to staging row 8a + 4c + 2d + b (staged_row). A store instruction writes
+        # 32 bytes of each of eight rows, and a half-warp four of them; in row order the swizzle maps rows 2j and
+        # 2j + 1 onto the same banks (two wavefronts where one suffices), in this order the four rows differ in
+        # the swizzle's upper bits and fill the 32 banks once.
+        dq = dq.reshape([DQ_ROWS // 8, 2, 2, 2, DQ_COLS]).permute((0, 2, 3, 1, 4)).reshape([DQ_ROWS, DQ_COLS])
+        dq_tile.reshape([DQ_ROWS, DQ_COLS]).store(dq)
+        fence_async_shared()
+        mbarrier.arrive(dq_full.index(CONSUMER))
+        dk, dv, ds16 = warpgroup_mma_wait(0, deps=(dk, dv, ds16))
         mbarrier.arrive(qdo_empty.index(stage))
 
     # dK, dV rows past the end of the keys are dropped by the mask.
@@ -427,7 +436,7 @@ def backward_args(
     heads_kv, n_keys = k.shape[1], k.shape[2]
     block_m, block_n, stages = CONFIGS[head_dim]
     sm_scale = 1.0 / math.sqrt(head_dim)
-    dq_block = [1, 1, block_m, head_dim // 2 if head_dim == 128 else head_dim]
+    dq_block = [1, 1, *dq_part(block_m, head_dim)]
     dq_desc = TensorDescriptor.from_tensor(dq_acc, dq_block, gl.NVMMASharedLayout.get_default_for(dq_block, gl.float32))
     args = (
         descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(do, block_m), dq_desc,
