@@ -8,6 +8,9 @@
 #            do_bench medians each, in turns; the norms' parts alone beside copies of their bytes).
 #   final:   the benchmarks first, then the four glue kernels' GPU tests up to five times in a row in the time left
 #            (KL_DEADLINE_S=560, a call of under 10 minutes, leaves room for all five).
+#   profile: Nsight Compute on one forward + backward of each glue op (ours, QuACK's, a copy of the same bytes) and
+#            of our LM-head loss, clocks unlocked (tools/kernel_limits_profile.py): kernel_profile.jsonl (a row per
+#            kernel and per case: copy them to writeup/results/kernel_limits.jsonl), kernel_profile_raw.csv.gz.
 # Peers: QuACK and Liger from $PEERS (default /tmp/peers, laid out there with CuTe DSL by ../shared/peers/install.sh)
 # go on PYTHONPATH when it exists; without them their rows say why. Every step has its own timeout and none starts after the
 # deadline ($KL_DEADLINE_S seconds, default 345), so the rows written before a hang come back. Results in $OUT:
@@ -76,7 +79,17 @@ benches() {
       benches
       for run in 1 2 3 4 5; do tests "$run" all; done
       ;;
-    *) echo "unknown mode $mode (explore or final)"; exit 2 ;;
+    profile)
+      step "ncu: glue and LM-head kernels" 60 300 bash tools/gpu.sh ncu --clock-control none --profile-from-start off \
+        --metrics "$("${py[@]}" tools/kernel_limits_profile.py --print-metrics)" -f -o "$OUT/kernel_profile" \
+        python3 tools/kernel_limits_profile.py --order "$OUT/kernel_profile_order.json" \
+        && ncu -i "$OUT/kernel_profile.ncu-rep" --page raw --csv > "$OUT/kernel_profile_raw.csv" \
+        && "${py[@]}" tools/kernel_limits_profile.py --order "$OUT/kernel_profile_order.json" \
+          --join "$OUT/kernel_profile_raw.csv" --out "$OUT/kernel_profile.jsonl"
+      rm -f "$OUT/kernel_profile.ncu-rep"
+      [ -f "$OUT/kernel_profile_raw.csv" ] && gzip -f "$OUT/kernel_profile_raw.csv"
+      ;;
+    *) echo "unknown mode $mode (explore, final or profile)"; exit 2 ;;
   esac
   ls -la "$OUT"
 } 2>&1 | tee "$OUT/log.txt"
