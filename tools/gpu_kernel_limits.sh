@@ -8,7 +8,7 @@
 #            do_bench medians each, in turns; the norms' parts alone beside copies of their bytes).
 #   final:   the benchmarks first, then the four glue kernels' GPU tests up to five times in a row in the time left
 #            (KL_DEADLINE_S=560, a call of under 10 minutes, leaves room for all five).
-#   profile: Nsight Compute on one forward + backward of each glue op (ours, QuACK's, a copy of the same bytes) and
+#   profile: Nsight Compute on one forward + backward of each glue op (ours and QuACK's) and
 #            of our LM-head loss, clocks unlocked (tools/kernel_limits_profile.py): kernel_profile.jsonl (a row per
 #            kernel and per case: copy them to writeup/results/kernel_limits.jsonl), kernel_profile_raw.csv.gz.
 # Peers: QuACK and Liger from $PEERS (default /tmp/peers, laid out there with CuTe DSL by ../shared/peers/install.sh)

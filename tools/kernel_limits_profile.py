@@ -1,5 +1,6 @@
 """The glue kernels and the LM-head loss kernel by kernel under Nsight Compute (issue 44): what limits each, beside
-a device-to-device copy of the same bytes and QuACK's norms and RoPE in the same process.
+QuACK's norms and RoPE in the same process. (A copy of the same bytes is no kernel but a DMA memcpy, which ncu does
+not profile: the copy's rate is ``cs336 fused --bench``'s.)
 
 Run under ``ncu --profile-from-start off``, each case (an op's forward + backward at the proxy's shapes, bf16, as
 ``cs336 fused --bench`` builds it) runs twice unprofiled (compiles, warms up) and once between
@@ -47,7 +48,7 @@ def _cases() -> list[tuple[str, str, int, Callable[[], None]]]:
         rope_case,
         swiglu_case,
     )
-    from cs336_harness.studies.fused.common import copy_step, peer_module
+    from cs336_harness.studies.fused.common import peer_module
     from cs336_harness.studies.fused.config import FusedBenchConfig
     from cs336_kernels import fused_linear_cross_entropy
 
@@ -62,7 +63,6 @@ def _cases() -> list[tuple[str, str, int, Callable[[], None]]]:
     }
     cases: list[tuple[str, str, int, Callable[[], None]]] = []
     for op, case in glue.items():
-        cases.append((op, "copy", case.nbytes, copy_step(case.nbytes)))
         for impl in ("ours", "quack"):
             run = case.impls.get(impl)
             if run is None or isinstance(run, str):
@@ -162,7 +162,7 @@ def _case_rows(case: dict, kernels: list[dict]) -> list[dict]:
         rows.append({**base, **k, "dram_gbps": moved / k["ms"] / 1e6 if k["ms"] else None})
     total_ms = sum(k["ms"] for k in kernels)
     summary = {**base, "kernel": "all", "kernels": len(kernels), "ms": total_ms}
-    if case["bytes"]:
+    if case["bytes"] and total_ms:
         summary.update(bytes=case["bytes"], gbps=case["bytes"] / total_ms / 1e6)
     return rows + [summary]
 
