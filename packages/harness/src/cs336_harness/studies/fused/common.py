@@ -59,8 +59,8 @@ def graph_median_ms(fn: Callable[[], Any], config: FusedBenchConfig, grad_to_non
             times.append(start.elapsed_time(end) / calls)
     finally:
         # The gradients left by the last captured call live in the graph's memory pool; the pool returns to the
-        # allocator only once they and the graph are gone, and a capture that failed holds its pool too (else
-        # every callable timed, or failing, keeps its pool until the GPU is full).
+        # allocator only once they and the graph are gone (else every callable timed keeps its pool until the GPU
+        # is full). A capture that fails keeps what it allocated: PyTorch frees a pool only after a capture ended.
         for t in grad_to_none:
             t.grad = None
         del graph
