@@ -335,9 +335,9 @@ def test_every_glue_case_captures_in_a_cuda_graph_on_gpu(op):
 
 @pytest.mark.gpu
 @pytest.mark.xfail(strict=True, reason="a failed CUDA-graph capture keeps its allocations (260 MiB here on the H200): "
-                   "PyTorch frees a graph's pool only after a capture that ended, and ending the allocation to the "
-                   "pool and releasing it by hand (torch._C._cuda_endAllocateToPool, _cuda_releasePool) did not "
-                   "return them either")
+                   "torch 2.11 frees a graph's pool only after a capture that ended (pytorch/pytorch#190348 fixes "
+                   "it upstream), and ending the allocation to the pool and releasing it by hand "
+                   "(torch._C._cuda_endAllocateToPool, _cuda_releasePool) did not return them either")
 def test_a_failed_capture_gives_its_memory_back_on_gpu():
     """A callable that cannot be captured (it reads a value on the host) raises, and what the capture allocated
     should return to the device, so that the callables timed after it still find the memory: it does not (xfail)."""
