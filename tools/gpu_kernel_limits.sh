@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The glue kernels at the bandwidth limit (issue 44) on one H200, in one call of under 6 minutes. Two modes:
+# The glue kernels at the bandwidth limit (issue 44) on one H200, in one call of under 6 minutes. Three modes:
 #   explore: RMSNorm's GPU tests once (-n 8: test_rms_norm.py, test_compile.py's RMSNorm cases, and the benchmark's
 #            GPU tests of all four glue ops), the RMSNorm launch sweep (tools/glue_sweep.py: candidate launches of
 #            the forward and backward, the norm and the folded add, at 32768 x 4096 bf16; the fastest again in turns
