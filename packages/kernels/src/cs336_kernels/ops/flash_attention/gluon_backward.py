@@ -9,11 +9,12 @@ One program owns ``BLOCK_N`` keys of one (batch, key/value head) and runs four p
 - two consumer warpgroups, each owning ``BLOCK_N / 2`` of the keys, that run five wgmma products per
   (query tile, key tile): ``S^T = K Q^T`` and ``dP^T = V dO^T`` (keys as rows, so that P^T and dS^T are
   already the register A operands of the next two), ``dV += P^T dO``, ``dK += dS^T Q``, and
-  ``dQ = dS K`` over all the program's keys. Both consumers write their dS^T rows to shared memory, and each
-  computes a part of every dQ tile from them: half its columns at d = 128 (64-query tiles), half its rows at
-  d = 64 (128-query tiles, FlashAttention-4's choice on sm_90). A consumer issues dK's product after dQ's so that
-  the tensor cores run it while the consumer stores its dQ part into its own staging buffer, once that is free,
-  and hands it to the dQ writer without waiting for the add. dK and dV stay in registers until the end;
+  ``dQ = dS K`` over all the program's keys. Both consumers write their dS^T rows to shared memory and meet at
+  a named barrier (FlashAttention-3's exchange); each then computes a part of every dQ tile: half its columns at
+  d = 128 (64-query tiles), half its rows at d = 64 (128-query tiles, FlashAttention-4's choice on sm_90). A
+  consumer issues dK's product after dQ's so that the tensor cores run it while the consumer stores its dQ part
+  into its own staging buffer, once that is free, and hands it to the dQ writer without waiting for the add. dK
+  and dV stay in registers until the end;
 - a one-warp dQ writer (FlashAttention-4's design) that adds each staged dQ tile in fp32 into a global
   accumulator by a TMA reduce-add (``cp.reduce.async.bulk.tensor``) and frees the buffer as soon as the TMA has
   read it, long before the consumer's next dQ tile is ready.
@@ -117,6 +118,13 @@ def _wait_reduce_adds():
 
 
 @gluon.jit
+def _consumers_barrier():
+    # Both consumer warpgroups (256 threads) on named barrier 10, which Triton's own barriers (0-2) leave free; the
+    # writers' fence_async_shared before it makes their dS^T stores visible to the wgmma that reads them after it.
+    gl.inline_asm_elementwise("bar.sync 10, 256; mov.b32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _bwd_dq_writer(
     dq_desc, DQ_LOCKS, dq_bufs, dq_full, dq_free, b, h_kv, H_KV, pid_n, q_first, n_q, n_tiles_q, GROUP,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr,
@@ -167,7 +175,7 @@ def _bwd_producer(
     q_desc, k_desc, v_desc, do_desc, l_desc, d_desc, bufs, b, h_kv, k0, q_first, n_q, GROUP,
     BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
 ):
-    k_buf, v_buf, q_bufs, do_bufs, l_bufs, d_bufs, ds_bufs, kv_ready, qdo_ready, qdo_empty, ds_ready = bufs
+    k_buf, v_buf, q_bufs, do_bufs, l_bufs, d_bufs, ds_bufs, kv_ready, qdo_ready, qdo_empty = bufs
     mbarrier.expect(kv_ready.index(0), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [b, h_kv, k0, 0], kv_ready.index(0), k_buf)
     tma.async_copy_global_to_shared(v_desc, [b, h_kv, k0, 0], kv_ready.index(0), v_buf)
@@ -199,7 +207,7 @@ def _bwd_consumer(
     GROUP, N_KEYS, qk_scale, sm_scale, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
 ):
-    k_buf, v_buf, q_bufs, do_bufs, l_bufs, d_bufs, ds_bufs, kv_ready, qdo_ready, qdo_empty, ds_ready = bufs
+    k_buf, v_buf, q_bufs, do_bufs, l_bufs, d_bufs, ds_bufs, kv_ready, qdo_ready, qdo_empty = bufs
     dtype: gl.constexpr = k_buf.dtype
     KEYS: gl.constexpr = BLOCK_N // 2
     # Each consumer computes a (64, 64) fp32 part of every dQ tile (32 registers a thread): d = 128 half the
@@ -257,14 +265,13 @@ def _bwd_consumer(
         ds16 = (p_t * (dp_t - delta[None, :])).to(dtype)
         ds_bufs.index(slot).slice(CONSUMER * KEYS, KEYS, dim=0).store(ds16)
         fence_async_shared()
-        mbarrier.arrive(ds_ready.index(slot))
         if LATE_DV:
             p16 = gl.convert_layout(p_t.to(dtype), a_layout)
             dv = warpgroup_mma(p16, do_smem, dv, is_async=True)
         ds16 = gl.convert_layout(ds16, a_layout)
-        # dQ needs both consumers' dS^T rows. The slot is reused two tiles later; by then the other consumer has
-        # passed this tile's ds_ready wait (it is two arrivals behind at most).
-        mbarrier.wait(ds_ready.index(slot), (t // 2) & 1)
+        # dQ needs both consumers' dS^T rows. The slot is rewritten two tiles later, once this consumer has passed
+        # the next tile's barrier, which the other reaches only after its dQ product of this tile has completed.
+        _consumers_barrier()
         if SPLIT_DQ:
             ds_dq = ds_bufs.index(slot).permute((1, 0))
         else:
@@ -337,7 +344,6 @@ def _attn_bwd_kernel(
     kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     qdo_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     # Per consumer's staging buffer: staged by the consumer (full), read by the dQ writer's reduce-add (free).
     dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -347,11 +353,10 @@ def _attn_bwd_kernel(
         # Both consumers read every Q and dO tile; each releases it once.
         mbarrier.init(qdo_empty.index(s), count=2)
     for s in gl.static_range(2):
-        mbarrier.init(ds_ready.index(s), count=2)
         mbarrier.init(dq_full.index(s), count=1)
         mbarrier.init(dq_free.index(s), count=1)
 
-    bufs = (k_buf, v_buf, q_bufs, do_bufs, l_bufs, d_bufs, ds_bufs, kv_ready, qdo_ready, qdo_empty, ds_ready)
+    bufs = (k_buf, v_buf, q_bufs, do_bufs, l_bufs, d_bufs, ds_bufs, kv_ready, qdo_ready, qdo_empty)
     dk_strides = (stride_dkb, stride_dkh, stride_dkt)
     dv_strides = (stride_dvb, stride_dvh, stride_dvt)
     gl.warp_specialize(
