@@ -42,6 +42,22 @@ def test_anchor_tables_leave_out_rows_of_a_change_not_kept(monkeypatch) -> None:
     assert "| 1 | 2 | 0.5 | 0.5 | 0.25 |" in writeup.table_anchors_fa4()
 
 
+def test_fa4_table_shows_ours_as_its_call_ran_them_when_a_later_change_replaced_them(monkeypatch) -> None:
+    """The call that timed FA4 may have timed only kernels replaced since (their rows carry ``variant``): the FA4
+    table still compares them, while the anchors table takes ours from the call of the kept kernels."""
+
+    def row(impl: str, ms: float, call_id: str, **extra) -> dict:
+        return {"bench": "anchors", "impl": impl, "batch": 1, "heads": 2, "seq": 64, "d": 64, "status": "ok",
+                "fwd_ms": ms / 3, "bwd_ms": 2 * ms / 3, "fwd_bwd_ms": ms, "fwd_bwd_tflops": 1.0, "call_id": call_id,
+                **extra}
+
+    timed = [row("ours", 1.0, "c1"), row("sdpa", 2.0, "c1"),
+             row("ours", 3.0, "c2", variant="replaced"), row("sdpa", 2.0, "c2"), row("fa4", 0.5, "c2")]
+    monkeypatch.setattr(writeup, "rows", lambda name: timed if name == "attention_anchors" else [])
+    assert "| 3 | 2 | 0.5 | 1.5 | 0.25 |" in writeup.table_anchors_fa4()
+    assert "| 1 |" in writeup.table_anchors() and "| 3 |" not in writeup.table_anchors()
+
+
 def test_tables_take_each_shape_and_op_from_the_latest_call_that_timed_ours(monkeypatch) -> None:
     """A later call whose ours rows at a shape are a change not kept, or whose ours failed at an op, leaves that
     shape's or op's line to the call before it."""

@@ -421,10 +421,12 @@ def table_anchors() -> str:
 
 def table_anchors_fa4() -> str:
     """Ours, cuDNN and FlashAttention-4 forward + backward from the latest call that timed FA4, with each one's time
-    over cuDNN's in that call (ours as that call ran it, though a later change may have replaced those kernels)."""
+    over cuDNN's in that call: ours as that call ran it, its kept kernels where it also timed a change (rows with a
+    ``variant``), else the kernels it timed, which a later change replaced."""
     timed = [r for r in rows("attention_anchors") if r.get("status") == "ok" and "fwd_bwd_ms" in r]
     latest = max(r["call_id"] for r in timed if r["impl"] == "fa4")
-    last = {(r["batch"], r["heads"], r["seq"], r["d"], r["impl"]): r for r in timed if r.get("call_id") == latest}
+    in_call = sorted((r for r in timed if r.get("call_id") == latest), key=lambda r: not r.get("variant"))
+    last = {(r["batch"], r["heads"], r["seq"], r["d"], r["impl"]): r for r in in_call}  # kept rows last, so they win
     out = []
     for b, h, seq, d in dict.fromkeys(key[:4] for key in last):
         ms = {impl: last[(b, h, seq, d, impl)]["fwd_bwd_ms"] for impl in ("ours", "sdpa", "fa4")}
