@@ -380,9 +380,11 @@ def test_launch_rejects_bad_settings(change, message):
 
 
 def test_default_launches():
-    # Short rows batched to about 4096 values per block, pipelining only where two blocks ahead fit in shared memory.
+    # Short rows batched to about 4096 (backward) or 8192 (forward) values per block, pipelining only where the
+    # blocks ahead fit in shared memory.
     assert launch_settings(4096, backward=True) == Launch(1, 8, 2, 3)
-    assert launch_settings(4096, backward=False) == Launch(1, 8, 4, 3)
-    assert launch_settings(37, backward=False) == Launch(64, 8, 4, 3)
+    assert launch_settings(4096, backward=False) == Launch(2, 16, 1, 4)
+    assert launch_settings(37, backward=False) == Launch(128, 16, 1, 4)
+    assert launch_settings(16384, backward=False) == Launch(1, 32, 1, 1)
     assert launch_settings(5000, backward=True) == Launch(1, 16, 2, 3)
     assert launch_settings(65536, backward=True) == Launch(1, 32, 2, 1)

@@ -72,11 +72,12 @@ WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 MAX_D = 65536
 # The interpreter runs programs one after another: a few are enough to exercise the partial sums.
 _INTERPRET_PROGRAMS = 3
-# Default rows per loop iteration: short rows are batched until a block holds this many values.
-_BLOCK_VALUES = 4096
-# Blocks of up to this many values are pipelined 3 deep by default: two blocks ahead of every loaded tensor fit in
-# an SM's shared memory (at most 2 x 3 tensors x 8192 x 4 B = 192 KiB, the folded add's fp32 backward); a longer
-# row puts enough bytes in flight by itself.
+# Default values per loop iteration (backward, forward): short rows are batched until a block holds this many.
+_BLOCK_VALUES = {True: 4096, False: 8192}
+# Blocks of up to this many values are pipelined by default, the backward 3 deep (two programs per SM) and the
+# forward 4 deep (one program per SM): the blocks ahead of every loaded tensor fit in an SM's shared memory (at most
+# 2 programs x 2 blocks x 3 tensors x 4096 x 4 B = 192 KiB in the folded add's fp32 backward, 3 blocks x 2 tensors
+# x 8192 x 4 B = 192 KiB in its forward); a longer row puts enough bytes in flight by itself.
 _PIPELINED_VALUES = 8192
 # The weight-gradient reduction: columns per program (d = 4096 gives 128 programs, about one per SM of an
 # H100/H200, each reading its columns of every partial sum) and partial sums per loop iteration.
@@ -110,16 +111,20 @@ class Launch:
 
 
 def launch_settings(d: int, backward: bool) -> Launch:
-    """The default launch of the forward or backward kernel for rows of length ``d``: rows shorter than 4,096
-    values batched into blocks of about that many, about 16 fp32 values of a block per thread, and two blocks in
-    flight ahead of the one being reduced. The forward holds a row of x and w (about 50 registers per thread at
-    d = 4096, 8 warps) and runs four programs per SM; the backward holds twice that and its dw share (about 120)
-    and runs two: at d = 4096 in bf16 either keeps 64 KB of loads in flight per SM."""
+    """The default launch of the forward or backward kernel for rows of length ``d``: rows shorter than a block
+    batched into blocks of about 4,096 values (backward) or 8,192 (forward), 16 values of a block per thread.
+    The backward holds a row of x and dy, w and its dw share in fp32 registers (about 120 per thread at d = 4096,
+    8 warps), runs two programs per SM and keeps two blocks in flight ahead of the one being reduced. The forward
+    holds two rows of x and w (16 warps) and runs one program per SM with three blocks ahead: at d = 4096 in bf16
+    either keeps 48-96 KB of loads in flight per SM. The forward's choice is the fastest resident launch of the
+    sweep (`tools/glue_sweep.py`, rows of call s17e in `writeup/results/glue_sweep.jsonl`)."""
     block_d = triton.next_power_of_2(d)
-    block_rows = max(1, _BLOCK_VALUES // block_d)
+    block_rows = max(1, _BLOCK_VALUES[backward] // block_d)
     num_warps = min(32, max(4, block_rows * block_d // 512))
-    stages = 3 if block_rows * block_d <= _PIPELINED_VALUES else 1
-    return Launch(block_rows, num_warps, programs_per_sm=2 if backward else 4, stages=stages)
+    pipelined = block_rows * block_d <= _PIPELINED_VALUES
+    if backward:
+        return Launch(block_rows, num_warps, programs_per_sm=2, stages=3 if pipelined else 1)
+    return Launch(block_rows, num_warps, programs_per_sm=1, stages=4 if pipelined else 1)
 
 
 @triton.jit
