@@ -386,6 +386,10 @@ def table_proxy_latest() -> str:
 
 # ------------------------------------------------------------------------------------------- appendix
 
+def _anchor_shape(r: dict[str, Any]) -> tuple[int, int, int, int]:
+    return r["batch"], r["heads"], r["seq"], r["d"]
+
+
 def _kept_anchors() -> list[dict[str, Any]]:
     """The anchors rows of the kernels that were kept: a row with a ``variant`` timed a change that was not, beside
     them in the same call."""
@@ -397,17 +401,13 @@ def table_anchors() -> str:
     per implementation of that call)."""
     anchors = [r for r in _kept_anchors() if r.get("bench") == "anchors" and r.get("impl") in (
         "ours", "ours_deterministic", "triton", "sdpa", "sdpa_flash", "flex")]
-
-    def shape(r: dict[str, Any]) -> tuple[int, int, int, int]:
-        return r["batch"], r["heads"], r["seq"], r["d"]
-
     latest: dict[tuple[int, int, int, int], str] = {}
     for r in anchors:
         if r["impl"] == "ours":
-            latest[shape(r)] = max(latest.get(shape(r), ""), r.get("call_id") or "")
+            latest[_anchor_shape(r)] = max(latest.get(_anchor_shape(r), ""), r.get("call_id") or "")
     # A run may time an implementation at a shape twice (a second pass beside the deterministic modes): its last row.
-    last = {(*shape(r), r["impl"]): r for r in anchors
-            if shape(r) in latest and (r.get("call_id") or "") == latest[shape(r)]}
+    last = {(*_anchor_shape(r), r["impl"]): r for r in anchors
+            if _anchor_shape(r) in latest and (r.get("call_id") or "") == latest[_anchor_shape(r)]}
     picked = sorted(last.values(), key=lambda r: (-r["seq"] * r["d"] * r["batch"], r["fwd_bwd_ms"]))
     names = {"ours": "ours (default)", "ours_deterministic": "ours, deterministic mode",
              "triton": "ours, Triton backward", "sdpa": "SDPA (cuDNN)",
@@ -426,7 +426,7 @@ def table_anchors_fa4() -> str:
     timed = [r for r in rows("attention_anchors") if r.get("status") == "ok" and "fwd_bwd_ms" in r]
     latest = max(r["call_id"] for r in timed if r["impl"] == "fa4")
     in_call = sorted((r for r in timed if r.get("call_id") == latest), key=lambda r: not r.get("variant"))
-    last = {(r["batch"], r["heads"], r["seq"], r["d"], r["impl"]): r for r in in_call}  # kept rows last, so they win
+    last = {(*_anchor_shape(r), r["impl"]): r for r in in_call}  # kept rows last, so they win
     out = []
     for b, h, seq, d in dict.fromkeys(key[:4] for key in last):
         ms = {impl: last[(b, h, seq, d, impl)]["fwd_bwd_ms"] for impl in ("ours", "sdpa", "fa4")}
