@@ -231,7 +231,6 @@ def _bwd_consumer(
     # d = 64 puts off dV's product until dS^T is made, so that P^T's and dP^T's 128 fp32 registers a thread do
     # not live beside dV's product in flight (d = 128's 64-query tiles leave room for it).
     LATE_DV: gl.constexpr = HEAD_DIM == 64
-    EARLY_L: gl.constexpr = HEAD_DIM == 128
     offs_k = k0 + CONSUMER * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
     s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout)
     dq_zero = gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, layout=dq_layout)
@@ -247,17 +246,12 @@ def _bwd_consumer(
         do_smem = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
         offs_q = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_s)
         mbarrier.wait(qdo_ready.index(stage), (t // STAGES) & 1)
-        # Query rows past the end read L = D = 0 (TMA fills them with zeros); their Q and dO rows are zeros
-        # too, so they add nothing. At d = 128, L is read before the products are issued, so that its loads do
-        # not queue behind their operand reads and the exponent can start as soon as S^T has landed; d = 64's
-        # 128-query tiles hold twice as many values of L, which spill there.
-        if EARLY_L:
-            lse2 = l_bufs.index(stage).reshape([BLOCK_M]).load(col_s)  # L * log2(e)
         s_t = warpgroup_mma(k_own, q_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dp_t = warpgroup_mma(v_own, do_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s_t = warpgroup_mma_wait(1, deps=(s_t,))
-        if not EARLY_L:
-            lse2 = l_bufs.index(stage).reshape([BLOCK_M]).load(col_s)
+        # Query rows past the end read L = D = 0 (TMA fills them with zeros); their Q and dO rows are zeros
+        # too, so they add nothing.
+        lse2 = l_bufs.index(stage).reshape([BLOCK_M]).load(col_s)  # L * log2(e)
         if i < masked_until:  # never without the causal mask: masked_until is 0 then
             s_t = gl.where(offs_q[None, :] >= offs_k[:, None], s_t, float("-inf"))
         p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
