@@ -90,13 +90,6 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def free_port() -> int:
-    """A TCP port on localhost that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _validate_backend(backend: str) -> None:
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -172,12 +165,10 @@ def _spawned(
 ) -> None:
     _die_with_parent()
     threading.Thread(target=_beat, args=(Path(run_dir) / f"heartbeat{rank}",), daemon=True).start()
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
     device_for_rank(backend, rank, world_size)
-    dist.init_process_group(
-        backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
-    )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
         result = fn(rank, world_size, *args)
     finally:
@@ -267,9 +258,14 @@ def spawn(
         raise ValueError(f"world_size {world_size} exceeds the {torch.cuda.device_count()} visible GPUs")
     if preload:
         mp.get_context("forkserver").set_forkserver_preload(list(preload))  # no effect once the server runs
+    # The group's store lives here, on a port the system picks when it binds: a port chosen free and bound later by
+    # rank 0 can be taken in between (the ranks import torch for seconds first) by another run's store or sockets,
+    # and then ranks of two runs meet in one store.
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp)
-        context = mp.start_processes(_spawned, args=(fn, world_size, free_port(), backend, timeout_s, tmp, args),
+        context = mp.start_processes(_spawned, args=(fn, world_size, store.port, backend, timeout_s, tmp, args),
                                      nprocs=world_size, join=False, start_method="forkserver" if preload else "spawn")
         try:
             _watch(context, run_dir, world_size, min(timeout_s / 2, STALL_TIMEOUT_S), timeout_s)
