@@ -149,9 +149,10 @@ def build_row(name: str, head_dim: int, entry: Entry, tma: bool = False) -> dict
 
     fn = autotuned_kernel(name).fn
     block_m, block_n, num_warps, num_stages = entry
-    constants: dict[str, Any] = {"HEAD_DIM": head_dim, "BLOCK_D": head_dim, "EVEN_D": True, "SOFTCAP": False, "WINDOW": False,
-                                 "VARLEN": False, "CU_Q": None, "CU_K": None, "DOT_PRECISION": "tf32",
-                                 "BLOCK_M": block_m, "BLOCK_N": block_n, TMA_FLAGS[name]: tma}
+    constants: dict[str, Any] = {"HEAD_DIM": head_dim, "BLOCK_D": head_dim, "EVEN_D": True, "SOFTCAP": False,
+                                 "WINDOW": False, "VARLEN": False, "CU_Q": None, "CU_K": None,
+                                 "DOT_PRECISION": "tf32", "BLOCK_M": block_m, "BLOCK_N": block_n,
+                                 TMA_FLAGS[name]: tma}
     constants |= {arg: 1 for arg in _UNIT_STRIDES & set(fn.arg_names)}
     signature = {}
     for arg in fn.arg_names:

@@ -25,7 +25,6 @@ import triton
 
 from cs336_kernels.ops._common import LOG2E
 
-
 UNBOUNDED = 1 << 30
 """An unbounded window side as the kernels take it: more keys than any sequence (or tile past its end) has, and far
 enough from int32's end that a position plus it stays an int32."""
