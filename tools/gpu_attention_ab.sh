@@ -8,7 +8,8 @@
 # Rows: $OUT/attention_anchors.jsonl (the tree's) and $OUT/attention_anchors_base.jsonl (the base's, which name its
 # commit); both go to writeup/results/attention_anchors.jsonl, the rows of a change that is not kept with a
 # `variant` saying so (the writeup's tables leave those out). Every step has its own timeout and none starts past the
-# deadline ($AB_DEADLINE_S seconds, default 520). Log: $OUT/log.txt.
+# deadline ($AB_DEADLINE_S seconds, default 520; a test run may take $AB_TEST_S seconds, default 150, more when
+# new kernels compile). Log: $OUT/log.txt.
 #   run (GPU machine, repo root): bash tools/gpu_attention_ab.sh
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -25,7 +26,7 @@ anchors=(-m cs336_harness.cli attention --part anchors --quiet --anchor-impls "$
          --anchor-shapes "${shapes[@]}")
 
 tests() {  # tests RUN: the attention GPU tests of the tree
-  step "attention GPU tests, run $1" 60 150 bash tools/gpu.sh python3 -m pytest -m gpu \
+  step "attention GPU tests, run $1" 60 "${AB_TEST_S:-150}" bash tools/gpu.sh python3 -m pytest -m gpu \
     packages/kernels/tests/test_flash_attention.py packages/kernels/tests/test_gluon_attention.py \
     packages/kernels/tests/test_attention_knobs.py -q \
     -p no:cacheprovider -n 8
