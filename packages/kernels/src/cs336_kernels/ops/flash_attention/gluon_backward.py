@@ -348,13 +348,14 @@ def _attn_bwd_kernel(
     pid_n = gl.num_programs(0) - 1 - gl.program_id(0) if DETERMINISTIC else gl.program_id(0)
     q_start, n_queries, k_start, n_k, diag = sequence(CU_Q, CU_K, b, N_QUERIES, N_KEYS, DIAG, VARLEN)
     k0 = pid_n * BLOCK_N
-    if k0 >= n_k:  # a packed batch's shorter sequences have fewer key tiles than the grid
-        return
     # Query tiles [q_first, q_first + n_q) see at least one of the keys; those outside [full_lo, full_hi) hold a
     # (query, key) pair that is not seen, and a packed batch's key tile past its sequence's end is masked whole.
     q_first, full_lo, full_hi, q_end = tile_ranges(k0 - diag, BLOCK_N, n_queries, WIN_R, WIN_L, BLOCK_M)
     n_q = q_end - q_first
     if VARLEN:
+        # A shorter sequence has fewer key tiles than the grid: its programs past them run no query tile (and store
+        # nothing). They go through the partitions all the same: a warp-specialised program must not return early.
+        n_q = gl.where(k0 < n_k, n_q, 0)
         if k0 + BLOCK_N > n_k:
             full_hi = full_lo
         b_row = 0  # a packed batch's tensors are (1, heads, total, d) views: a sequence is told by its first row

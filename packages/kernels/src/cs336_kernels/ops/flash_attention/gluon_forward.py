@@ -181,9 +181,12 @@ def _scores(s, kt, masked, row0, diag, n_k, WIN_L, WIN_R, qk_scale, softcap_in, 
         if WINDOW:
             keep = keep & (offs_n[None, :] >= (offs_m + diag - WIN_L)[:, None])
         s = gl.where(keep, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-    # A row that has seen no key yet (a window's first tiles, more queries than keys) exponentiates against 0.
-    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        # A row that has seen no key yet (a window's first tiles, more queries than keys) exponentiates against 0.
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        m_use = m_new
     p = gl.exp2(s * qk_scale - m_use[:, None])
     return p, m_new, m_use
 
