@@ -64,6 +64,12 @@ def _rope_inputs(n: int) -> tuple:
             torch.arange(n, device=DEVICE))
 
 
+def _rope_half_inputs(n: int) -> tuple:
+    angles = torch.randn(1, n, HEAD_DIM // 2, generator=torch.Generator().manual_seed(3)).to(DEVICE, DTYPE)
+    angles = torch.cat((angles, angles), dim=-1)  # Hugging Face's cat(freqs, freqs)
+    return _randn(2, n, 3, HEAD_DIM, seed=1), _randn(2, n, 1, HEAD_DIM, seed=2), angles.cos(), angles.sin()
+
+
 def _lce_inputs(n: int) -> tuple:
     targets = torch.randint(0, 11, (n,), generator=torch.Generator().manual_seed(6)).to(DEVICE)
     targets[::5] = -100
@@ -75,6 +81,7 @@ CASES = {
     "add_rms_norm": Case(add_rms_norm, lambda n: (_randn(2, n, 48, seed=0), _randn(2, n, 48, seed=1),
                                                   _randn(48, seed=2))),
     "rope": Case(rope, _rope_inputs),
+    "rope_half": Case(lambda q, k, cos, sin: rope(q, k, cos, sin, layout="half"), _rope_half_inputs),
     "silu_mul": Case(silu_mul, lambda n: (_randn(2, n, 40, seed=0), _randn(2, n, 40, seed=1))),
     "linear_cross_entropy_mean": Case(fused_linear_cross_entropy, _lce_inputs),
     "linear_cross_entropy_none": Case(lambda h, w, t: fused_linear_cross_entropy(h, w, t, "none"), _lce_inputs),
@@ -182,7 +189,8 @@ def _opcheck_cases() -> list:
                      id="rms_norm_backward"),
         pytest.param(rms_norm_backward_op, (torch.randn_like(y), x.detach(), w.detach(), rstd, d.detach()),
                      id="rms_norm_backward_add"),
-        pytest.param(rope_op, (q, k, cos, sin, positions, False), id="rope"),
+        pytest.param(rope_op, (q, k, cos, sin, positions, False, False), id="rope"),
+        pytest.param(rope_op, (*_rope_half_inputs(9)[:4], None, False, True), id="rope_half"),
         pytest.param(silu_mul_op, (a, b), id="silu_mul_forward"),
         pytest.param(silu_mul_backward_op, (torch.randn_like(a), a.detach(), b.detach()), id="silu_mul_backward"),
         *(pytest.param(linear_cross_entropy_op, (hidden, weight, targets, reduction, -100, 4, True, True),
