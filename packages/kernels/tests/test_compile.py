@@ -78,6 +78,8 @@ def _lce_inputs(n: int) -> tuple:
 
 CASES = {
     "rms_norm": Case(lambda x, w: rms_norm(x, w, 1e-5), lambda n: (_randn(2, n, 48, seed=0), _randn(48, seed=1))),
+    "rms_norm_variants": Case(lambda x, w: rms_norm(x, w, 1e-6, offset=1.0, cast_before_weight=True),
+                              lambda n: (_randn(2, n, 48, seed=0), _randn(48, seed=1))),
     "add_rms_norm": Case(add_rms_norm, lambda n: (_randn(2, n, 48, seed=0), _randn(2, n, 48, seed=1),
                                                   _randn(48, seed=2))),
     "rope": Case(rope, _rope_inputs),
@@ -184,11 +186,14 @@ def _opcheck_cases() -> list:
              [torch.zeros_like(p) for p in params], [torch.zeros((), device=DEVICE) for _ in params]]
     return [
         pytest.param(rms_norm_op, (x, w, 1e-5), id="rms_norm_forward"),
+        pytest.param(rms_norm_op, (x, w, 1e-6, 1.0, True), id="rms_norm_forward_variants"),
         pytest.param(add_rms_norm_op, (x, d, w, 1e-5), id="add_rms_norm_forward"),
         pytest.param(rms_norm_backward_op, (torch.randn_like(y), x.detach(), w.detach(), rstd, None),
                      id="rms_norm_backward"),
         pytest.param(rms_norm_backward_op, (torch.randn_like(y), x.detach(), w.detach(), rstd, d.detach()),
                      id="rms_norm_backward_add"),
+        pytest.param(rms_norm_backward_op, (torch.randn_like(y), x.detach(), w.detach(), rstd, None, 1.0, True),
+                     id="rms_norm_backward_variants"),
         pytest.param(rope_op, (q, k, cos, sin, positions, False, False), id="rope"),
         pytest.param(rope_op, (*_rope_half_inputs(9)[:4], None, False, True), id="rope_half"),
         pytest.param(silu_mul_op, (a, b), id="silu_mul_forward"),
