@@ -87,6 +87,9 @@ CASES = {
     "silu_mul": Case(silu_mul, lambda n: (_randn(2, n, 40, seed=0), _randn(2, n, 40, seed=1))),
     "linear_cross_entropy_mean": Case(fused_linear_cross_entropy, _lce_inputs),
     "linear_cross_entropy_none": Case(lambda h, w, t: fused_linear_cross_entropy(h, w, t, "none"), _lce_inputs),
+    "linear_cross_entropy_options": Case(
+        lambda h, w, t: fused_linear_cross_entropy(h, w, t, label_smoothing=0.1, z_loss=1e-3, softcap=5.0),
+        _lce_inputs),
     **{f"flash_attention_{backward}": Case(
         lambda q, k, v, backward=backward: flash_attention(q, k, v, True, backward=backward),
         lambda n: tuple(_randn(1, 2, n, HEAD_DIM, seed=i) for i in range(3)))
@@ -200,6 +203,8 @@ def _opcheck_cases() -> list:
         pytest.param(silu_mul_backward_op, (torch.randn_like(a), a.detach(), b.detach()), id="silu_mul_backward"),
         *(pytest.param(linear_cross_entropy_op, (hidden, weight, targets, reduction, -100, 4, True, True),
                        id=f"linear_cross_entropy_{reduction}") for reduction in ("mean", "sum", "none")),
+        pytest.param(linear_cross_entropy_op, (hidden, weight, targets, "mean", -100, 4, True, True, 0.1, 1e-3, 5.0),
+                     id="linear_cross_entropy_options"),
         pytest.param(linear_cross_entropy_backward_op, (hidden.detach(), weight.detach(), targets,
                                                         torch.rand(13, device=DEVICE), -100, None, True, False),
                      id="linear_cross_entropy_backward"),
