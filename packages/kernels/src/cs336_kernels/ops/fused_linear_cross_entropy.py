@@ -165,9 +165,11 @@ class LossOptions:
 
 
 def softmax_grad_inplace(logits: torch.Tensor, targets: torch.Tensor, losses: torch.Tensor, scale: torch.Tensor,
-                         scale_stride: int, ignore_index: int, write_grad: bool, options: LossOptions) -> None:
+                         scale_stride: int, ignore_index: int, write_grad: bool,
+                         options: LossOptions = LossOptions()) -> None:
     """The kernel over a contiguous (rows, V) chunk: per-row losses, and the logits turned into
-    scale * dloss/dlogits when ``write_grad`` (row i's scale at ``scale[i * scale_stride]``)."""
+    scale * dloss/dlogits when ``write_grad`` (row i's scale at ``scale[i * scale_stride]``); plain cross-entropy
+    unless ``options`` say otherwise."""
     rows, vocab = logits.shape
     block_v = min(_MAX_BLOCK_V, triton.next_power_of_2(vocab))
     acc = tl.float64 if logits.dtype == torch.float64 else tl.float32
