@@ -1,0 +1,173 @@
+"""cs336_kernels.hf on tiny random Llama, Qwen2, Qwen3 and Mistral models built in code (no downloads): the patched
+model against the unpatched one, the loss, the logits and every parameter's gradient, and 20 AdamW steps.
+
+On CPU the kernels run in Triton's interpreter in fp32 (conftest.py); the GPU tests run bf16 at larger sizes and
+hold the patched model to FlashAttention's error rule: its error against an fp32 reference at most twice the
+unpatched bf16 model's.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+hf = pytest.importorskip("cs336_kernels.hf")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# ||patched - unpatched|| / ||unpatched|| in fp32: both compute the same function, rounded differently (fp32 RoPE
+# and RMSNorm in one kernel each, the loss from chunked logits).
+FP32_REL_TOL = 2e-5
+# FlashAttention's rule for bf16: the patched model's error against fp32 at most this many times the unpatched one's.
+BF16_ERROR_RATIO = 2.0
+VOCAB = 97
+
+
+def tiny_config(family: str, **overrides) -> transformers.PretrainedConfig:
+    """A two-layer model of ``family`` with awkward sizes: head dim 12 (16 for Qwen3), grouped-query attention."""
+    common = {"vocab_size": VOCAB, "hidden_size": 48, "intermediate_size": 88, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+              "rms_norm_eps": 1e-6}
+    configs = {
+        "llama": lambda: transformers.LlamaConfig(**common, tie_word_embeddings=True),  # Llama 3.2 ties its head
+        "qwen2": lambda: transformers.Qwen2Config(**common),  # q, k and v projections with a bias
+        "qwen3": lambda: transformers.Qwen3Config(**common, head_dim=16),  # per-head q/k norms
+        "mistral": lambda: transformers.MistralConfig(**common, sliding_window=5),
+    }
+    config = configs[family]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def build(family: str, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32, seed: int = 0,
+          **overrides) -> torch.nn.Module:
+    """A randomly initialised ``*ForCausalLM`` (weights scaled up so that the blocks change the residual stream)."""
+    torch.manual_seed(seed)
+    config = tiny_config(family, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.3 * torch.randn_like(param))  # norms that are not the identity
+            else:
+                param.normal_(0, 0.3 if param.dim() == 1 else 1.5 / param.shape[-1] ** 0.5)
+    return model.to(DEVICE, dtype).train()
+
+
+def batch(seq: int, rows: int = 2, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (rows, seq), generator=gen)
+    labels = ids.clone()
+    labels[:, ::4] = -100  # ignored targets
+    return ids.to(DEVICE), labels.to(DEVICE)
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def loss_and_grads(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, **kwargs):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=labels, **kwargs).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_patched_model_matches_unpatched_fp32(family):
+    reference = build(family)
+    patched = hf.patch(copy.deepcopy(reference))
+    ids, labels = batch(seq=11)
+    want_loss, want_grads = loss_and_grads(reference, ids, labels)
+    loss, grads = loss_and_grads(patched, ids, labels)
+    assert patched(input_ids=ids, labels=labels).logits is None  # training with labels: no logits
+    assert _rel_err(loss, want_loss) < FP32_REL_TOL
+    assert grads.keys() == want_grads.keys()
+    for name, grad in grads.items():
+        assert _rel_err(grad, want_grads[name]) < FP32_REL_TOL, (name, _rel_err(grad, want_grads[name]))
+    for model in (reference, patched):
+        model.eval()
+    with torch.no_grad():
+        logits, want_logits = patched(input_ids=ids).logits, reference(input_ids=ids).logits
+        eval_loss = patched(input_ids=ids, labels=labels).loss  # eval mode: HF's loss from the logits
+    assert _rel_err(logits, want_logits) < FP32_REL_TOL
+    assert _rel_err(eval_loss, want_loss) < FP32_REL_TOL
+
+
+def test_patch_replaces_every_kernel_site_and_keeps_the_state_dict():
+    model = build("qwen3")
+    names = dict(model.state_dict())
+    hf.patch(model)
+    patched = [name for name, module in model.named_modules() if "forward" in vars(module)]
+    kinds = {type(module).__name__ for name, module in model.named_modules() if "forward" in vars(module)}
+    assert kinds == {"Qwen3RMSNorm", "Qwen3Attention", "Qwen3MLP", "Qwen3ForCausalLM"}
+    # 2 layers x (2 norms + q_norm + k_norm + attention + MLP), the final norm, the head.
+    assert len(patched) == 2 * 6 + 2
+    assert model.state_dict().keys() == names.keys()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in names.items())
+
+
+def test_loss_follows_hf_kwargs():
+    # num_items_in_batch (gradient accumulation: the sum over that many tokens) and shift_labels as HF's loss takes.
+    reference = build("llama")
+    patched = hf.patch(copy.deepcopy(reference))
+    ids, labels = batch(seq=9)
+    shift = torch.roll(labels, -1, dims=1)
+    for kwargs in ({"num_items_in_batch": torch.tensor(7, device=DEVICE)}, {"shift_labels": shift}):
+        want, want_grads = loss_and_grads(reference, ids, labels, **kwargs)
+        got, grads = loss_and_grads(patched, ids, labels, **kwargs)
+        assert _rel_err(got, want) < FP32_REL_TOL, kwargs
+        assert all(_rel_err(grads[n], g) < FP32_REL_TOL for n, g in want_grads.items()), kwargs
+
+
+def test_return_dict_false_and_generation_with_a_cache():
+    reference = build("mistral").eval()
+    patched = hf.patch(copy.deepcopy(reference))
+    ids, labels = batch(seq=6, rows=1)
+    patched.train()
+    loss = patched(input_ids=ids, labels=labels, return_dict=False)
+    assert isinstance(loss, tuple) and loss[0].dim() == 0
+    patched.eval()
+    with torch.no_grad():  # greedy decoding through the KV cache: our RoPE and the cache's update each step
+        want = reference.generate(ids, max_new_tokens=4, do_sample=False)
+        got = patched.generate(ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_twenty_adamw_steps_follow_the_same_loss_curve(family):
+    reference = build(family)
+    patched = hf.patch(copy.deepcopy(reference))
+    curves = []
+    for model in (reference, patched):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        losses = []
+        for step in range(20):
+            ids, labels = batch(seq=10, seed=100)  # one batch, learnt over the steps
+            optimizer.zero_grad(set_to_none=True)
+            loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        curves.append(torch.tensor(losses, dtype=torch.float64))
+    want, got = curves
+    assert want[-1] < want[0]  # the curve the patched model must follow is one that learns
+    assert ((got - want).abs() / want).max() < 1e-4
+
+
+def test_rejects_what_it_cannot_patch():
+    with pytest.raises(ValueError, match=r"model_type 'gpt2'"):
+        hf.patch(transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2)))
+    with pytest.raises(ValueError, match="hidden_act='silu', got 'gelu'"):
+        hf.patch(build("llama", hidden_act="gelu"))
+    model = hf.patch(build("llama"))
+    ids, labels = batch(seq=5)
+    with pytest.raises(ValueError, match="logits_to_keep must be 0"):
+        model(input_ids=ids, labels=labels, logits_to_keep=1)
