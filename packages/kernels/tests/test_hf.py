@@ -145,12 +145,12 @@ def test_return_dict_false_and_generation_with_a_cache():
 def test_twenty_adamw_steps_follow_the_same_loss_curve(family):
     reference = build(family)
     patched = hf.patch(copy.deepcopy(reference))
+    ids, labels = batch(seq=10, seed=100)  # one batch, learnt over the steps
     curves = []
     for model in (reference, patched):
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         losses = []
-        for step in range(20):
-            ids, labels = batch(seq=10, seed=100)  # one batch, learnt over the steps
+        for _ in range(20):
             optimizer.zero_grad(set_to_none=True)
             loss = model(input_ids=ids, labels=labels).loss
             loss.backward()
