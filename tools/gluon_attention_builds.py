@@ -22,6 +22,7 @@ from cs336_harness.results import append_rows, provenance
 from cs336_kernels.ops.flash_attention import gluon_backward as backward
 from cs336_kernels.ops.flash_attention import gluon_forward as forward
 from cs336_kernels.ops.flash_attention.gluon_common import SUPPORTED_HEAD_DIMS
+from cs336_kernels.ops.flash_attention.params import make_params
 from cs336_kernels.sass import loop_opcodes, loop_spills, read_build
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
@@ -51,13 +52,14 @@ def build_row(name: str, head_dim: int, is_causal: bool, deterministic: bool = F
     q = torch.zeros(1, 4, 1024, head_dim, dtype=torch.bfloat16)
     k = torch.zeros(1, 2, 1024, head_dim, dtype=torch.bfloat16)
     lse = torch.zeros(1, 4, 1024)
+    params = make_params(head_dim, is_causal, None, (-1, -1), 0.0)
     if name == "fwd":
         kernel = forward._attn_fwd_kernel
-        args, constants = forward.forward_args(q, k, k, q, lse, torch.zeros(1, dtype=torch.int32), is_causal)
+        args, constants = forward.forward_args(q, k, k, q, lse, torch.zeros(1, dtype=torch.int32), params)
     else:
         kernel = backward._attn_bwd_kernel
         locks = torch.zeros(backward.dq_lock_count(q), dtype=torch.int32) if deterministic else None
-        args, constants = backward.backward_args(q, k, k, q, lse, lse, q.float(), k, k, locks, is_causal)
+        args, constants = backward.backward_args(q, k, k, q, lse, lse, q.float(), k, k, locks, params)
     compiled, sass = _compile(kernel, args, constants)
     return {"bench": "gluon_build", "kernel": name, "d": head_dim, "dtype": "bf16", "causal": is_causal,
             "deterministic": deterministic,

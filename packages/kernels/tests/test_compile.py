@@ -20,6 +20,7 @@ from cs336_kernels import (
     FusedAdamW,
     add_rms_norm,
     flash_attention,
+    flash_attention_varlen,
     fused_linear_cross_entropy,
     rms_norm,
     rope,
@@ -94,7 +95,18 @@ CASES = {
         lambda q, k, v, backward=backward: flash_attention(q, k, v, True, backward=backward),
         lambda n: tuple(_randn(1, 2, n, HEAD_DIM, seed=i) for i in range(3)))
        for backward in ("auto", "triton")},
+    # A packed batch of three sequences (one of them empty); its longest length bounded by the total, so that
+    # nothing but the tensors' (dynamic) lengths enters the graph.
+    **{f"flash_attention_varlen_{backward}": Case(
+        lambda q, k, v, cu, backward=backward: flash_attention_varlen(
+            q, k, v, cu, cu, q.shape[0], k.shape[0], causal=True, window_size=(9, -1), backward=backward),
+        lambda n: (*(_randn(n, 2, HEAD_DIM, seed=i) for i in range(3)), _cu_seqlens(n)))
+       for backward in ("auto", "triton")},
 }
+
+
+def _cu_seqlens(n: int) -> torch.Tensor:
+    return torch.tensor([0, n // 3, n // 3, n], dtype=torch.int32, device=DEVICE)
 
 
 # The quick run (-m "not slow") keeps one case of each kind of check: the cheapest in the interpreter.
@@ -182,8 +194,12 @@ def _opcheck_cases() -> list:
     a, b = _randn(4, 5, 40, seed=3), _randn(4, 5, 40, seed=4)
     hidden, weight, targets = _lce_inputs(13)
     qa, ka, va = (_randn(1, 2, 19, HEAD_DIM, seed=i) for i in range(3))
-    oa, lse = flash_attention_op(qa, ka, va, True, "auto", "auto")
+    dense = (None, None, 0, 0, HEAD_DIM ** -0.5, -1, 0, True, 0.0)
+    oa, lse = flash_attention_op(qa, ka, va, *dense, "auto", "auto", False)
     grad = _randn(1, 2, 19, HEAD_DIM, seed=9, requires_grad=False)
+    qp, kp, vp = (_randn(19, 2, HEAD_DIM, seed=i) for i in range(3))
+    packed = (_cu_seqlens(19), _cu_seqlens(19), 13, 13, 0.3, 4, 0, True, 2.0)
+    op, lsep = flash_attention_op(qp, kp, vp, *packed, "auto", "auto", False)
     params = [_randn(5, seed=5, requires_grad=False).float(), _randn(3, 7, seed=6, requires_grad=False).float()]
     state = [[torch.randn_like(p) for p in params], [torch.zeros_like(p) for p in params],
              [torch.zeros_like(p) for p in params], [torch.zeros((), device=DEVICE) for _ in params]]
@@ -210,10 +226,16 @@ def _opcheck_cases() -> list:
                      id="linear_cross_entropy_backward"),
         pytest.param(scale_inplace, (_randn(3, 70, seed=10, requires_grad=False), torch.tensor(0.5, device=DEVICE)),
                      id="scale_inplace"),
-        pytest.param(flash_attention_op, (qa, ka, va, True, "auto", "auto"), id="flash_attention_forward"),
+        pytest.param(flash_attention_op, (qa, ka, va, *dense, "auto", "auto", False), id="flash_attention_forward"),
         *(pytest.param(flash_attention_backward_op, (qa.detach(), ka.detach(), va.detach(), oa.detach(), grad,
-                                                     lse.detach(), True, backward),
+                                                     lse.detach(), None, *dense, backward, False),
                        id=f"flash_attention_backward_{backward}") for backward in ("auto", "triton")),
+        pytest.param(flash_attention_op, (qp, kp, vp, *packed, "auto", "auto", False),
+                     id="flash_attention_varlen_forward"),
+        pytest.param(flash_attention_backward_op, (qp.detach(), kp.detach(), vp.detach(), op.detach(),
+                                                   torch.randn_like(op), lsep.detach(), torch.randn_like(lsep),
+                                                   *packed, "auto", False),
+                     id="flash_attention_varlen_backward"),
         pytest.param(fused_adamw_step_op, (params, *state, 1e-3, 0.9, 0.999, 1e-8, 0.01, 16), id="fused_adamw_step"),
     ]
 

@@ -27,6 +27,7 @@ from cs336_kernels.ops.flash_attention import (
 from cs336_kernels.ops.flash_attention.forward import flash_forward_triton
 from cs336_kernels.ops.flash_attention.gluon_backward import CONFIGS, unstage_dq
 from cs336_kernels.ops.flash_attention.gluon_common import gluon_applies
+from cs336_kernels.ops.flash_attention.params import make_params
 from cs336_kernels.ops.flash_attention.reference import flash_backward_pytorch, flash_forward_pytorch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -66,16 +67,18 @@ def _run(fn, q, k, v, do, is_causal):
     return o.detach(), lse, (q.grad, k.grad, v.grad)
 
 
-def _check_against_reference(fn, q, k, v, do, is_causal):
+def _check_against_reference(fn, q, k, v, do, is_causal, bottom_right=True):
     o, lse, grads = _run(fn, q, k, v, do, is_causal)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    o_ref, lse_ref = attention_reference(q64, k64, v64, is_causal)
+    o_ref, lse_ref = attention_reference(q64, k64, v64, is_causal, bottom_right=bottom_right)
     o_ref.backward(do.double())
     tol = REL_TOL[q.dtype]
     assert o.shape == q.shape and o.dtype == q.dtype
     assert lse.shape == q.shape[:-1] and lse.dtype == torch.float32
     assert _rel_err(o, o_ref) < tol
-    assert (lse.double() - lse_ref).abs().max().item() < LSE_TOL[q.dtype]
+    seen = lse_ref > float("-inf")  # rows that see no key (Tq > Tk, causal bottom-right) have L = -inf in both
+    assert torch.equal(lse > float("-inf"), seen)
+    assert (lse.double() - lse_ref)[seen].abs().max().item() < LSE_TOL[q.dtype]
     for name, got, ref in zip(("dq", "dk", "dv"), grads, (q64.grad, k64.grad, v64.grad), strict=True):
         assert got.shape == ref.shape and got.dtype == q.dtype, name
         assert _rel_err(got, ref) < tol, f"{name}: {_rel_err(got, ref):.2e}"
@@ -121,7 +124,7 @@ def test_pytorch_tiled_pieces_match_reference(shape_q, shape_kv, is_causal, dtyp
     q, k, v, do = (t.unsqueeze(1) if t.dim() == 3 else t for t in _inputs(shape_q, shape_kv, dtype, seed=1))
     o, lse = flash_forward_pytorch(q, k, v, is_causal)
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-    o_ref, lse_ref = attention_reference(q64, k64, v64, is_causal)
+    o_ref, lse_ref = attention_reference(q64, k64, v64, is_causal, bottom_right=False)
     o_ref.backward(do.double())
     tol = REL_TOL[dtype]
     assert _rel_err(o, o_ref) < tol
@@ -137,14 +140,14 @@ def test_pytorch_tiled_pieces_match_reference(shape_q, shape_kv, is_causal, dtyp
 def test_compiled_pytorch_backward(impl):
     fn = {
         "pytorch_function": FlashAttentionPytorch.apply,
-        "triton_with_pytorch_backward": lambda q, k, v, c: flash_attention(q, k, v, c, backward="pytorch"),
+        "triton_with_pytorch_backward": lambda q, k, v, c: FlashAttentionTriton.apply(q, k, v, c, "pytorch"),
     }[impl]
     q, k, v, do = _inputs((2, 4, 37, 32), (2, 2, 50, 32), torch.float32, seed=3)
-    _check_against_reference(fn, q, k, v, do, True)
+    _check_against_reference(fn, q, k, v, do, True, bottom_right=False)
 
 
 def _check_forward(q, k, v, is_causal):
-    o, lse = flash_forward_triton(q, k, v, is_causal)
+    o, lse = flash_forward_triton(q, k, v, make_params(q.shape[-1], is_causal, None, (-1, -1), 0.0))
     o_ref, lse_ref = attention_reference(q.double(), k.double(), v.double(), is_causal)
     assert _rel_err(o, o_ref) < REL_TOL[q.dtype]
     assert (lse.double() - lse_ref).abs().max().item() < LSE_TOL[q.dtype]
@@ -202,6 +205,15 @@ def test_the_gluon_backwards_dq_accumulator_is_unstaged_in_row_order_and_scaled(
         unstage_dq(staged, out.transpose(2, 3).contiguous().transpose(2, 3), 1.0)
 
 
+def _op(q, k, v, *rest, forward="triton", backward="triton"):
+    # The operators of a dense causal batch, by position: flash_attention_op(q, k, v) or
+    # flash_attention_backward_op(q, k, v, o, do, lse).
+    params = (None, None, 0, 0, q.shape[-1] ** -0.5, -1, 0, True, 0.0)
+    if rest:
+        return flash_attention_backward_op(q, k, v, *rest, None, *params, backward, False)
+    return flash_attention_op(q, k, v, *params, forward, backward, False)
+
+
 def test_outputs_and_gradients_take_the_layout_of_their_inputs():
     # A model's (batch, seq, heads, d) projections seen as (batch, heads, seq, d): O and dQ, dK, dV come back in
     # that layout, so the output projection (and the backward into the projections) reshapes them without a copy;
@@ -210,33 +222,38 @@ def test_outputs_and_gradients_take_the_layout_of_their_inputs():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     q, k, v, do = (t.transpose(1, 2) for t in _inputs((1, 33, 4, 16), (1, 33, 2, 16), torch.float32, seed=1))
-    o, lse = flash_attention_op(q, k, v, True, "triton", "triton")
-    grads = flash_attention_backward_op(q, k, v, o, do, lse, True, "triton")
+    o, lse = _op(q, k, v)
+    grads = _op(q, k, v, o, do, lse)
     with FakeTensorMode() as mode:
         fakes = [mode.from_tensor(t) for t in (q, k, v, o, do, lse)]
-        fake_o, _ = flash_attention_op(*fakes[:3], True, "triton", "triton")
-        fake_grads = flash_attention_backward_op(*fakes, True, "triton")
+        fake_o, _ = _op(*fakes[:3])
+        fake_grads = _op(*fakes)
     for got, fake, like in zip((o, *grads), (fake_o, *fake_grads), (q, q, k, v), strict=True):
         assert got.stride() == like.stride() == fake.stride()
         assert got.transpose(1, 2).is_contiguous()
-    torch.testing.assert_close(o, flash_attention_op(*(t.contiguous() for t in (q, k, v)), True, "triton",
-                                                     "triton")[0], rtol=0, atol=0)
+    torch.testing.assert_close(o, _op(*(t.contiguous() for t in (q, k, v)))[0], rtol=0, atol=0)
     no_unit = q.transpose(2, 3).contiguous().transpose(2, 3)
-    assert flash_attention_op(no_unit, k, v, True, "triton", "triton")[0].is_contiguous()
+    assert _op(no_unit, k, v)[0].is_contiguous()
     with mode:
-        assert flash_attention_op(mode.from_tensor(no_unit), *fakes[1:3], True, "triton", "triton")[0].is_contiguous()
+        assert _op(mode.from_tensor(no_unit), *fakes[1:3])[0].is_contiguous()
 
 
-def test_causal_alignment_is_top_left_like_sdpa():
-    q, k, v, _ = _inputs((1, 2, 19, 16), (1, 2, 40, 16), torch.float32, seed=4)
-    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    torch.testing.assert_close(flash_attention(q, k, v, is_causal=True), expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(FlashAttentionPytorch.apply(q, k, v, True), expected, rtol=1e-5, atol=1e-5)
+def test_causal_alignment_bottom_right_in_flash_attention_top_left_in_the_course_functions():
+    # flash_attention follows FlashAttention-2 (query i's diagonal is key i + Tk - Tq); the course's autograd
+    # Functions follow scaled_dot_product_attention(is_causal=True) (key i).
+    for tq, tk in ((19, 40), (40, 19)):
+        q, k, v, _ = _inputs((1, 2, tq, 16), (1, 2, tk, 16), torch.float32, seed=4)
+        top_left = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.testing.assert_close(FlashAttentionTriton.apply(q, k, v, True), top_left, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(FlashAttentionPytorch.apply(q, k, v, True), top_left, rtol=1e-5, atol=1e-5)
+        mask = torch.ones(tq, tk, dtype=torch.bool).tril(diagonal=tk - tq)
+        bottom_right = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).nan_to_num()  # rows seeing no key: 0
+        torch.testing.assert_close(flash_attention(q, k, v, True), bottom_right, rtol=1e-5, atol=1e-5)
 
 
-def test_keys_past_the_last_query_get_zero_gradient_when_causal():
+def test_keys_past_the_last_query_get_zero_gradient_when_causal_top_left():
     q, k, v, do = _inputs((1, 1, 5, 16), (1, 1, 40, 16), torch.float32, seed=5)
-    _, _, (_, dk, dv) = _run(triton_attention, q, k, v, do, True)
+    _, _, (_, dk, dv) = _run(FlashAttentionTriton.apply, q, k, v, do, True)
     assert dk[..., 5:, :].abs().max() == 0 and dv[..., 5:, :].abs().max() == 0
     assert dk[..., :5, :].abs().max() > 0
 

@@ -26,7 +26,8 @@ def test_every_export_is_defined():
 
 
 # What the kernels README's public API table lists: each is a plain function or class at the top level.
-README_NAMES = ["flash_attention", "FlashAttentionTriton", "FlashAttentionPytorch", "attention_reference", "rms_norm",
+README_NAMES = ["flash_attention", "flash_attention_varlen", "FlashAttentionTriton", "FlashAttentionPytorch",
+                "attention_reference", "attention_reference_varlen", "rms_norm",
                 "rms_norm_reference", "add_rms_norm", "add_rms_norm_reference", "rope", "rope_reference", "silu_mul",
                 "silu_mul_reference", "fused_linear_cross_entropy", "linear_cross_entropy_reference", "FusedAdamW",
                 "CHUNK_BYTES"]

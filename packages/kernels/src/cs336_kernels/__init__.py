@@ -4,9 +4,10 @@ The functions here are the public API, each a registered operator (``torch.ops.c
 implementation and an autograd formula, so they run eagerly, inside ``torch.compile(fullgraph=True)`` (no graph
 break, dynamic shapes) and under FSDP2:
 
-- :func:`flash_attention` (FlashAttention-2 in Triton, FlashAttention-3-style Gluon kernels on sm_90), with
-  :class:`FlashAttentionTriton` / :class:`FlashAttentionPytorch` (its autograd Functions) and
-  :func:`attention_reference`;
+- :func:`flash_attention` and :func:`flash_attention_varlen` (packed sequences), with FlashAttention-2's
+  arguments (causal, sliding window, softcap, softmax scale, logsumexp; FlashAttention-2 in Triton,
+  FlashAttention-3-style Gluon kernels on sm_90), :class:`FlashAttentionTriton` / :class:`FlashAttentionPytorch`
+  (the course's autograd Functions), :func:`attention_reference` and :func:`attention_reference_varlen`;
 - the glue of a Transformer block: :func:`rms_norm`, :func:`add_rms_norm` (the residual add before a norm folded
   into it), :func:`rope` (queries and keys in the projections' layout) and :func:`silu_mul` (SwiGLU's
   ``silu(a) * b``), each with its ``*_reference``;
@@ -28,7 +29,9 @@ from cs336_kernels.ops.flash_attention import (
     FlashAttentionPytorch,
     FlashAttentionTriton,
     attention_reference,
+    attention_reference_varlen,
     flash_attention,
+    flash_attention_varlen,
 )
 from cs336_kernels.ops.fused_adamw import FusedAdamW
 from cs336_kernels.ops.fused_linear_cross_entropy import (
@@ -54,7 +57,9 @@ __all__ = [
     "add_rms_norm",
     "add_rms_norm_reference",
     "attention_reference",
+    "attention_reference_varlen",
     "flash_attention",
+    "flash_attention_varlen",
     "fused_linear_cross_entropy",
     "linear_cross_entropy_reference",
     "nn",

@@ -44,10 +44,12 @@ from cs336_kernels.ops.flash_attention.api import (
     flash_attention,
     flash_attention_backward_op,
     flash_attention_op,
+    flash_attention_varlen,
     forward_impl,
 )
 from cs336_kernels.ops.flash_attention.checks import MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES
-from cs336_kernels.ops.flash_attention.reference import attention_reference
+from cs336_kernels.ops.flash_attention.params import Params, make_params
+from cs336_kernels.ops.flash_attention.reference import attention_reference, attention_reference_varlen
 
 __all__ = [
     "BACKWARD_IMPLS",
@@ -59,10 +61,14 @@ __all__ = [
     "FlashAttentionPytorch",
     "FlashAttentionTriton",
     "ForwardImpl",
+    "Params",
     "attention_reference",
+    "attention_reference_varlen",
     "backward_impl",
     "flash_attention",
     "flash_attention_backward_op",
     "flash_attention_op",
+    "flash_attention_varlen",
     "forward_impl",
+    "make_params",
 ]

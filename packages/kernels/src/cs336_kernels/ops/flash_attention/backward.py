@@ -9,22 +9,25 @@ computed in both, so the backward runs seven matmuls per tile pair instead of fi
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from cs336_kernels.interpreter import INTERPRET
 from cs336_kernels.ops._common import LOG2E, output_like
+from cs336_kernels.ops.flash_attention.params import Params
 from cs336_kernels.ops.flash_attention.tiles import (
     kernel_constants,
-    key_mask,
     key_tile_ranges,
+    launch_geometry,
     load_tile,
     load_tiles,
+    query_tile_ranges,
+    sequence,
+    tanh,
     tile_ptr,
     tma_descriptors,
+    visible,
     with_tma_scratch,
 )
 from cs336_kernels.ops.flash_attention.tuning import autotune
@@ -62,31 +65,36 @@ def bwd_preprocess_kernel(
 def _dkdv_inner(
     dk, dv, k, v, Q_BASE, DO_BASE, Q_DESC, DO_DESC, L_BASE, DELTA_BASE,
     stride_qt, stride_qd, stride_dot, stride_dod,
-    offs_n, lo, hi, N_QUERIES, qk_scale,
+    offs_n, lo, hi, n_q, n_k, diag, WIN_L, WIN_R, qk_scale, softcap_in, softcap_out,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    CHECK_ROWS: tl.constexpr, CAUSAL_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, QDO_TMA: tl.constexpr,
+    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, QDO_TMA: tl.constexpr,
 ):
-    Q_BLOCK = tile_ptr(Q_BASE, N_QUERIES, stride_qt, stride_qd, lo, HEAD_DIM, BLOCK_M, BLOCK_D)
-    DO_BLOCK = tile_ptr(DO_BASE, N_QUERIES, stride_dot, stride_dod, lo, HEAD_DIM, BLOCK_M, BLOCK_D)
+    Q_BLOCK = tile_ptr(Q_BASE, n_q, stride_qt, stride_qd, lo, HEAD_DIM, BLOCK_M, BLOCK_D)
+    DO_BLOCK = tile_ptr(DO_BASE, n_q, stride_dot, stride_dod, lo, HEAD_DIM, BLOCK_M, BLOCK_D)
     for start in range(lo, hi, BLOCK_M):
         offs_m = start + tl.arange(0, BLOCK_M)
-        q, do = load_tiles(Q_BLOCK, DO_BLOCK, Q_DESC, DO_DESC, start, CHECK_ROWS, EVEN_D, QDO_TMA)
-        if CHECK_ROWS:
-            # Padded query rows get L = +inf, hence P = 0: they add nothing to dK or dV.
-            lse = tl.load(L_BASE + offs_m, mask=offs_m < N_QUERIES, other=float("inf"))
-            delta = tl.load(DELTA_BASE + offs_m, mask=offs_m < N_QUERIES, other=0.0)
+        q, do = load_tiles(Q_BLOCK, DO_BLOCK, Q_DESC, DO_DESC, start, MASKED, EVEN_D, QDO_TMA)
+        if MASKED:
+            lse2 = tl.load(L_BASE + offs_m, mask=offs_m < n_q, other=float("inf"))
+            delta = tl.load(DELTA_BASE + offs_m, mask=offs_m < n_q, other=0.0)
         else:
-            lse = tl.load(L_BASE + offs_m)
+            lse2 = tl.load(L_BASE + offs_m)
             delta = tl.load(DELTA_BASE + offs_m)
         # Work with transposed tiles (keys x queries) so that no probability tile needs transposing.
         s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
-        p_t = tl.exp2(s_t * qk_scale - (lse * 1.4426950408889634)[None, :])
-        if CAUSAL_MASK:
-            p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+        if SOFTCAP:
+            t_t = tanh(s_t * softcap_in)
+            p_t = tl.exp2(t_t * softcap_out - lse2[None, :])
+        else:
+            p_t = tl.exp2(s_t * qk_scale - lse2[None, :])
+        if MASKED:
+            p_t = tl.where(visible(offs_m, offs_n, n_q, n_k, diag, WIN_L, WIN_R, True), p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, acc=dv, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
-        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
-        dk = tl.dot(ds_t, q, acc=dk, input_precision=DOT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP:
+            ds_t = ds_t * (1.0 - t_t * t_t)  # d(softcap * tanh(x / softcap)) / dx
+        dk = tl.dot(ds_t.to(q.dtype), q, acc=dk, input_precision=DOT_PRECISION)
         Q_BLOCK = tl.advance(Q_BLOCK, (BLOCK_M, 0))
         DO_BLOCK = tl.advance(DO_BLOCK, (BLOCK_M, 0))
     return dk, dv
@@ -95,83 +103,85 @@ def _dkdv_inner(
 @autotune("dkdv")
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, L, DELTA, DK, DV,
+    Q, K, V, DO, L, DELTA, DK, DV, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
     stride_dob, stride_doh, stride_dot, stride_dod,
-    stride_lb, stride_lh,
     stride_dkb, stride_dkh, stride_dkt, stride_dkd,
     stride_dvb, stride_dvh, stride_dvt, stride_dvd,
-    H_KV, GROUP, N_QUERIES, N_KEYS, qk_scale, sm_scale,
+    stride_lb, stride_lh,
+    H_KV, GROUP, N_QUERIES, N_KEYS, DIAG, WIN_L, WIN_R, qk_scale, softcap_in, softcap_out, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QDO_TMA: tl.constexpr = False,
 ):
-    # Grid: (key tiles, batch * key/value heads). Each program owns its dK, dV tile: no atomics needed,
-    # and a GQA group's query heads are summed here in a fixed order, so dK and dV are deterministic.
+    # Grid: (key tiles of the longest sequence, sequences * key/value heads). Each program owns its dK, dV tile:
+    # no atomics needed, and a GQA group's query heads are summed here in a fixed order, so dK and dV are
+    # deterministic. L holds the logsumexp in log2 units.
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H_KV).to(tl.int64)
     h_kv = (pid_bh % H_KV).to(tl.int64)
+    q_start, n_q, k_start, n_k, diag = sequence(CU_Q, CU_K, b, N_QUERIES, N_KEYS, DIAG, VARLEN)
     k0 = pid_n * BLOCK_N
+    if k0 >= n_k:  # a packed batch's shorter sequences have fewer key tiles than the grid
+        return
     offs_n = k0 + tl.arange(0, BLOCK_N)
 
     K_BLOCK = tile_ptr(
-        K + b * stride_kb + h_kv * stride_kh, N_KEYS, stride_kt, stride_kd, k0, HEAD_DIM, BLOCK_N, BLOCK_D
+        K + b * stride_kb + h_kv * stride_kh + k_start * stride_kt, n_k, stride_kt, stride_kd, k0, HEAD_DIM, BLOCK_N,
+        BLOCK_D,
     )
     V_BLOCK = tile_ptr(
-        V + b * stride_vb + h_kv * stride_vh, N_KEYS, stride_vt, stride_vd, k0, HEAD_DIM, BLOCK_N, BLOCK_D
+        V + b * stride_vb + h_kv * stride_vh + k_start * stride_vt, n_k, stride_vt, stride_vd, k0, HEAD_DIM, BLOCK_N,
+        BLOCK_D,
     )
     k = load_tile(K_BLOCK, True, EVEN_D)
     v = load_tile(V_BLOCK, True, EVEN_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    # Query tiles: [k0, k0 + BLOCK_N) straddle the diagonal (causal only; masked); [lo_full, q_full) are
-    # complete and unmasked; [q_full, N_QUERIES) is the partial last tile. Tiles above k0 are skipped.
-    q_full = (N_QUERIES // BLOCK_M) * BLOCK_M
-    lo_full = k0 + BLOCK_N if IS_CAUSAL else 0
-    lo_tail = tl.maximum(lo_full, q_full)
+    # Keys past the end of the sequence read as zeros and are dropped at the store: no mask needed for them.
+    lo, full_lo, full_hi, hi = query_tile_ranges(k0, n_q, diag, WIN_L, WIN_R, BLOCK_M, BLOCK_N)
     for g in range(GROUP):
         h = h_kv * GROUP + g
-        Q_BASE = Q + b * stride_qb + h * stride_qh
-        DO_BASE = DO + b * stride_dob + h * stride_doh
-        L_BASE = L + b * stride_lb + h * stride_lh
-        DELTA_BASE = DELTA + b * stride_lb + h * stride_lh
+        Q_BASE = Q + b * stride_qb + h * stride_qh + q_start * stride_qt
+        DO_BASE = DO + b * stride_dob + h * stride_doh + q_start * stride_dot
+        L_BASE = L + b * stride_lb + h * stride_lh + q_start
+        DELTA_BASE = DELTA + b * stride_lb + h * stride_lh + q_start
         if QDO_TMA:
             # One descriptor per query head for its three query loops.
-            Q_DESC, DO_DESC = tma_descriptors(
-                Q_BASE, DO_BASE, stride_qt, stride_dot, N_QUERIES, HEAD_DIM, BLOCK_M, BLOCK_D
-            )
+            Q_DESC, DO_DESC = tma_descriptors(Q_BASE, DO_BASE, stride_qt, stride_dot, n_q, HEAD_DIM, BLOCK_M, BLOCK_D)
         else:
             Q_DESC, DO_DESC = None, None
-        if IS_CAUSAL:
-            dk, dv = _dkdv_inner(
-                dk, dv, k, v, Q_BASE, DO_BASE, Q_DESC, DO_DESC, L_BASE, DELTA_BASE,
-                stride_qt, stride_qd, stride_dot, stride_dod,
-                offs_n, k0, tl.minimum(k0 + BLOCK_N, N_QUERIES), N_QUERIES, qk_scale,
-                HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_M, True, True, DOT_PRECISION, QDO_TMA,
-            )
         dk, dv = _dkdv_inner(
             dk, dv, k, v, Q_BASE, DO_BASE, Q_DESC, DO_DESC, L_BASE, DELTA_BASE,
             stride_qt, stride_qd, stride_dot, stride_dod,
-            offs_n, lo_full, q_full, N_QUERIES, qk_scale,
-            HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_M, False, False, DOT_PRECISION, QDO_TMA,
+            offs_n, lo, full_lo, n_q, n_k, diag, WIN_L, WIN_R, qk_scale, softcap_in, softcap_out,
+            HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_M, True, SOFTCAP, DOT_PRECISION, QDO_TMA,
         )
         dk, dv = _dkdv_inner(
             dk, dv, k, v, Q_BASE, DO_BASE, Q_DESC, DO_DESC, L_BASE, DELTA_BASE,
             stride_qt, stride_qd, stride_dot, stride_dod,
-            offs_n, lo_tail, N_QUERIES, N_QUERIES, qk_scale,
-            HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_M, True, False, DOT_PRECISION, QDO_TMA,
+            offs_n, full_lo, full_hi, n_q, n_k, diag, WIN_L, WIN_R, qk_scale, softcap_in, softcap_out,
+            HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_M, False, SOFTCAP, DOT_PRECISION, QDO_TMA,
+        )
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, Q_BASE, DO_BASE, Q_DESC, DO_DESC, L_BASE, DELTA_BASE,
+            stride_qt, stride_qd, stride_dot, stride_dod,
+            offs_n, full_hi, hi, n_q, n_k, diag, WIN_L, WIN_R, qk_scale, softcap_in, softcap_out,
+            HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_M, True, SOFTCAP, DOT_PRECISION, QDO_TMA,
         )
 
     dk = dk * sm_scale
     DK_BLOCK = tile_ptr(
-        DK + b * stride_dkb + h_kv * stride_dkh, N_KEYS, stride_dkt, stride_dkd, k0, HEAD_DIM, BLOCK_N, BLOCK_D
+        DK + b * stride_dkb + h_kv * stride_dkh + k_start * stride_dkt, n_k, stride_dkt, stride_dkd, k0, HEAD_DIM,
+        BLOCK_N, BLOCK_D,
     )
     DV_BLOCK = tile_ptr(
-        DV + b * stride_dvb + h_kv * stride_dvh, N_KEYS, stride_dvt, stride_dvd, k0, HEAD_DIM, BLOCK_N, BLOCK_D
+        DV + b * stride_dvb + h_kv * stride_dvh + k_start * stride_dvt, n_k, stride_dvt, stride_dvd, k0, HEAD_DIM,
+        BLOCK_N, BLOCK_D,
     )
     tl.store(DK_BLOCK, dk.to(DK.dtype.element_ty), boundary_check=(0, 1))
     tl.store(DV_BLOCK, dv.to(DV.dtype.element_ty), boundary_check=(0, 1))
@@ -181,21 +191,27 @@ def _attn_bwd_dkdv_kernel(
 def _dq_inner(
     dq, q, do, lse2, delta, K_BASE, V_BASE, K_DESC, V_DESC,
     stride_kt, stride_kd, stride_vt, stride_vd,
-    offs_m, lo, hi, N_KEYS, qk_scale,
+    offs_m, lo, hi, n_q, n_k, diag, WIN_L, WIN_R, qk_scale, softcap_in, softcap_out,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_TMA: tl.constexpr,
+    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_TMA: tl.constexpr,
 ):
-    K_BLOCK = tile_ptr(K_BASE, N_KEYS, stride_kt, stride_kd, lo, HEAD_DIM, BLOCK_N, BLOCK_D)
-    V_BLOCK = tile_ptr(V_BASE, N_KEYS, stride_vt, stride_vd, lo, HEAD_DIM, BLOCK_N, BLOCK_D)
+    K_BLOCK = tile_ptr(K_BASE, n_k, stride_kt, stride_kd, lo, HEAD_DIM, BLOCK_N, BLOCK_D)
+    V_BLOCK = tile_ptr(V_BASE, n_k, stride_vt, stride_vd, lo, HEAD_DIM, BLOCK_N, BLOCK_D)
     for start in range(lo, hi, BLOCK_N):
         k, v = load_tiles(K_BLOCK, V_BLOCK, K_DESC, V_DESC, start, MASKED, EVEN_D, KV_TMA)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
-        p = tl.exp2(s * qk_scale - lse2[:, None])
+        if SOFTCAP:
+            t = tanh(s * softcap_in)
+            p = tl.exp2(t * softcap_out - lse2[:, None])
+        else:
+            p = tl.exp2(s * qk_scale - lse2[:, None])
         if MASKED:
-            keep = key_mask(offs_m, start, N_KEYS, BLOCK_N, IS_CAUSAL)
+            keep = visible(offs_m, start + tl.arange(0, BLOCK_N), n_q, n_k, diag, WIN_L, WIN_R)
             p = tl.where(keep, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
         dq = tl.dot(ds.to(k.dtype), k, acc=dq, input_precision=DOT_PRECISION)
         K_BLOCK = tl.advance(K_BLOCK, (BLOCK_N, 0))
         V_BLOCK = tl.advance(V_BLOCK, (BLOCK_N, 0))
@@ -205,79 +221,99 @@ def _dq_inner(
 @autotune("dq")
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, L, DELTA, DQ,
+    Q, K, V, DO, L, DELTA, DQ, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
     stride_dob, stride_doh, stride_dot, stride_dod,
-    stride_lb, stride_lh,
     stride_dqb, stride_dqh, stride_dqt, stride_dqd,
-    H_Q, GROUP, N_QUERIES, N_KEYS, qk_scale, sm_scale,
+    stride_lb, stride_lh,
+    H_Q, GROUP, N_QUERIES, N_KEYS, DIAG, WIN_L, WIN_R, qk_scale, softcap_in, softcap_out, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_TMA: tl.constexpr = False,
 ):
-    # Grid: (query tiles, batch * query heads); the same tile walk as the forward pass.
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if IS_CAUSAL else tl.program_id(0)
+    # Grid: (query tiles of the longest sequence, sequences * query heads); the same tile walk as the forward.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H_Q).to(tl.int64)
     h = (pid_bh % H_Q).to(tl.int64)
     h_kv = h // GROUP
+    q_start, n_q, k_start, n_k, diag = sequence(CU_Q, CU_K, b, N_QUERIES, N_KEYS, DIAG, VARLEN)
     q0 = pid_m * BLOCK_M
+    if q0 >= n_q:
+        return
     offs_m = q0 + tl.arange(0, BLOCK_M)
 
     Q_BLOCK = tile_ptr(
-        Q + b * stride_qb + h * stride_qh, N_QUERIES, stride_qt, stride_qd, q0, HEAD_DIM, BLOCK_M, BLOCK_D
+        Q + b * stride_qb + h * stride_qh + q_start * stride_qt, n_q, stride_qt, stride_qd, q0, HEAD_DIM, BLOCK_M,
+        BLOCK_D,
     )
     DO_BLOCK = tile_ptr(
-        DO + b * stride_dob + h * stride_doh, N_QUERIES, stride_dot, stride_dod, q0, HEAD_DIM, BLOCK_M, BLOCK_D
+        DO + b * stride_dob + h * stride_doh + q_start * stride_dot, n_q, stride_dot, stride_dod, q0, HEAD_DIM,
+        BLOCK_M, BLOCK_D,
     )
     q = load_tile(Q_BLOCK, True, EVEN_D)
     do = load_tile(DO_BLOCK, True, EVEN_D)
-    row_ok = offs_m < N_QUERIES
-    lse = tl.load(L + b * stride_lb + h * stride_lh + offs_m, mask=row_ok, other=float("inf"))
-    delta = tl.load(DELTA + b * stride_lb + h * stride_lh + offs_m, mask=row_ok, other=0.0)
-    lse2 = lse * 1.4426950408889634
+    row_ok = offs_m < n_q
+    lse2 = tl.load(L + b * stride_lb + h * stride_lh + q_start + offs_m, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + b * stride_lb + h * stride_lh + q_start + offs_m, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    full_end, hi = key_tile_ranges(q0, N_KEYS, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    K_BASE = K + b * stride_kb + h_kv * stride_kh
-    V_BASE = V + b * stride_vb + h_kv * stride_vh
+    lo, full_lo, full_hi, hi = key_tile_ranges(q0, n_k, diag, WIN_L, WIN_R, BLOCK_M, BLOCK_N)
+    K_BASE = K + b * stride_kb + h_kv * stride_kh + k_start * stride_kt
+    V_BASE = V + b * stride_vb + h_kv * stride_vh + k_start * stride_vt
     if KV_TMA:
-        K_DESC, V_DESC = tma_descriptors(K_BASE, V_BASE, stride_kt, stride_vt, N_KEYS, HEAD_DIM, BLOCK_N, BLOCK_D)
+        K_DESC, V_DESC = tma_descriptors(K_BASE, V_BASE, stride_kt, stride_vt, n_k, HEAD_DIM, BLOCK_N, BLOCK_D)
     else:
         K_DESC, V_DESC = None, None
     dq = _dq_inner(
         dq, q, do, lse2, delta, K_BASE, V_BASE, K_DESC, V_DESC, stride_kt, stride_kd, stride_vt, stride_vd,
-        offs_m, 0, full_end, N_KEYS, qk_scale,
-        HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_N, False, IS_CAUSAL, DOT_PRECISION, KV_TMA,
+        offs_m, lo, full_lo, n_q, n_k, diag, WIN_L, WIN_R, qk_scale, softcap_in, softcap_out,
+        HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_N, True, SOFTCAP, DOT_PRECISION, KV_TMA,
     )
     dq = _dq_inner(
         dq, q, do, lse2, delta, K_BASE, V_BASE, K_DESC, V_DESC, stride_kt, stride_kd, stride_vt, stride_vd,
-        offs_m, full_end, hi, N_KEYS, qk_scale,
-        HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_N, True, IS_CAUSAL, DOT_PRECISION, KV_TMA,
+        offs_m, full_lo, full_hi, n_q, n_k, diag, WIN_L, WIN_R, qk_scale, softcap_in, softcap_out,
+        HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_N, False, SOFTCAP, DOT_PRECISION, KV_TMA,
+    )
+    dq = _dq_inner(
+        dq, q, do, lse2, delta, K_BASE, V_BASE, K_DESC, V_DESC, stride_kt, stride_kd, stride_vt, stride_vd,
+        offs_m, full_hi, hi, n_q, n_k, diag, WIN_L, WIN_R, qk_scale, softcap_in, softcap_out,
+        HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_N, True, SOFTCAP, DOT_PRECISION, KV_TMA,
     )
     dq = dq * sm_scale
     DQ_BLOCK = tile_ptr(
-        DQ + b * stride_dqb + h * stride_dqh, N_QUERIES, stride_dqt, stride_dqd, q0, HEAD_DIM, BLOCK_M, BLOCK_D
+        DQ + b * stride_dqb + h * stride_dqh + q_start * stride_dqt, n_q, stride_dqt, stride_dqd, q0, HEAD_DIM,
+        BLOCK_M, BLOCK_D,
     )
     tl.store(DQ_BLOCK, dq.to(DQ.dtype.element_ty), boundary_check=(0, 1))
 
 
+def backward_rows(lse: torch.Tensor, delta: torch.Tensor, dlse: torch.Tensor | None) -> torch.Tensor:
+    """The backward's per-row inputs from the forward's logsumexp and ``D = rowsum(dO * O)`` (written into
+    ``delta``, returned): ``L * log2(e)``, the kernels' exponent, with a row that saw no key at ``+inf`` (so that
+    its probabilities come out 0, not NaN), and ``D - dL`` when the logsumexp has a gradient (since
+    ``dL / dS = P``, it joins dS = P * (dP - D) there)."""
+    if dlse is not None:
+        delta.sub_(dlse)
+    return torch.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+
+
 def flash_backward_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
-    lse: torch.Tensor, is_causal: bool,
+    lse: torch.Tensor, dlse: torch.Tensor | None, params: Params,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV in the dtypes and layouts of q, k, v (:func:`~cs336_kernels.ops._common.output_like`), from
-    (B, H, T, d) tensors with a unit stride on d and the saved (B, Hq, Tq) logsumexp.
+    (B, H, T, d) tensors with a unit stride on d (a packed batch: (1, H, total, d) views, its sequences in
+    ``params``), the saved (B, Hq, Tq) logsumexp and its gradient, if any.
 
     Three launches (D, dK/dV, dQ), no atomics, bitwise reproducible; the dQ kernel recomputes S and dP,
     so seven matmuls per tile pair.
     """
     batch, heads_q, n_queries, head_dim = q.shape
     heads_kv, n_keys = k.shape[1], k.shape[2]
-    constants = kernel_constants(q, is_causal)
-    sm_scale = 1.0 / math.sqrt(head_dim)
+    constants = kernel_constants(q, params)
 
     delta = torch.empty_like(lse)
     preprocess_block = 64 if not INTERPRET else 16
@@ -285,30 +321,31 @@ def flash_backward_triton(
         o, do, delta, *o.stride(), *do.stride(), delta.stride(0), delta.stride(1), heads_q, n_queries,
         HEAD_DIM=head_dim, BLOCK_D=constants["BLOCK_D"], BLOCK_M=preprocess_block,
     )
+    lse2 = backward_rows(lse, delta, dlse)
 
     dq, dk, dv = output_like(q), output_like(k), output_like(v)
     group = heads_q // heads_kv
+    geometry = launch_geometry(params, q, k)
+    strides = [s for t in (q, k, v, do) for s in geometry.strides(t)]
+    row_strides = geometry.strides(lse2)[:2]
+    scalars = params.kernel_args(n_queries, n_keys) | {"sm_scale": params.softmax_scale}
 
     def dkdv_grid(meta):
-        return (triton.cdiv(n_keys, meta["BLOCK_N"]), batch * heads_kv)
+        return (triton.cdiv(geometry.rows_k, meta["BLOCK_N"]), geometry.n_seqs * heads_kv)
 
     def dq_grid(meta):
-        return (triton.cdiv(n_queries, meta["BLOCK_M"]), batch * heads_q)
+        return (triton.cdiv(geometry.rows_q, meta["BLOCK_M"]), geometry.n_seqs * heads_q)
 
     def launch() -> None:
         _attn_bwd_dkdv_kernel[dkdv_grid](
-            q, k, v, do, lse, delta, dk, dv,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), lse.stride(0), lse.stride(1),
-            *dk.stride(), *dv.stride(),
-            heads_kv, group, n_queries, n_keys, sm_scale * LOG2E, sm_scale,
-            **constants,
+            q, k, v, do, lse2, delta, dk, dv, params.cu_seqlens_q, params.cu_seqlens_k,
+            *strides, *geometry.strides(dk), *geometry.strides(dv), *row_strides,
+            heads_kv, group, **scalars, **constants,
         )
         _attn_bwd_dq_kernel[dq_grid](
-            q, k, v, do, lse, delta, dq,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), lse.stride(0), lse.stride(1),
-            *dq.stride(),
-            heads_q, group, n_queries, n_keys, sm_scale * LOG2E, sm_scale,
-            **constants,
+            q, k, v, do, lse2, delta, dq, params.cu_seqlens_q, params.cu_seqlens_k,
+            *strides, *geometry.strides(dq), *row_strides,
+            heads_q, group, **scalars, **constants,
         )
 
     with_tma_scratch(launch)

@@ -43,8 +43,6 @@ The kernels need an sm_90 GPU; they do not run in the Triton interpreter.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -62,7 +60,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from cs336_kernels.ops._common import LOG2E, output_like
-from cs336_kernels.ops.flash_attention.backward import bwd_preprocess_kernel
+from cs336_kernels.ops.flash_attention.backward import backward_rows, bwd_preprocess_kernel
 from cs336_kernels.ops.flash_attention.gluon_common import (
     CONSUMER_REGISTERS,
     MAX_REGISTERS,
@@ -72,6 +70,7 @@ from cs336_kernels.ops.flash_attention.gluon_common import (
     mma_layout,
     tma_ready,
 )
+from cs336_kernels.ops.flash_attention.params import Params
 
 # Per head dim: (BLOCK_M queries per tile, BLOCK_N keys per program, STAGES of the Q/dO ring). Shared memory
 # at d = 128: K, V 2 x 32 KiB, Q/dO ring 2 x 32 KiB, dS^T 2 x 16 KiB, dQ staging 2 x 16 KiB, L/D ring 1 KiB =
@@ -430,7 +429,7 @@ def _padded_rows(shape: torch.Size, device: torch.device) -> torch.Tensor:
 
 def backward_args(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse2: torch.Tensor, delta: torch.Tensor,
-    dq_acc: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, dq_locks: torch.Tensor | None, is_causal: bool,
+    dq_acc: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, dq_locks: torch.Tensor | None, params: Params,
 ) -> tuple[tuple, dict]:
     """The backward kernel's arguments and constexprs for these tensors (for the launcher and offline builds);
     ``lse2`` (the forward's logsumexp times log2(e)) and ``delta`` (batch, heads_q, seq_q) fp32 with 16-byte-aligned
@@ -440,7 +439,7 @@ def backward_args(
     heads_q, n_queries, head_dim = q.shape[1:]
     heads_kv, n_keys = k.shape[1], k.shape[2]
     block_m, block_n, stages = CONFIGS[head_dim]
-    sm_scale = 1.0 / math.sqrt(head_dim)
+    sm_scale = params.softmax_scale
     dq_block = [1, 1, *dq_part(block_m, head_dim)]
     dq_desc = TensorDescriptor.from_tensor(dq_acc, dq_block, gl.NVMMASharedLayout.get_default_for(dq_block, gl.float32))
     args = (
@@ -450,7 +449,7 @@ def backward_args(
         heads_kv, heads_q // heads_kv, n_queries, n_keys, sm_scale * LOG2E, sm_scale,
     )
     return args, {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages,
-                  "IS_CAUSAL": is_causal, "DETERMINISTIC": dq_locks is not None}
+                  "IS_CAUSAL": params.window_right == 0, "DETERMINISTIC": dq_locks is not None}
 
 
 def dq_lock_count(q: torch.Tensor) -> int:
@@ -461,15 +460,16 @@ def dq_lock_count(q: torch.Tensor) -> int:
 
 def gluon_attention_backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
-    is_causal: bool,
+    dlse: torch.Tensor | None, params: Params,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV from the warp-specialised sm_90 kernel, given the forward's output and logsumexp.
 
     Args:
-        q, k, v, is_causal: as for :func:`~cs336_kernels.ops.flash_attention.gluon_forward.gluon_attention_forward`.
+        q, k, v, params: as for :func:`~cs336_kernels.ops.flash_attention.gluon_forward.gluon_attention_forward`.
         o: the forward's output, shaped like q.
         do: the gradient of the loss with respect to o, shaped like q.
         lse: the forward's logsumexp, (batch, heads_q, seq_q), fp32, natural log.
+        dlse: the logsumexp's gradient, like lse, or None.
 
     Returns:
         ``(dq, dk, dv)`` shaped, typed and laid out like q, k, v (:func:`~cs336_kernels.ops._common.output_like`).
@@ -477,7 +477,7 @@ def gluon_attention_backward(
         ``torch.are_deterministic_algorithms_enabled()``: then each (query head, query tile) takes its key blocks'
         adds in descending key order, so dQ is bitwise reproducible too.
     """
-    check_inputs(q, k, v, is_causal)
+    check_inputs(q, k, v, params)
     if o.shape != q.shape or do.shape != q.shape or o.dtype != q.dtype or do.dtype != q.dtype:
         raise ValueError(
             f"o and do must be shaped and typed like q {tuple(q.shape)}, {q.dtype}; got "
@@ -485,7 +485,6 @@ def gluon_attention_backward(
         )
     if lse.shape != q.shape[:-1] or lse.dtype != torch.float32 or lse.device != q.device:
         raise ValueError(f"lse must be fp32 {tuple(q.shape[:-1])} on {q.device}; got {lse.dtype} {tuple(lse.shape)}")
-    lse2 = torch.mul(lse, LOG2E, out=_padded_rows(lse.shape, q.device))  # the kernel's exponent is in base 2
     dq, dk, dv = output_like(q), output_like(k), output_like(v)
     q, k, v, do = tma_ready(q), tma_ready(k), tma_ready(v), tma_ready(do)
     batch, heads_q, n_queries, head_dim = q.shape
@@ -494,6 +493,8 @@ def gluon_attention_backward(
         o, do, delta, *o.stride(), *do.stride(), delta.stride(0), delta.stride(1), heads_q, n_queries,
         HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=64,
     )
+    # The kernel's exponent is in base 2; TMA wants the rows' head stride 16-byte aligned.
+    lse2 = _padded_rows(lse.shape, q.device).copy_(backward_rows(lse, delta, dlse))
     # Whole query tiles, so that every tile's staged rows land inside the accumulator.
     block_m = CONFIGS[head_dim][0]
     dq_acc = torch.zeros((batch, heads_q, triton.cdiv(n_queries, block_m) * block_m, head_dim), device=q.device,
@@ -501,7 +502,7 @@ def gluon_attention_backward(
     dq_locks = None
     if torch.are_deterministic_algorithms_enabled():
         dq_locks = torch.zeros(dq_lock_count(q), device=q.device, dtype=torch.int32)
-    args, constants = backward_args(q, k, v, do, lse2, delta, dq_acc, dk, dv, dq_locks, is_causal)
+    args, constants = backward_args(q, k, v, do, lse2, delta, dq_acc, dk, dv, dq_locks, params)
     grid = (triton.cdiv(k.shape[2], constants["BLOCK_N"]), batch * k.shape[1])
     _attn_bwd_kernel[grid](*args, **constants, num_warps=4, maxnreg=MAX_REGISTERS)
-    return unstage_dq(dq_acc, dq, 1.0 / math.sqrt(head_dim)), dk, dv
+    return unstage_dq(dq_acc, dq, params.softmax_scale), dk, dv

@@ -11,6 +11,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from cs336_kernels.ops.flash_attention.checks import check_inputs as check_portable_inputs
+from cs336_kernels.ops.flash_attention.params import Params
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -28,24 +29,44 @@ def mma_layout(n):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
 
 
-def gluon_applies(q: torch.Tensor) -> bool:
-    """The ``auto`` rule of both directions: whether the Gluon kernels run for queries like ``q`` (keys and values
-    match them): CUDA tensors on an sm_90 GPU (H100/H200), fp16 or bf16, head dim 64 or 128."""
-    return (q.is_cuda and q.dtype in SUPPORTED_DTYPES and q.shape[-1] in SUPPORTED_HEAD_DIMS
-            and torch.cuda.get_device_capability(q.device)[0] == 9)
+def gluon_unsupported(q: torch.Tensor, k: torch.Tensor | None = None, params: Params | None = None) -> str | None:
+    """Why the Gluon kernels cannot run for (B, H, T, d) queries like ``q``, keys like ``k`` (default: like ``q``)
+    and the scores' parameters ``params`` (default: plain), or None where they can: they need CUDA tensors on an
+    sm_90 GPU (H100/H200), fp16 or bf16, head dim 64 or 128, and run any softmax scale, full attention or the causal
+    mask with its diagonal through key i for query i (seq_q == seq_k, or the course's top-left alignment)."""
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return f"the Gluon kernels need CUDA tensors on an sm_90 GPU (H100/H200); got device {q.device}"
+    if q.dtype not in SUPPORTED_DTYPES:
+        return f"the Gluon kernels take {SUPPORTED_DTYPES}; got {q.dtype}"
+    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        return f"the Gluon kernels take head dims {SUPPORTED_HEAD_DIMS}; got {q.shape[-1]}"
+    if params is None:
+        return None
+    if params.varlen or params.softcap or params.window_left >= 0 or params.window_right > 0:
+        return "the Gluon kernels run neither packed sequences, nor windows, nor softcaps; the Triton ones do"
+    if params.window_right == 0 and params.bottom_right and k is not None and k.shape[-2] != q.shape[-2]:
+        return "the Gluon kernels align the causal diagonal top-left; seq_q != seq_k bottom-right runs on Triton"
+    return None
 
 
-def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> None:
+def gluon_applies(q: torch.Tensor, k: torch.Tensor | None = None, params: Params | None = None) -> bool:
+    """The ``auto`` rule of both directions: whether the Gluon kernels run here (:func:`gluon_unsupported`)."""
+    return gluon_unsupported(q, k, params) is None
+
+
+def check_gluon(q: torch.Tensor, k: torch.Tensor, params: Params) -> None:
+    """Raise ValueError naming why, where the Gluon kernels cannot run (:func:`gluon_unsupported`)."""
+    reason = gluon_unsupported(q, k, params)
+    if reason is not None:
+        raise ValueError(reason)
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: Params) -> None:
     # The portable kernels' checks (types, shapes, GQA heads, devices), then what these kernels add.
-    check_portable_inputs(q, k, v, is_causal)
+    check_portable_inputs(q, k, v, params.window_right == 0)
     if q.dim() != 4:
         raise ValueError(f"q, k, v must be (batch, heads, seq, d); got shapes {tuple(q.shape)}, {tuple(k.shape)}")
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"q, k, v must share one dtype among {SUPPORTED_DTYPES}; got {q.dtype}")
-    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head dim must be one of {SUPPORTED_HEAD_DIMS}, got {q.shape[-1]}")
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
-        raise ValueError(f"the Gluon kernels need CUDA tensors on an sm_90 GPU (H100/H200); got device {q.device}")
+    check_gluon(q, k, params)
 
 
 def tma_ready(x: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,6 @@ The kernels need an sm_90 GPU; they do not run in the Triton interpreter. Tests:
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton
@@ -55,6 +54,7 @@ from cs336_kernels.ops.flash_attention.gluon_common import (
     mma_layout,
     tma_ready,
 )
+from cs336_kernels.ops.flash_attention.params import Params
 
 # Per head dim: (BLOCK_M query rows per consumer warpgroup, BLOCK_N keys per tile, STAGES of the K/V ring).
 # One wgmma warpgroup covers 64 rows; with the Q and O staging buffers the ring fills most of the 227 KiB of shared
@@ -317,7 +317,7 @@ def _sm_count(device_index: int) -> int:
 
 def forward_args(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, counter: torch.Tensor,
-    is_causal: bool,
+    params: Params,
 ) -> tuple[tuple, dict]:
     """The forward kernel's arguments and constexprs for these tensors (for the launcher and offline builds);
     ``counter`` is the zeroed int32 that counts the claimed query tiles."""
@@ -327,33 +327,34 @@ def forward_args(
     args = (
         descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(o, block_m), lse, counter,
         triton.cdiv(n_queries, 2 * block_m), batch * heads_q, heads_q, heads_q // heads_kv, n_queries, n_keys,
-        LOG2E / math.sqrt(head_dim),
+        params.softmax_scale * LOG2E,
     )
     return args, {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages,
-                  "IS_CAUSAL": is_causal}
+                  "IS_CAUSAL": params.window_right == 0}
 
 
 def gluon_attention_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: Params
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention output and logsumexp from the warp-specialised sm_90 kernel.
 
     Args:
         q: (batch, heads_q, seq_q, d), fp16 or bf16, d in (64, 128), on an sm_90 GPU.
         k, v: (batch, heads_kv, seq_k, d) with heads_q a multiple of heads_kv.
-        is_causal: mask keys after the query, aligned top-left (query i sees keys 0..i).
+        params: the scores' parameters, within what
+            :func:`~cs336_kernels.ops.flash_attention.gluon_common.gluon_unsupported` allows.
 
     Returns:
         ``(o, lse)``: o shaped, typed and laid out like q (:func:`~cs336_kernels.ops._common.output_like`), lse
         (batch, heads_q, seq_q) in fp32, natural log, contiguous.
     """
-    check_inputs(q, k, v, is_causal)
+    check_inputs(q, k, v, params)
     o = output_like(q)
     q, k, v = tma_ready(q), tma_ready(k), tma_ready(v)
     batch, heads_q, n_queries, _ = q.shape
     lse = torch.empty((batch, heads_q, n_queries), device=q.device, dtype=torch.float32)
     counter = torch.zeros(1, device=q.device, dtype=torch.int32)
-    args, constants = forward_args(q, k, v, o, lse, counter, is_causal)
+    args, constants = forward_args(q, k, v, o, lse, counter, params)
     n_tiles = triton.cdiv(n_queries, 2 * constants["BLOCK_M"]) * batch * heads_q
     # One program per SM (none idle when there are fewer tiles).
     n_programs = min(n_tiles, _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()))

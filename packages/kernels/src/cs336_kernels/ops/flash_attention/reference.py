@@ -1,7 +1,8 @@
 """FlashAttention-2 in plain PyTorch: a float64-able reference, the tiled forward, the recomputation backward.
 
 - :func:`attention_reference` materialises the (queries x keys) scores: the oracle of the tests (pass
-  float64 tensors) and of the benchmarks.
+  float64 tensors) and of the benchmarks, with every knob of the kernels; :func:`attention_reference_varlen` runs
+  it on each sequence of a packed batch.
 - :func:`flash_forward_pytorch` is Algorithm 1 of FlashAttention-2, one (query tile, key tile) pair at
   a time with the online softmax the Triton forward uses.
 - :func:`flash_backward_pytorch` recomputes ``P = exp(S - L)`` from the saved logsumexp and uses
@@ -16,6 +17,8 @@ from collections.abc import Callable
 
 import torch
 
+from cs336_kernels.ops.flash_attention.params import Params
+
 
 def as_4d(x: torch.Tensor) -> torch.Tensor:
     """(B, T, d) -> (B, 1, T, d); (B, H, T, d) as is. A view, so results reshape back with ``.view(x.shape)``."""
@@ -27,6 +30,22 @@ def _causal_keep(n_queries: int, n_keys: int, device: torch.device) -> torch.Ten
     return torch.ones(n_queries, n_keys, dtype=torch.bool, device=device).tril()
 
 
+def visible_keys(n_queries: int, n_keys: int, window_size: tuple[int, int], bottom_right: bool,
+                 device: torch.device) -> torch.Tensor:
+    """(Tq, Tk) boolean, True where query i sees key j: ``diagonal - left <= j <= diagonal + right`` with
+    ``diagonal = i + Tk - Tq`` (bottom-right) or ``i`` (top-left), a side of -1 unbounded."""
+    left, right = window_size
+    rel = torch.arange(n_keys, device=device)[None, :] - torch.arange(n_queries, device=device)[:, None]
+    if bottom_right:
+        rel = rel - (n_keys - n_queries)
+    keep = torch.ones(n_queries, n_keys, dtype=torch.bool, device=device)
+    if left >= 0:
+        keep &= rel >= -left
+    if right >= 0:
+        keep &= rel <= right
+    return keep
+
+
 def _grouped(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     # (B, Hq, T, d) -> (B, Hkv, G, T, d): query heads of one group sit next to each other.
     batch, heads_q = q.shape[:2]
@@ -34,22 +53,54 @@ def _grouped(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 
 def attention_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False, *,
+    softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+    bottom_right: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Materialised attention and its logsumexp, in the inputs' dtype; for tests (pass float64).
 
-    Takes (B, T, d) or (B, H, T, d) with GQA, like :func:`flash_attention`.
+    Takes (B, T, d) or (B, H, T, d) with GQA and the knobs of :func:`flash_attention` (``bottom_right=False``:
+    the course's top-left causal alignment). A query that sees no key gets a zero output and a logsumexp of -inf.
     Returns ``(O, L)`` with ``O`` shaped like ``q`` and ``L`` like ``q.shape[:-1]``.
     """
     q4, k4, v4 = as_4d(q), as_4d(k), as_4d(v)
     heads_kv = k4.shape[1]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     qg = _grouped(q4, heads_kv)  # (B, Hkv, G, Tq, d)
-    s = qg @ k4.unsqueeze(2).transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, Hkv, G, Tq, Tk)
-    if is_causal:
-        s = s.masked_fill(~_causal_keep(s.shape[-2], s.shape[-1], s.device), float("-inf"))
+    s = qg @ k4.unsqueeze(2).transpose(-2, -1) * scale  # (B, Hkv, G, Tq, Tk)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    left, right = window_size
+    keep = visible_keys(s.shape[-2], s.shape[-1], (left, 0 if is_causal else right), bottom_right, s.device)
+    s = s.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
-    o = torch.exp(s - lse.unsqueeze(-1)) @ v4.unsqueeze(2)
+    p = torch.exp(s - lse.unsqueeze(-1).masked_fill(lse.unsqueeze(-1) == float("-inf"), 0.0))
+    o = p @ v4.unsqueeze(2)
     return o.reshape(q.shape), lse.reshape(q.shape[:-1])
+
+
+def attention_reference_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    causal: bool = False, **knobs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention_reference` of a packed batch (q (total_q, Hq, d), k and v (total_k, Hkv, d), int32
+    cumulative lengths), one sequence at a time: ``(O (total_q, Hq, d), L (Hq, total_q))``. ``knobs`` are
+    :func:`attention_reference`'s keywords."""
+    outs, lses = [], []
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(bounds_q) - 1):
+        (q0, q1), (k0, k1) = bounds_q[b:b + 2], bounds_k[b:b + 2]
+        if q1 == q0:
+            continue
+        if k1 == k0:  # no key: zero output, -inf logsumexp
+            outs.append(q.new_zeros(q1 - q0, *q.shape[1:]))
+            lses.append(q.new_full((q.shape[1], q1 - q0), float("-inf")))
+            continue
+        seq = (t[a:z].transpose(0, 1).unsqueeze(0) for t, a, z in ((q, q0, q1), (k, k0, k1), (v, k0, k1)))
+        o, lse = attention_reference(*seq, causal, **knobs)
+        outs.append(o[0].transpose(0, 1))
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=-1)
 
 
 def flash_forward_pytorch(
@@ -92,15 +143,16 @@ def flash_forward_pytorch(
 
 def flash_backward_pytorch(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
-    lse: torch.Tensor, is_causal: bool,
+    lse: torch.Tensor, is_causal: bool, scale: float | None = None, dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Equations 13-19 of the handout: recompute ``P = exp(S - L)``, use ``D = rowsum(dO * O)``.
 
-    Takes (B, H, T, d) tensors and the (B, Hq, Tq) logsumexp; computes in fp32 and returns gradients in
-    the input dtypes. It materialises one (Tq, Tk) tile per head, so it is meant for modest lengths.
+    Takes (B, H, T, d) tensors, the (B, Hq, Tq) logsumexp and (optionally) its gradient ``dlse`` and the scores'
+    scale (default ``1 / sqrt(d)``); causal is top-left aligned; computes in fp32 and returns gradients in the
+    input dtypes. It materialises one (Tq, Tk) tile per head, so it is meant for modest lengths.
     """
     heads_kv = k.shape[1]
-    scale = 1.0 / math.sqrt(q.shape[-1])
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     qg, og, dog = (_grouped(t, heads_kv).float() for t in (q, o, do))  # (B, Hkv, G, Tq, d)
     kf, vf = k.unsqueeze(2).float(), v.unsqueeze(2).float()  # (B, Hkv, 1, Tk, d)
     s = qg @ kf.transpose(-2, -1) * scale  # (B, Hkv, G, Tq, Tk)
@@ -108,6 +160,8 @@ def flash_backward_pytorch(
     if is_causal:
         p = p.masked_fill(~_causal_keep(s.shape[-2], s.shape[-1], s.device), 0.0)
     delta = (dog * og).sum(dim=-1, keepdim=True)  # D
+    if dlse is not None:
+        delta = delta - _grouped(dlse.unsqueeze(-1), heads_kv)  # dL/dS = P joins dS = P * (dP - D)
     dv = (p.transpose(-2, -1) @ dog).sum(dim=2)  # summed over the query heads of a group
     dp = dog @ vf.transpose(-2, -1)
     ds = p * (dp - delta)
@@ -125,7 +179,16 @@ def _compiled_backward() -> Callable[..., tuple[torch.Tensor, torch.Tensor, torc
 
 def flash_backward_compiled(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
-    lse: torch.Tensor, is_causal: bool,
+    lse: torch.Tensor, is_causal: bool, scale: float | None = None, dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`flash_backward_pytorch` under ``torch.compile``."""
-    return _compiled_backward()(q, k, v, o, do, lse, is_causal)
+    return _compiled_backward()(q, k, v, o, do, lse, is_causal, scale, dlse)
+
+
+def pytorch_backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
+    dlse: torch.Tensor | None, params: Params,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The operators' ``backward="pytorch"``: :func:`flash_backward_compiled` for what it runs, plain causal or
+    full attention of a dense batch (the public functions refuse the rest before they reach here)."""
+    return flash_backward_compiled(q, k, v, o, do, lse, params.window_right == 0, params.softmax_scale, dlse)

@@ -2,19 +2,24 @@
 and the compile-time constants and TMA scratch memory of their launches.
 
 A main loop re-reads two (rows, d) tiles per step, either through block pointers (with bounds checks only
-where a tile can be partial) or through TMA tensor descriptors. The forward kernel and the dQ kernel walk
-the key tiles of one query tile in the same two ranges (:func:`key_tile_ranges`) and mask the second one
-alike (:func:`key_mask`).
+where a tile can be partial) or through TMA tensor descriptors. A program finds its sequence's rows
+(:func:`sequence`: a dense batch's, or a packed one's from cu_seqlens); the forward and dQ kernels walk the key
+tiles of one query tile (:func:`key_tile_ranges`), the dK/dV kernel the query tiles of one key tile
+(:func:`query_tile_ranges`), each in three ranges: the tiles of the window's two edges masked by
+:func:`visible`, the tiles between them unmasked, the tiles outside it never loaded.
 """
 
 from __future__ import annotations
 
 import contextvars
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from cs336_kernels.ops.flash_attention.params import Params
 
 
 @triton.jit
@@ -71,42 +76,113 @@ def load_tiles(A_BLOCK, B_BLOCK, A_DESC, B_DESC, start, CHECK_ROWS: tl.constexpr
 
 
 @triton.jit
-def key_tile_ranges(q0, N_KEYS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
-    # The key tiles that the query tile starting at q0 visits. Tiles in [0, full_end) are complete and (if
-    # causal) wholly below the diagonal: no mask. Tiles in [full_end, hi) straddle the diagonal or the end
-    # of the keys: masked. Tiles past hi are skipped.
-    k_full = (N_KEYS // BLOCK_N) * BLOCK_N
-    if IS_CAUSAL:
-        full_end = tl.minimum(q0, k_full)
-        hi = tl.minimum(q0 + BLOCK_M, N_KEYS)
+def sequence(CU_Q, CU_K, b, N_QUERIES, N_KEYS, DIAG, VARLEN: tl.constexpr):
+    # (first query row, queries, first key row, keys, diagonal) of sequence b. Packed sequences read their bounds
+    # from cu_seqlens and align the diagonal bottom-right (FlashAttention-2's rule); a dense batch has all of them
+    # as arguments. Query i of the sequence sits on key i + diagonal.
+    if VARLEN:
+        q_start = tl.load(CU_Q + b)
+        n_q = tl.load(CU_Q + b + 1) - q_start
+        k_start = tl.load(CU_K + b)
+        n_k = tl.load(CU_K + b + 1) - k_start
+        diag = n_k - n_q
     else:
-        full_end = k_full
-        hi = N_KEYS
-    return full_end, hi
+        q_start = 0
+        n_q = N_QUERIES
+        k_start = 0
+        n_k = N_KEYS
+        diag = DIAG
+    return q_start, n_q, k_start, n_k, diag
 
 
 @triton.jit
-def key_mask(offs_m, start, N_KEYS, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
-    # (queries, BLOCK_N) True where query offs_m may see key start + j: never past the last key and, if
-    # causal, only at or before the query.
-    offs_n = start + tl.arange(0, BLOCK_N)
-    keep = offs_n[None, :] < N_KEYS
-    if IS_CAUSAL:
-        keep = keep & (offs_m[:, None] >= offs_n[None, :])
-    return keep
+def _tile_ranges(first, SPAN: tl.constexpr, n, BELOW, ABOVE, TILE: tl.constexpr):
+    # The TILE-wide tiles of a sequence of n rows that rows first-BELOW .. first+SPAN-1+ABOVE reach, where row r of
+    # the other side reaches rows r - BELOW .. r + ABOVE: tile starts lo <= full_lo <= full_hi <= hi, with the
+    # tiles in [full_lo, full_hi) complete and reached by every one of the SPAN rows.
+    last = first + SPAN - 1
+    lo = (tl.maximum(first - BELOW, 0) // TILE) * TILE
+    hi = tl.maximum((tl.maximum(tl.minimum(last + ABOVE + 1, n), 0) + TILE - 1) // TILE * TILE, lo)
+    full_lo = (tl.maximum(last - BELOW, 0) + TILE - 1) // TILE * TILE
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.maximum(tl.minimum(first + ABOVE + 1, n), 0) // TILE * TILE
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
 
 
-def kernel_constants(q: torch.Tensor, is_causal: bool) -> dict:
-    """The constexprs every attention kernel takes, from (B, H, T, d) ``q``."""
+@triton.jit
+def key_tile_ranges(q0, n_k, diag, WIN_L, WIN_R, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # The key tiles that the query tile starting at q0 visits, as tile starts lo <= full_lo <= full_hi <= hi: tiles
+    # in [full_lo, full_hi) are complete and every row of the query tile sees every key of them (no mask); those in
+    # [lo, full_lo) and [full_hi, hi) hold some key that some row must not see (masked); the others are skipped.
+    # Row i sees keys i + diag - WIN_L .. i + diag + WIN_R (unbounded sides are passed as lengths too large to bind).
+    return _tile_ranges(q0 + diag, BLOCK_M, n_k, WIN_L, WIN_R, BLOCK_N)
+
+
+@triton.jit
+def query_tile_ranges(k0, n_q, diag, WIN_L, WIN_R, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # The query tiles that see a key of the tile starting at k0, as in key_tile_ranges: [full_lo, full_hi) are
+    # complete tiles whose every row sees every key of the tile, the rest of [lo, hi) is masked. Key j is seen by
+    # rows j - diag - WIN_R .. j - diag + WIN_L.
+    return _tile_ranges(k0 - diag, BLOCK_N, n_q, WIN_R, WIN_L, BLOCK_M)
+
+
+@triton.jit
+def visible(offs_m, offs_n, n_q, n_k, diag, WIN_L, WIN_R, KEYS_FIRST: tl.constexpr = False):
+    # (queries, keys), or (keys, queries) with KEYS_FIRST, True where query offs_m may see key offs_n: both inside
+    # the sequence and the key inside the query's window around its diagonal.
+    if KEYS_FIRST:
+        rows, cols = offs_n[:, None], offs_m[None, :]
+        rel = rows - cols - diag
+        inside = (cols < n_q) & (rows < n_k)
+    else:
+        rows, cols = offs_m[:, None], offs_n[None, :]
+        rel = cols - rows - diag
+        inside = (rows < n_q) & (cols < n_k)
+    return inside & (rel >= -WIN_L) & (rel <= WIN_R)
+
+
+@triton.jit
+def tanh(x):
+    # tanh from one exp2, exact at both ends (exp2 overflowing to inf gives 1, underflowing to 0 gives -1) and in
+    # the interpreter, where libdevice is not available.
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)  # 2 * log2(e)
+
+
+def kernel_constants(q: torch.Tensor, params: Params) -> dict:
+    """The constexprs every attention kernel takes, from (B, H, T, d) ``q`` and the call's :class:`Params`."""
     head_dim = q.shape[-1]
     block_d = max(16, triton.next_power_of_2(head_dim))
     return {
         "HEAD_DIM": head_dim,
         "BLOCK_D": block_d,
         "EVEN_D": head_dim == block_d,
-        "IS_CAUSAL": is_causal,
+        "SOFTCAP": params.softcap > 0,
+        "VARLEN": params.varlen,
         "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
     }
+
+
+@dataclass(frozen=True)
+class LaunchGeometry:
+    """Where a launch's programs go: ``n_seqs`` sequences of at most ``rows_q`` queries and ``rows_k`` keys."""
+
+    n_seqs: int
+    rows_q: int
+    rows_k: int
+    varlen: bool
+
+    def strides(self, t: torch.Tensor) -> tuple[int, ...]:
+        """(batch, head, row, d) strides of a (B, H, T, d) tensor; a packed batch's (1, H, total, d) view gets a 0
+        batch stride, since its sequences are told apart by their first rows, not by the batch dim."""
+        return (0, *t.stride()[1:]) if self.varlen else t.stride()
+
+
+def launch_geometry(params: Params, q: torch.Tensor, k: torch.Tensor) -> LaunchGeometry:
+    """The :class:`LaunchGeometry` of (B, H, T, d) ``q`` and ``k`` (a packed batch's views) under ``params``."""
+    if params.varlen:
+        return LaunchGeometry(params.cu_seqlens_q.numel() - 1, params.max_seqlen_q, params.max_seqlen_k, True)
+    return LaunchGeometry(q.shape[0], q.shape[2], k.shape[2], False)
 
 
 def _tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
