@@ -1,5 +1,7 @@
 """cs336_kernels.hf on tiny random Llama, Qwen2, Qwen3 and Mistral models built in code (no downloads): the patched
-model against the unpatched one, the loss, the logits and every parameter's gradient, and 20 AdamW steps.
+model with attn_implementation="cs336" against the unpatched one with SDPA (the loss, the logits and every
+parameter's gradient, 20 AdamW steps, greedy generation), packed batches (DataCollatorWithFlattening) and padded ones
+against their documents run alone, and the inputs the attention refuses.
 
 On CPU the kernels run in Triton's interpreter in fp32 (conftest.py); the GPU tests run bf16 at larger sizes and
 hold the patched model to FlashAttention's error rule: its error against an fp32 reference at most twice the
@@ -26,15 +28,17 @@ VOCAB = 97
 
 
 def tiny_config(family: str, **overrides) -> transformers.PretrainedConfig:
-    """A two-layer model of ``family`` with awkward sizes: head dim 12 (16 for Qwen3), grouped-query attention."""
-    common = {"vocab_size": VOCAB, "hidden_size": 48, "intermediate_size": 88, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+    """A two-layer model of ``family`` with awkward sizes: 5 query heads of 16 over one key/value head (24 over 2 for
+    Qwen3), width 80, MLP 88."""
+    common = {"vocab_size": VOCAB, "hidden_size": 80, "intermediate_size": 88, "num_hidden_layers": 2,
+              "num_attention_heads": 5, "num_key_value_heads": 1, "max_position_embeddings": 256,
               "rms_norm_eps": 1e-6}
     configs = {
         "llama": lambda: transformers.LlamaConfig(**common, tie_word_embeddings=True),  # Llama 3.2 ties its head
         "qwen2": lambda: transformers.Qwen2Config(**common),  # q, k and v projections with a bias
-        "qwen3": lambda: transformers.Qwen3Config(**common, head_dim=16),  # per-head q/k norms
-        "mistral": lambda: transformers.MistralConfig(**common, sliding_window=5),
+        "qwen3": lambda: transformers.Qwen3Config(**{**common, "num_attention_heads": 4, "num_key_value_heads": 2},
+                                                  head_dim=24),  # per-head q/k norms
+        "mistral": lambda: transformers.MistralConfig(**common, sliding_window=5),  # a window shorter than the batch
     }
     config = configs[family]()
     for key, value in overrides.items():
@@ -79,10 +83,18 @@ def loss_and_grads(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tens
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+def patched_copy(model: torch.nn.Module, attn_implementation: str = "cs336") -> torch.nn.Module:
+    patched = hf.patch(copy.deepcopy(model))
+    patched.set_attn_implementation(attn_implementation)
+    return patched
+
+
+# The quick run (-m "not slow") keeps Llama and Qwen3 (the family with the most sites: its q/k norms).
+@pytest.mark.parametrize("family", [f if f in ("llama", "qwen3") else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in FAMILIES])
 def test_patched_model_matches_unpatched_fp32(family):
     reference = build(family)
-    patched = hf.patch(copy.deepcopy(reference))
+    patched = patched_copy(reference)
     ids, labels = batch(seq=11)
     want_loss, want_grads = loss_and_grads(reference, ids, labels)
     loss, grads = loss_and_grads(patched, ids, labels)
@@ -98,6 +110,16 @@ def test_patched_model_matches_unpatched_fp32(family):
         eval_loss = patched(input_ids=ids, labels=labels).loss  # eval mode: HF's loss from the logits
     assert _rel_err(logits, want_logits) < FP32_REL_TOL
     assert _rel_err(eval_loss, want_loss) < FP32_REL_TOL
+
+
+def test_patch_works_with_any_attention():
+    # The patch leaves the attention function to the config: here HF's SDPA after our RoPE.
+    reference = build("qwen2")
+    ids, labels = batch(seq=7)
+    want_loss, want_grads = loss_and_grads(reference, ids, labels)
+    loss, grads = loss_and_grads(patched_copy(reference, "sdpa"), ids, labels)
+    assert _rel_err(loss, want_loss) < FP32_REL_TOL
+    assert all(_rel_err(grads[n], g) < FP32_REL_TOL for n, g in want_grads.items())
 
 
 def test_patch_replaces_every_kernel_site_and_keeps_the_state_dict():
@@ -116,7 +138,7 @@ def test_patch_replaces_every_kernel_site_and_keeps_the_state_dict():
 def test_loss_follows_hf_kwargs():
     # num_items_in_batch (gradient accumulation: the sum over that many tokens) and shift_labels as HF's loss takes.
     reference = build("llama")
-    patched = hf.patch(copy.deepcopy(reference))
+    patched = patched_copy(reference)
     ids, labels = batch(seq=9)
     shift = torch.roll(labels, -1, dims=1)
     for kwargs in ({"num_items_in_batch": torch.tensor(7, device=DEVICE)}, {"shift_labels": shift}):
@@ -128,13 +150,13 @@ def test_loss_follows_hf_kwargs():
 
 def test_return_dict_false_and_generation_with_a_cache():
     reference = build("mistral").eval()
-    patched = hf.patch(copy.deepcopy(reference))
+    patched = patched_copy(reference)
     ids, labels = batch(seq=6, rows=1)
     patched.train()
     loss = patched(input_ids=ids, labels=labels, return_dict=False)
     assert isinstance(loss, tuple) and loss[0].dim() == 0
     patched.eval()
-    with torch.no_grad():  # greedy decoding through the KV cache: our RoPE and the cache's update each step
+    with torch.no_grad():  # greedy decoding: our RoPE, the cache's update, attention over the cache (bottom-right)
         want = reference.generate(ids, max_new_tokens=4, do_sample=False)
         got = patched.generate(ids, max_new_tokens=4, do_sample=False)
     assert torch.equal(got, want)
@@ -144,7 +166,7 @@ def test_return_dict_false_and_generation_with_a_cache():
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_twenty_adamw_steps_follow_the_same_loss_curve(family):
     reference = build(family)
-    patched = hf.patch(copy.deepcopy(reference))
+    patched = patched_copy(reference)
     ids, labels = batch(seq=10, seed=100)  # one batch, learnt over the steps
     curves = []
     for model in (reference, patched):
@@ -171,3 +193,86 @@ def test_rejects_what_it_cannot_patch():
     ids, labels = batch(seq=5)
     with pytest.raises(ValueError, match="logits_to_keep must be 0"):
         model(input_ids=ids, labels=labels, logits_to_keep=1)
+
+
+# Packed and padded batches through attn_implementation="cs336".
+DOCUMENTS = [7, 1, 12, 5]  # token counts, one a single token; Mistral's window of 5 cuts into the longer ones
+
+
+def _documents(seed: int = 3) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in DOCUMENTS]
+
+
+def _alone(model: torch.nn.Module, documents: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each document run by itself: its logits, concatenated, and the gradient of its summed loss."""
+    model.zero_grad(set_to_none=True)
+    logits = []
+    for doc in documents:
+        ids = torch.tensor([doc], device=DEVICE)
+        out = model(input_ids=ids)
+        logits.append(out.logits[0])
+        if len(doc) > 1:
+            torch.nn.functional.cross_entropy(out.logits[0, :-1], ids[0, 1:], reduction="sum").backward()
+    grad = model.get_input_embeddings().weight.grad.clone()
+    return torch.cat(logits).detach(), grad
+
+
+@pytest.mark.parametrize(("family", "kwargs"), [
+    ("llama", "position_ids"), ("mistral", "flash_attn_kwargs"),  # Mistral: the window within each document
+    pytest.param("qwen3", "position_ids", marks=pytest.mark.slow),
+    pytest.param("qwen2", "flash_attn_kwargs", marks=pytest.mark.slow),
+])
+def test_packed_batch_equals_its_documents_alone(family, kwargs):
+    # DataCollatorWithFlattening's rows: documents one after another, positions restarting at 0; with
+    # return_flash_attn_kwargs also cu_seq_lens_q/k and max_length_q/k. Eval mode: logits for every token.
+    model = patched_copy(build(family)).eval()
+    documents = _documents()
+    collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=kwargs == "flash_attn_kwargs")
+    packed = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v
+              for k, v in collator([{"input_ids": doc} for doc in documents]).items()}
+    labels = packed.pop("labels")  # -100 at each document's first token: no target crosses a boundary
+    model.zero_grad(set_to_none=True)
+    logits = model(**packed).logits[0]
+    torch.nn.functional.cross_entropy(logits[:-1], labels[0, 1:], reduction="sum").backward()
+    grad = model.get_input_embeddings().weight.grad.clone()
+    want_logits, want_grad = _alone(model, documents)
+    assert _rel_err(logits.detach(), want_logits) < FP32_REL_TOL
+    assert _rel_err(grad, want_grad) < FP32_REL_TOL
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_padded_batch_equals_its_documents_alone(family):
+    # Right and left padding in one batch: the padding mask reaches the attention, which unpads, runs the packed
+    # batch and pads again.
+    model = patched_copy(build(family)).eval()
+    documents = _documents()[:3]
+    width = max(map(len, documents))
+    ids = torch.zeros(len(documents), width, dtype=torch.long)
+    mask = torch.zeros(len(documents), width, dtype=torch.long)
+    rows = []
+    for i, doc in enumerate(documents):
+        cols = slice(width - len(doc), width) if i % 2 else slice(0, len(doc))  # odd rows padded on the left
+        ids[i, cols], mask[i, cols] = torch.tensor(doc), 1
+        rows.append(cols)
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids.to(DEVICE), attention_mask=mask.to(DEVICE),
+                       position_ids=position_ids.to(DEVICE)).logits
+        for i, doc in enumerate(documents):
+            alone = model(input_ids=torch.tensor([doc], device=DEVICE)).logits[0]
+            assert _rel_err(logits[i, rows[i]], alone) < FP32_REL_TOL, i
+
+
+def test_attention_refuses_what_it_cannot_run():
+    model = patched_copy(build("llama"))
+    ids, labels = batch(seq=6)
+    with pytest.raises(ValueError, match="4-D mask"):
+        model(input_ids=ids, attention_mask=torch.ones(2, 1, 6, 6, dtype=torch.bool, device=DEVICE))
+    with pytest.raises(ValueError, match="or_mask_function"):
+        hf.padding_mask(2, 6, 6, use_vmap=True)
+    model.config.attention_dropout = 0.1
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    with pytest.raises(ValueError, match="no attention dropout"):
+        model(input_ids=ids, labels=labels)

@@ -22,6 +22,24 @@ names; only their ``forward`` is replaced on the instance, which ``copy.deepcopy
   one, or ``shift_labels`` as given; ``ignore_index``; the sum over ``num_items_in_batch`` when given, else the mean)
   and returns ``logits=None``. Without labels, or in eval mode, HF's forward runs and returns the logits.
 
+Importing this module also registers our attention as ``attn_implementation="cs336"`` (any model whose attention
+goes through ``transformers.AttentionInterface``, patched or not), and its mask function under the same name in
+``AttentionMaskInterface``: a model whose implementation has no mask function gets no mask at all, so padding would
+be silently dropped. What it runs, for HF's (batch, heads, seq, d) q, k, v:
+
+- a padding mask (2-D, from ``attention_mask``): the tokens it keeps are gathered into a packed batch (unpadded),
+  run by :func:`~cs336_kernels.flash_attention_varlen` and scattered back, zeros at padded queries (HF's
+  flash-attention path does the same);
+- packed documents, no mask (``DataCollatorWithFlattening``): ``cu_seq_lens_q/k`` and ``max_length_q/k`` as the
+  collator passes them, or else documents read from ``position_ids`` (one starts wherever a position is not its
+  predecessor's plus one, as HF's packed-sequence mask has it), into the varlen kernel;
+- otherwise :func:`~cs336_kernels.flash_attention` on the dense batch (causal aligned bottom-right, so decoding with
+  a KV cache works too);
+
+with the module's ``scaling``, ``sliding_window`` (a key at most ``sliding_window - 1`` tokens back) and ``softcap``.
+Masks HF builds from custom mask functions (``or_mask_function`` / ``and_mask_function``) or passes as 4-D tensors are
+refused with a ValueError, never dropped; so is attention dropout.
+
 Importing this module needs ``transformers`` (``pip install cs336-kernels[hf]``); ``cs336_kernels`` itself does not
 import it. Tests: ``packages/kernels/tests/test_hf.py`` (tiny random models of each family built in code).
 """
@@ -36,6 +54,7 @@ import torch
 import torch.nn.functional as F
 
 try:
+    from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.modeling_outputs import CausalLMOutputWithPast
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.llama import modeling_llama
@@ -47,6 +66,7 @@ except ImportError as error:
     raise ImportError("cs336_kernels.hf patches Hugging Face transformers models: install cs336-kernels[hf] "
                       "(transformers >= 5)") from error
 
+from cs336_kernels.ops.flash_attention import flash_attention, flash_attention_varlen
 from cs336_kernels.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from cs336_kernels.ops.rms_norm import rms_norm
 from cs336_kernels.ops.rope import rope
@@ -180,3 +200,101 @@ def patch(model: torch.nn.Module) -> torch.nn.Module:
         module.forward = types.MethodType(forward, module)
     return model
 
+
+
+# The attention registered as "cs336".
+NAME = "cs336"
+
+
+def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                   mask_function: Callable | None = None, attention_mask: torch.Tensor | None = None,
+                   use_vmap: bool = False, **kwargs) -> torch.Tensor | None:
+    """The mask function registered as "cs336" in ``AttentionMaskInterface``: None when no key is padded (the
+    causal diagonal, a sliding window and packed documents are the attention's own), else the (batch, kv_length)
+    bool padding mask. HF asks for ``use_vmap`` only when a model adds its own mask functions, which the kernels
+    cannot express."""
+    if use_vmap:
+        raise ValueError("attn_implementation='cs336' runs causal, sliding-window, padded and packed attention; this "
+                         "model adds its own mask function (or_mask_function / and_mask_function): use 'sdpa'")
+    if attention_mask is None:
+        return None
+    attention_mask = attention_mask[:, -kv_length:]  # a sliding window's cache keeps the last keys
+    # No padding: the dense kernel (this reads the mask: one host sync, as HF's flash-attention mask has).
+    if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
+        return None
+    return attention_mask
+
+
+def _documents(position_ids: torch.Tensor, batch: int) -> tuple[torch.Tensor, int] | None:
+    """cu_seqlens (int32) and the longest document of rows packed with several documents each, read from their
+    position_ids; None when every row is one document."""
+    positions = position_ids.expand(batch, -1)
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    if int(starts.sum()) == batch:  # one document per row (a host sync, as HF's packed-sequence check has)
+        return None
+    cu_seqlens = F.pad(starts.flatten().nonzero().flatten().to(torch.int32), (0, 1), value=positions.numel())
+    return cu_seqlens, int(cu_seqlens.diff().max())
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      sliding_window: int | None = None, softcap: float | None = None, is_causal: bool | None = None,
+                      **kwargs) -> tuple[torch.Tensor, None]:
+    """The attention registered as "cs336" in ``AttentionInterface`` (module docstring).
+
+    Args:
+        module: the model's attention module (``is_causal`` read from it unless given).
+        query: (batch, heads_q, seq_q, d); key, value: (batch, heads_kv, seq_k, d), HF's layout.
+        attention_mask: what :func:`padding_mask` returned: None or a (batch, seq_k) bool padding mask.
+        dropout: must be 0.
+        scaling, sliding_window, softcap: the module's (None: 1 / sqrt(d), no window, no cap).
+        kwargs: HF's packed-batch kwargs (``cu_seq_lens_q/k``, ``max_length_q/k``, ``position_ids``); others are
+            ignored.
+
+    Returns:
+        (output (batch, seq_q, heads_q, d), None): no attention weights.
+    """
+    if dropout:
+        raise ValueError(f"attn_implementation='cs336' has no attention dropout; got dropout={dropout} (set the "
+                         f"config's attention_dropout to 0)")
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(f"attn_implementation='cs336' takes a 2-D padding mask; got a {attention_mask.dim()}-D mask "
+                         f"of shape {tuple(attention_mask.shape)} (a prepared or custom mask: use 'sdpa')")
+    causal = module.is_causal if is_causal is None else is_causal
+    knobs = {"softmax_scale": scaling, "softcap": softcap or 0.0,
+             "window_size": (sliding_window - 1, -1) if sliding_window else (-1, -1)}
+    batch, heads_q, seq_q, head_dim = query.shape
+    seq_k = key.shape[2]
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, T, H, d)
+    if attention_mask is not None:  # padding: unpad, run the packed batch, pad again
+        keep_k = attention_mask.flatten().nonzero().flatten()
+        keep_q = attention_mask[:, -seq_q:].flatten().nonzero().flatten()
+        lengths_k = attention_mask.sum(-1, dtype=torch.int32)
+        lengths_q = attention_mask[:, -seq_q:].sum(-1, dtype=torch.int32)
+        out = flash_attention_varlen(
+            q.reshape(batch * seq_q, heads_q, head_dim)[keep_q], k.reshape(batch * seq_k, -1, head_dim)[keep_k],
+            v.reshape(batch * seq_k, -1, head_dim)[keep_k], F.pad(lengths_q.cumsum(0, dtype=torch.int32), (1, 0)),
+            F.pad(lengths_k.cumsum(0, dtype=torch.int32), (1, 0)), int(lengths_q.max()), int(lengths_k.max()),
+            causal=causal, **knobs)
+        padded = out.new_zeros(batch * seq_q, heads_q, head_dim).index_put((keep_q,), out)
+        return padded.view(batch, seq_q, heads_q, head_dim), None
+    packed = None
+    if kwargs.get("cu_seq_lens_q") is not None:  # DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+        packed = (kwargs["cu_seq_lens_q"].to(torch.int32), kwargs["cu_seq_lens_k"].to(torch.int32),
+                  int(kwargs["max_length_q"]), int(kwargs["max_length_k"]))
+    elif kwargs.get("position_ids") is not None and seq_q == seq_k:  # documents told by their positions alone
+        documents = _documents(kwargs["position_ids"], batch)
+        if documents is not None:
+            packed = (documents[0], documents[0], documents[1], documents[1])
+    if packed is not None:
+        out = flash_attention_varlen(q.reshape(batch * seq_q, heads_q, head_dim),
+                                     k.reshape(batch * seq_k, -1, head_dim), v.reshape(batch * seq_k, -1, head_dim),
+                                     *packed, causal=causal, **knobs)
+        return out.view(batch, seq_q, heads_q, head_dim), None
+    out = flash_attention(query, key, value, causal, **knobs)  # in query's layout
+    return out.transpose(1, 2), None
+
+
+AttentionInterface.register(NAME, attention_forward)
+AttentionMaskInterface.register(NAME, padding_mask)
