@@ -14,6 +14,7 @@ import copy
 
 import pytest
 import torch
+from cs336_kernels.ops.flash_attention import attention_reference
 
 transformers = pytest.importorskip("transformers")
 hf = pytest.importorskip("cs336_kernels.hf")
@@ -276,3 +277,52 @@ def test_attention_refuses_what_it_cannot_run():
         layer.self_attn.attention_dropout = 0.1
     with pytest.raises(ValueError, match="no attention dropout"):
         model(input_ids=ids, labels=labels)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_attention_knobs_match_the_reference(packed):
+    # scaling, sliding_window and softcap as HF passes them, against the materialised reference in float64: a window
+    # of 4 is `window_size=(3, 0)` with the causal diagonal.
+    module = torch.nn.Module()
+    module.is_causal = True
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, heads, 9, 16, generator=gen).to(DEVICE) for heads in (4, 2, 2))  # HF's (B, H, T, d)
+    knobs = {"scaling": 0.3, "sliding_window": 4, "softcap": 2.5}
+    kwargs = {"position_ids": torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3]] * 2, device=DEVICE)} if packed else {}
+    out, weights = hf.attention_forward(module, q, k, v, None, **knobs, **kwargs)
+    assert weights is None and out.shape == (2, 9, 4, 16)
+    reference = {"softmax_scale": 0.3, "window_size": (3, 0), "softcap": 2.5}
+    pieces = [(slice(0, 5), slice(0, 5)), (slice(5, 9), slice(5, 9))] if packed else [(slice(0, 9), slice(0, 9))]
+    for rows_q, rows_k in pieces:
+        want, _ = attention_reference(q[:, :, rows_q].double(), k[:, :, rows_k].double(),
+                                      v[:, :, rows_k].double(), True, **reference)
+        assert _rel_err(out[:, rows_q], want.transpose(1, 2)) < FP32_REL_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_within_flash_attentions_error_rule_on_gpu(family):
+    # A larger model in bf16: every output of the patched model (cs336 attention) within twice the unpatched bf16
+    # model's (SDPA) error against the unpatched model in fp32: the loss, the logits and every parameter's gradient.
+    sizes = {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 4, "num_attention_heads": 8,
+             "num_key_value_heads": 2, "vocab_size": 4099, "max_position_embeddings": 4096}
+    if family == "qwen3":
+        sizes["head_dim"] = 128
+    fp32 = build(family, **sizes)
+    bf16 = copy.deepcopy(fp32).bfloat16()
+    patched = patched_copy(bf16)
+    gen = torch.Generator().manual_seed(9)
+    ids = torch.randint(0, 4099, (2, 1024), generator=gen).to(DEVICE)
+    labels = ids.clone()
+    results = {}
+    for name, model in (("fp32", fp32), ("hf", bf16), ("ours", patched)):
+        loss, grads = loss_and_grads(model, ids, labels)
+        with torch.no_grad():
+            model.eval()
+            logits = model(input_ids=ids).logits
+            model.train()
+        results[name] = {"loss": loss, "logits": logits, **grads}
+    for key, exact in results["fp32"].items():
+        hf_err = _rel_err(results["hf"][key], exact)
+        ours_err = _rel_err(results["ours"][key], exact)
+        assert ours_err <= BF16_ERROR_RATIO * hf_err, (key, ours_err, hf_err)
