@@ -22,6 +22,9 @@ names; only their ``forward`` is replaced on the instance, which ``copy.deepcopy
   one, or ``shift_labels`` as given; ``ignore_index``; the sum over ``num_items_in_batch`` when given, else the mean)
   and returns ``logits=None``. Without labels, or in eval mode, HF's forward runs and returns the logits.
 
+Under autocast (fp32 weights, Trainer's ``bf16=True``) the LM head's matmul and the attention take autocast's dtype,
+as HF's own forward has them (our operators are not autocast ops, so the casts are explicit).
+
 Importing this module also registers our attention as ``attn_implementation="cs336"`` (any model whose attention
 goes through ``transformers.AttentionInterface``, patched or not), and its mask function under the same name in
 ``AttentionMaskInterface``: a model whose implementation has no mask function gets no mask at all, so padding would
@@ -102,6 +105,15 @@ FAMILIES = {
 }
 
 
+def _autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors`` in autocast's dtype where autocast is on (our operators are not autocast ops), else as they are."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) for t in tensors)
+
+
 def _rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     return rms_norm(hidden_states, self.weight, self.variance_epsilon, cast_before_weight=True)
 
@@ -115,7 +127,7 @@ def _attention_forward(family: Family) -> Callable:
 
     def forward(self: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, ...],
                 attention_mask: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # The KV cache: `cache` from transformers 5.20 on, `past_key_values` before.
+        # The KV cache: `cache` in recent transformers 5 releases (5.25), `past_key_values` in older ones (5.17).
         cache = kwargs.pop("cache", None)
         legacy_cache = kwargs.pop("past_key_values", None)
         cache = legacy_cache if cache is None else cache
@@ -159,8 +171,10 @@ def _causal_lm_forward(self: torch.nn.Module, input_ids: torch.Tensor | None = N
     if targets is None:
         targets = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     num_items = kwargs.get("num_items_in_batch")
-    loss = fused_linear_cross_entropy(hidden, self.lm_head.weight, targets.to(hidden.device),
-                                      "mean" if num_items is None else "sum", ignore_index)
+    weight = self.lm_head.weight
+    hidden, weight = _autocast(hidden, weight)  # as autocast runs the head's matmul (Trainer's bf16=True)
+    loss = fused_linear_cross_entropy(hidden, weight, targets.to(hidden.device), "mean" if num_items is None else "sum",
+                                      ignore_index)
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if isinstance(num_items, torch.Tensor) else num_items)
     rest = {key: value for key, value in outputs.items() if key != "last_hidden_state"}
@@ -261,6 +275,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(f"attn_implementation='cs336' takes a 2-D padding mask; got a {attention_mask.dim()}-D mask "
                          f"of shape {tuple(attention_mask.shape)} (a prepared or custom mask: use 'sdpa')")
+    query, key, value = _autocast(query, key, value)  # HF's RoPE leaves q and k in fp32 under autocast
     causal = module.is_causal if is_causal is None else is_causal
     knobs = {"softmax_scale": scaling, "softcap": softcap or 0.0,
              "window_size": (sliding_window - 1, -1) if sliding_window else (-1, -1)}
