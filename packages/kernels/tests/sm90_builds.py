@@ -1,5 +1,6 @@
-"""Compile the RMSNorm (alone and with the residual add folded in, and its weight-gradient reduction), RoPE and
-SiLU-mul kernels for sm_90 without a GPU and print what ptxas made of them.
+"""Compile the RMSNorm (alone, with the residual add folded in, with Hugging Face's rounding, and its weight-gradient
+reduction), RoPE (interleaved, and half-rotated at Llama-3.2-1B's heads) and SiLU-mul kernels for sm_90 without a GPU
+and print what ptxas made of them.
 
 Each kernel is specialised as its launcher specialises it (default launches) at the leaderboard shapes (bf16,
 d_model 4096, head_dim 128 with 32 heads; the SiLU-mul kernels do not specialise on d_ff; unit strides as constants,
