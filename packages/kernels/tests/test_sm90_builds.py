@@ -1,5 +1,5 @@
-"""Offline sm_90 builds of the RMSNorm (alone and with the residual add folded in), RoPE and SiLU-mul kernels (no
-GPU): they lower, spill nothing, and keep the resources their launchers assume."""
+"""Offline sm_90 builds of the RMSNorm (alone, with the residual add folded in, with HF's rounding), RoPE (both
+layouts) and SiLU-mul kernels (no GPU): they lower, spill nothing, and keep the resources their launchers assume."""
 
 from __future__ import annotations
 
@@ -24,18 +24,20 @@ def test_kernels_build_for_sm90_without_spills():
     script = Path(__file__).with_name("sm90_builds.py")
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, check=True)
     rows = {row["kernel"]: row for row in map(json.loads, done.stdout.strip().splitlines())}
-    assert len(rows) == 13
+    assert len(rows) == 17
     for name, row in rows.items():
         assert row["spill_stores"] == row["spill_loads"] == row["stack_bytes"] == 0, (name, row)
     # The RMSNorm kernels' default launches put programs_per_sm programs on each SM at once: their registers (allocated
     # in units of 8 per thread) and shared memory (the pipeline's buffers, plus 1 KiB the SM reserves per program)
     # fit an SM of sm_90 (65,536 registers, 228 KiB) that many times.
-    for name in ("rms_norm", "add_rms_norm"):
+    for name, weights in (("rms_norm", ("bf16", "fp32")), ("add_rms_norm", ("bf16", "fp32")),
+                          ("rms_norm_hf", ("bf16",))):
         for direction in ("fwd", "bwd"):
-            for weight in ("bf16", "fp32"):
+            for weight in weights:
                 row = rows[f"{name}_{direction} (weight {weight})"]
                 programs, threads = row["programs_per_sm"], 32 * row["num_warps"]
                 assert programs * threads * -(-row["registers"] // 8) * 8 <= 65536, row
                 assert programs * (row["shared_bytes"] + 1024) <= 228 * 1024, row
     # RoPE's pair split and join stay in registers: no shared-memory layout conversion.
-    assert rows["rope (forward)"]["shared_bytes"] == rows["rope (backward)"]["shared_bytes"] == 0
+    assert all(rows[f"rope {layout}({direction})"]["shared_bytes"] == 0 for layout in ("", "half ")
+               for direction in ("forward", "backward"))
