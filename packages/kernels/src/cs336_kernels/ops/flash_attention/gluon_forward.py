@@ -52,7 +52,10 @@ from cs336_kernels.ops.flash_attention.gluon_common import (
     check_inputs,
     descriptor,
     mma_layout,
+    thread_barrier,
+    tma_load,
     tma_ready,
+    tma_store,
 )
 from cs336_kernels.ops.flash_attention.params import Params
 
@@ -122,17 +125,17 @@ def _producer(
         n_tiles = _key_tiles(q0, N_KEYS, BLOCK_M, BLOCK_N, IS_CAUSAL)[0]
         for c in gl.static_range(2):
             mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [b, h, q0 + c * BLOCK_M, 0], q_ready.index(c), q_bufs.index(c))
+            tma_load(q_desc, [b, h, q0 + c * BLOCK_M, 0], q_ready.index(c), q_bufs.index(c))
         for j in range(n_tiles):
             stage = (it + j) % STAGES
             phase = (((it + j) // STAGES) & 1) ^ 1
             mbarrier.wait(k_empty.index(stage), phase)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [b, h_kv, j * BLOCK_N, 0], k_ready.index(stage),
+            tma_load(k_desc, [b, h_kv, j * BLOCK_N, 0], k_ready.index(stage),
                                             k_bufs.index(stage))
             mbarrier.wait(v_empty.index(stage), phase)
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [b, h_kv, j * BLOCK_N, 0], v_ready.index(stage),
+            tma_load(v_desc, [b, h_kv, j * BLOCK_N, 0], v_ready.index(stage),
                                             v_bufs.index(stage))
         it += n_tiles
         count += 1
@@ -249,10 +252,10 @@ def _consumer(
         row0 = pid_m * (2 * BLOCK_M) + CONSUMER * BLOCK_M
         offs_m = row0 + gl.arange(0, BLOCK_M, layout=row_s)
         tma.store_wait(0)
-        gl.thread_barrier()
+        thread_barrier()
         o_tile.reshape([BLOCK_M, HEAD_DIM]).store(acc.to(dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], o_tile)
+        tma_store(o_desc, [b, h, row0, 0], o_tile)
         lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # natural-log units
         gl.store(L + (b * H_Q + h).to(gl.int64) * N_QUERIES + offs_m, lse, mask=offs_m < N_QUERIES)
         it += n_tiles
