@@ -65,6 +65,8 @@ COMMANDS: dict[str, str] = {
     "uv run cs336 residuals --experiment rmsnorm": "cpu",
     "uv run cs336 residuals --out residuals.jsonl": "gpu",
     "uv run cs336 precision --device cuda": "gpu",
+    "uv run cs336 hf": "cpu",
+    "bash tools/gpu.sh python3 -m cs336_harness.cli hf --out writeup/results/hf_step.jsonl": "gpu-call",
     "uv run cs336 leaderboard": "cpu",
     "uv run cs336 leaderboard --out rows.jsonl": "gpu long 2gpus",
     "uv run cs336 leaderboard --attention sdpa": "cpu",

@@ -2,9 +2,9 @@
 
 For each torch release asked for (default: the oldest and the newest minor release that
 ``packages/kernels/pyproject.toml`` admits, each at its newest patch), a virtual environment gets that torch from PyPI,
-the Triton release that torch pins (the pair a user gets), and this checkout's ``cs336-kernels[cpu]`` with its test
-tools; the package's whole suite then runs there from the package alone, on CPU in Triton's interpreter, slow tests
-included (among them the offline sm_90 builds of every kernel, the Gluon attention kernels too). One row per
+the Triton release that torch pins (the pair a user gets), and this checkout's ``cs336-kernels`` with every extra and
+its test tools; the package's whole suite then runs there from the package alone, on CPU in Triton's interpreter, slow
+tests included (among them the offline sm_90 builds of every kernel, the Gluon attention kernels too). One row per
 environment goes to ``writeup/results/kernels_compat.jsonl``: the versions, the declared range it ran under, pytest's
 counts and whether the sm_90 builds passed. ``tests/test_kernels_compat.py`` checks at every CI run that both ends of
 the declared range have a passing row under that range, so the range cannot change without a new run. ::
@@ -112,10 +112,11 @@ def compat_row(torch_minor: str, declared: dict[str, str], folder: Path) -> tupl
     venv = folder / "venv"
     python = venv / "bin" / "python"
     _run(["uv", "venv", "--quiet", "--python", PYTHON, str(venv)])
-    dev = tomllib.loads((KERNELS / "pyproject.toml").read_text())["dependency-groups"]["dev"]
+    pyproject = tomllib.loads((KERNELS / "pyproject.toml").read_text())
+    extras = ",".join(pyproject["project"]["optional-dependencies"])
     # setuptools: torch.compile under torch 2.10 on Python 3.11 needs it, and torch 2.10 declares it for 3.12 only.
     _run(["uv", "pip", "install", "--quiet", "--python", str(python), f"torch=={torch_minor}.*",
-          f"{KERNELS}[cpu]", *dev, "setuptools"])
+          f"{KERNELS}[{extras}]", *pyproject["dependency-groups"]["dev"], "setuptools"])
     probe = "import json, platform, torch, triton; print(json.dumps([torch.__version__, triton.__version__, " \
             "platform.python_version()]))"
     found = json.loads(_run([str(python), "-c", probe], capture_output=True, text=True).stdout)

@@ -1,5 +1,6 @@
-"""Compile the RMSNorm (alone and with the residual add folded in, and its weight-gradient reduction), RoPE and
-SiLU-mul kernels and the Gluon attention kernels for sm_90 without a GPU and print what ptxas made of them.
+"""Compile the RMSNorm (alone, with the residual add folded in, with Hugging Face's rounding, and its weight-gradient
+reduction), RoPE (interleaved, and half-rotated at Llama-3.2-1B's heads) and SiLU-mul kernels and the Gluon attention
+kernels for sm_90 without a GPU and print what ptxas made of them.
 
 Each glue kernel is specialised as its launcher specialises it (default launches) at the leaderboard shapes (bf16,
 d_model 4096, head_dim 128 with 32 heads; the SiLU-mul kernels do not specialise on d_ff; unit strides as constants,
@@ -58,39 +59,53 @@ def rows() -> list[dict]:
     d_model, head_dim, heads = 4096, 128, 32
     out = []
     block_d = triton.next_power_of_2(d_model)
-    for w in ("bf16", "fp32"):
-        for add in (False, True):  # the norm alone (no delta, h, dh: None), and with the residual add folded in
-            name = "add_rms_norm" if add else "rms_norm"
-            fwd_add, bwd_add = ({"DELTA": "*bf16", "H": "*bf16"}, {"DH": "*bf16"}) if add else ({}, {})
-            for direction, backward in (("fwd", False), ("bwd", True)):
-                launch = rms_norm.launch_settings(d_model, backward=backward)
-                constants = {"BLOCK_ROWS": launch.block_rows, "BLOCK_D": block_d, "STAGES": launch.stages, "ADD": add}
-                if backward:
-                    kernel, types = rms_norm._rms_norm_bwd_kernel, {
-                        "DY": "*bf16", "X": "*bf16", "W": f"*{w}", "RSTD": "*fp32", "DX": "*bf16",
-                        "DW_PARTIAL": "*fp32", "stride_dy": "i32", "stride_dh": "i32", "stride_x": "i32",
-                        "n_rows": "i32", "D": "i32", **bwd_add}
-                    constants |= {} if add else {"DH": None}
-                else:
-                    kernel, types = rms_norm._rms_norm_fwd_kernel, {
-                        "X": "*bf16", "W": f"*{w}", "Y": "*bf16", "RSTD": "*fp32", "stride_x": "i32",
-                        "stride_delta": "i32", "n_rows": "i32", "D": "i32", "eps": "fp32", **fwd_add}
-                    constants |= {} if add else {"DELTA": None, "H": None}
-                row = build(f"{name}_{direction} (weight {w})", kernel, types, constants, launch.num_warps)
-                out.append({**row, "programs_per_sm": launch.programs_per_sm})
+    # The norm alone (no delta, h, dh: None), with the residual add folded in, and with HF's rounding (bf16 weight).
+    variants = [(w, add, False) for w in ("bf16", "fp32") for add in (False, True)] + [("bf16", False, True)]
+    for w, add, cast_first in variants:
+        name = "add_rms_norm" if add else "rms_norm_hf" if cast_first else "rms_norm"
+        fwd_add, bwd_add = ({"DELTA": "*bf16", "H": "*bf16"}, {"DH": "*bf16"}) if add else ({}, {})
+        for direction, backward in (("fwd", False), ("bwd", True)):
+            launch = rms_norm.launch_settings(d_model, backward=backward)
+            constants = {"BLOCK_ROWS": launch.block_rows, "BLOCK_D": block_d, "STAGES": launch.stages, "ADD": add,
+                         "CAST_FIRST": cast_first}
+            if backward:
+                kernel, types = rms_norm._rms_norm_bwd_kernel, {
+                    "DY": "*bf16", "X": "*bf16", "W": f"*{w}", "RSTD": "*fp32", "DX": "*bf16",
+                    "DW_PARTIAL": "*fp32", "stride_dy": "i32", "stride_dh": "i32", "stride_x": "i32",
+                    "n_rows": "i32", "D": "i32", "offset": "fp32", **bwd_add}
+                constants |= {} if add else {"DH": None}
+            else:
+                kernel, types = rms_norm._rms_norm_fwd_kernel, {
+                    "X": "*bf16", "W": f"*{w}", "Y": "*bf16", "RSTD": "*fp32", "stride_x": "i32",
+                    "stride_delta": "i32", "n_rows": "i32", "D": "i32", "eps": "fp32", "offset": "fp32",
+                    **fwd_add}
+                constants |= {} if add else {"DELTA": None, "H": None}
+            row = build(f"{name}_{direction} (weight {w})", kernel, types, constants, launch.num_warps)
+            out.append({**row, "programs_per_sm": launch.programs_per_sm})
     out.append(build("rms_norm_dw_reduce (weight bf16)", rms_norm._dw_reduce_kernel,
                      {"PARTIAL": "*fp32", "DW": "*bf16", "n_partials": "i32", "D": "i32"},
                      {"BLOCK_P": rms_norm._REDUCE_PARTIALS, "BLOCK_N": rms_norm._REDUCE_COLUMNS}, 4))
-    settings = rope.launch_settings(head_dim, heads, heads)
-    rope_warps = settings.pop("num_warps")
-    for inverse in (False, True):
-        out.append(build(f"rope ({'backward' if inverse else 'forward'})", rope._rope_kernel,
-                         {"Q": "*bf16", "K": "*bf16", "QO": "*bf16", "KO": "*bf16", "COS": "*fp32", "SIN": "*fp32",
-                          "POS": "*i64", **{s: "i32" for s in ("stride_qb", "stride_qs", "stride_qh", "stride_kb",
-                                                               "stride_ks", "stride_kh", "stride_ct", "stride_pb",
-                                                               "S", "HQ", "HK")}},
-                         {"stride_cf": 1, "stride_ps": 1, "D": head_dim, "INVERSE": inverse, **settings},
-                         rope_warps))
+    # RoPE: the 8B model's interleaved pairs from fp32 tables at positions, and Llama-3.2-1B's half-rotated pairs
+    # (HF: 32 query and 8 key heads of 64) from per-token bf16 angles.
+    strides = ("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_ct", "S", "HQ",
+               "HK")
+    for layout, (dim, heads_q, heads_k, table, half) in {"": (head_dim, heads, heads, "fp32", False),
+                                                         "half ": (64, 32, 8, "bf16", True)}.items():
+        settings = rope.launch_settings(dim, heads_q, heads_k)
+        rope_warps = settings.pop("num_warps")
+        types = {"Q": "*bf16", "K": "*bf16", "QO": "*bf16", "KO": "*bf16", "COS": f"*{table}", "SIN": f"*{table}",
+                 **{s: "i32" for s in strides}}
+        if half:  # per-token angles, one row per token of a batch row; no positions
+            types["stride_cb"] = "i32"
+            layout_constants = {"POS": None, "stride_pb": 0, "stride_ps": 0}
+        else:  # tables shared by the batch, rows at the positions
+            types |= {"POS": "*i64", "stride_pb": "i32"}
+            layout_constants = {"stride_cb": 0, "stride_ps": 1}
+        for inverse in (False, True):
+            out.append(build(f"rope {layout}({'backward' if inverse else 'forward'})", rope._rope_kernel, types,
+                             {"stride_cf": 1, "D": dim, "ROTARY": dim, "HALF": half, "HAS_POSITIONS": not half,
+                              "INVERSE": inverse, "BLOCK_HALF": triton.next_power_of_2(dim // 2), **layout_constants,
+                              **settings}, rope_warps))
     out.append(build("silu_mul_fwd", swiglu._silu_mul_fwd_kernel,
                      {"A": "*bf16", "B": "*bf16", "OUT": "*bf16", "stride_a": "i32", "stride_b": "i32", "N": "i32",
                       "numel": "i32"},

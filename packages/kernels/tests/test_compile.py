@@ -65,6 +65,12 @@ def _rope_inputs(n: int) -> tuple:
             torch.arange(n, device=DEVICE))
 
 
+def _rope_half_inputs(n: int) -> tuple:
+    angles = torch.randn(1, n, HEAD_DIM // 2, generator=torch.Generator().manual_seed(3)).to(DEVICE, DTYPE)
+    angles = torch.cat((angles, angles), dim=-1)  # Hugging Face's cat(freqs, freqs)
+    return _randn(2, n, 3, HEAD_DIM, seed=1), _randn(2, n, 1, HEAD_DIM, seed=2), angles.cos(), angles.sin()
+
+
 def _lce_inputs(n: int) -> tuple:
     targets = torch.randint(0, 11, (n,), generator=torch.Generator().manual_seed(6)).to(DEVICE)
     targets[::5] = -100
@@ -73,12 +79,18 @@ def _lce_inputs(n: int) -> tuple:
 
 CASES = {
     "rms_norm": Case(lambda x, w: rms_norm(x, w, 1e-5), lambda n: (_randn(2, n, 48, seed=0), _randn(48, seed=1))),
+    "rms_norm_variants": Case(lambda x, w: rms_norm(x, w, 1e-6, offset=1.0, cast_before_weight=True),
+                              lambda n: (_randn(2, n, 48, seed=0), _randn(48, seed=1))),
     "add_rms_norm": Case(add_rms_norm, lambda n: (_randn(2, n, 48, seed=0), _randn(2, n, 48, seed=1),
                                                   _randn(48, seed=2))),
     "rope": Case(rope, _rope_inputs),
+    "rope_half": Case(lambda q, k, cos, sin: rope(q, k, cos, sin, layout="half"), _rope_half_inputs),
     "silu_mul": Case(silu_mul, lambda n: (_randn(2, n, 40, seed=0), _randn(2, n, 40, seed=1))),
     "linear_cross_entropy_mean": Case(fused_linear_cross_entropy, _lce_inputs),
     "linear_cross_entropy_none": Case(lambda h, w, t: fused_linear_cross_entropy(h, w, t, "none"), _lce_inputs),
+    "linear_cross_entropy_options": Case(
+        lambda h, w, t: fused_linear_cross_entropy(h, w, t, label_smoothing=0.1, z_loss=1e-3, softcap=5.0),
+        _lce_inputs),
     **{f"flash_attention_{backward}": Case(
         lambda q, k, v, backward=backward: flash_attention(q, k, v, True, backward=backward),
         lambda n: tuple(_randn(1, 2, n, HEAD_DIM, seed=i) for i in range(3)))
@@ -193,16 +205,22 @@ def _opcheck_cases() -> list:
              [torch.zeros_like(p) for p in params], [torch.zeros((), device=DEVICE) for _ in params]]
     return [
         pytest.param(rms_norm_op, (x, w, 1e-5), id="rms_norm_forward"),
+        pytest.param(rms_norm_op, (x, w, 1e-6, 1.0, True), id="rms_norm_forward_variants"),
         pytest.param(add_rms_norm_op, (x, d, w, 1e-5), id="add_rms_norm_forward"),
         pytest.param(rms_norm_backward_op, (torch.randn_like(y), x.detach(), w.detach(), rstd, None),
                      id="rms_norm_backward"),
         pytest.param(rms_norm_backward_op, (torch.randn_like(y), x.detach(), w.detach(), rstd, d.detach()),
                      id="rms_norm_backward_add"),
-        pytest.param(rope_op, (q, k, cos, sin, positions, False), id="rope"),
+        pytest.param(rms_norm_backward_op, (torch.randn_like(y), x.detach(), w.detach(), rstd, None, 1.0, True),
+                     id="rms_norm_backward_variants"),
+        pytest.param(rope_op, (q, k, cos, sin, positions, False, False), id="rope"),
+        pytest.param(rope_op, (*_rope_half_inputs(9)[:4], None, False, True), id="rope_half"),
         pytest.param(silu_mul_op, (a, b), id="silu_mul_forward"),
         pytest.param(silu_mul_backward_op, (torch.randn_like(a), a.detach(), b.detach()), id="silu_mul_backward"),
         *(pytest.param(linear_cross_entropy_op, (hidden, weight, targets, reduction, -100, 4, True, True),
                        id=f"linear_cross_entropy_{reduction}") for reduction in ("mean", "sum", "none")),
+        pytest.param(linear_cross_entropy_op, (hidden, weight, targets, "mean", -100, 4, True, True, 0.1, 1e-3, 5.0),
+                     id="linear_cross_entropy_options"),
         pytest.param(linear_cross_entropy_backward_op, (hidden.detach(), weight.detach(), targets,
                                                         torch.rand(13, device=DEVICE), -100, None, True, False),
                      id="linear_cross_entropy_backward"),

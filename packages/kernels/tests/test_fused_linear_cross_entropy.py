@@ -53,17 +53,17 @@ def _loss_and_grads(fn, hidden, weight, targets, reduction, upstream=None, **kwa
     return loss.detach(), *grads
 
 
-def _check_against_reference(lead, d, vocab, dtype, reduction, device="cpu", seed=0, chunk_size=None):
+def _check_against_reference(lead, d, vocab, dtype, reduction, device="cpu", seed=0, chunk_size=None, **options):
     hidden, weight, targets = _inputs(lead, d, vocab, dtype, device, seed)
     ref_dtype = torch.float64 if device == "cpu" else torch.float32
     gen = torch.Generator(device=device).manual_seed(seed + 1)
     upstream = torch.randn(lead, generator=gen, device=device).to(dtype) if reduction == "none" else None
     ours = _loss_and_grads(fused_linear_cross_entropy, hidden, weight, targets, reduction, upstream,
-                           chunk_size=chunk_size)
+                           chunk_size=chunk_size, **options)
     h_ref = hidden.detach().to(ref_dtype).requires_grad_()
     w_ref = weight.detach().to(ref_dtype).requires_grad_()
     up_ref = None if upstream is None else upstream.to(ref_dtype)
-    ref = _loss_and_grads(linear_cross_entropy_reference, h_ref, w_ref, targets, reduction, up_ref)
+    ref = _loss_and_grads(linear_cross_entropy_reference, h_ref, w_ref, targets, reduction, up_ref, **options)
     assert ours[0].shape == ref[0].shape and ours[0].dtype == (torch.float64 if dtype == torch.float64 else
                                                                 torch.float32)
     for name, out, expected in zip(("loss", "grad_hidden", "grad_weight"), ours, ref, strict=True):
@@ -84,6 +84,40 @@ def test_matches_reference_float64(reduction, chunk_size):
 def test_matches_reference_float32_large_vocab(reduction):
     # vocab above the 8192-column tile: the online logsumexp spans several tiles.
     _check_against_reference((29,), 17, 9001, torch.float32, reduction, chunk_size=8)
+
+
+# The options: label smoothing, PaLM's z-loss and Gemma-2's logit softcap, alone and together. The kernel reads them
+# as fp32 scalars, so the float64 checks take values fp32 holds exactly.
+OPTIONS = {"smoothing": {"label_smoothing": 0.125}, "z_loss": {"z_loss": 2**-7}, "softcap": {"softcap": 3.0},
+           "all": {"label_smoothing": 0.25, "z_loss": 2**-8, "softcap": 2.0}}
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_options_match_reference_float64(option, reduction):
+    _check_against_reference((2, 19), 23, 1003, torch.float64, reduction, chunk_size=16, seed=11, **OPTIONS[option])
+
+
+@pytest.mark.interpreter
+def test_options_match_reference_float32_large_vocab():
+    # Several 8192-column tiles: the logit sum and the capped logits span tiles; logits of a few units, so the cap
+    # at 2 saturates some of them.
+    _check_against_reference((9,), 17, 9001, torch.float32, "sum", chunk_size=4, seed=12, **OPTIONS["all"])
+
+
+@pytest.mark.interpreter
+def test_options_reference_is_the_formulas():
+    # The reference against the formulas written out: PyTorch's label smoothing, logsumexp^2 and tanh cap.
+    hidden, weight, targets = _inputs((11,), 6, 29, torch.float64, "cpu", seed=13)
+    logits = 2.0 * torch.tanh(hidden @ weight.T / 2.0)
+    lse = torch.logsumexp(logits, dim=-1)
+    kept = targets != IGNORE
+    target_logit = logits.gather(1, targets.clamp(min=0)[:, None])[:, 0]
+    per_token = (lse - 0.75 * target_logit - 0.25 * logits.mean(-1) + 2**-8 * lse**2) * kept
+    expected = per_token.sum() / kept.sum()
+    got = linear_cross_entropy_reference(hidden, weight, targets, "mean", IGNORE, **OPTIONS["all"])
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=0)
 
 
 @pytest.mark.parametrize(("tokens", "vocab", "expected"), [
@@ -223,10 +257,30 @@ def test_rejects_bad_inputs(change, error, message):
                                    chunk_size=args["chunk_size"])
 
 
+@pytest.mark.parametrize(("options", "message"), [
+    ({"label_smoothing": 1.5}, r"label_smoothing must lie in \[0, 1\]"),
+    ({"label_smoothing": -0.1}, "label_smoothing must be a finite non-negative float"),
+    ({"z_loss": float("inf")}, "z_loss must be a finite non-negative float"),
+    ({"softcap": -1.0}, "softcap must be a finite non-negative float"),
+    ({"softcap": True}, "softcap must be a finite non-negative float"),
+])
+def test_rejects_bad_options(options, message):
+    with pytest.raises(ValueError, match=message):
+        fused_linear_cross_entropy(torch.randn(4, 8), torch.randn(13, 8), torch.tensor([0, IGNORE, 12, 3]),
+                                   **options)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_matches_reference_bf16_on_gpu(reduction):
     _check_against_reference((3, 1001), 257, 32003, torch.bfloat16, reduction, device="cuda", chunk_size=512)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_options_match_reference_bf16_on_gpu(option):
+    _check_against_reference((3, 1001), 257, 32003, torch.bfloat16, "mean", device="cuda", chunk_size=512,
+                             **OPTIONS[option])
 
 
 def _chunked_fp32_reference(hidden, weight, targets, chunk):

@@ -186,3 +186,15 @@ def test_cpu_tensors_without_the_interpreter_say_to_set_it_before_import():
         assert line.startswith(f"{caller} runs Triton kernels on CUDA tensors"), line
         assert "set TRITON_INTERPRET=1 before importing cs336_kernels" in line, line
         assert ("it is set now, but was not when cs336_kernels was imported" in line) == (i >= 3), line
+
+
+def test_transformers_is_imported_by_the_hf_module_alone():
+    # cs336_kernels stays torch + triton: only `import cs336_kernels.hf` (the hf extra) imports transformers, and
+    # without transformers (a None entry in sys.modules makes its import fail) that import names the extra.
+    code = ("import sys, cs336_kernels\nassert 'transformers' not in sys.modules\n"
+            "sys.modules['transformers'] = None\n"
+            "try:\n    import cs336_kernels.hf\nexcept ImportError as e:\n    print(e)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "0")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "install cs336-kernels[hf] (transformers >= 5)" in done.stdout

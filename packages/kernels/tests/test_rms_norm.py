@@ -147,6 +147,88 @@ def test_leaderboard_shape_bf16_on_gpu(w_dtype):
         assert _rel_err(out, expected) <= 1.01 * _rel_err(same, expected) + FP32_ORDER_SLACK, name
 
 
+# The variants other models' norms need: Hugging Face Llama's rounding (cast before the weight) and Gemma's offset.
+
+def _hf_llama_rms_norm(x, w, eps):
+    """``LlamaRMSNorm.forward`` (Qwen2, Qwen3 and Mistral's are the same) written out."""
+    h = x.to(torch.float32 if x.dtype != torch.float64 else torch.float64)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+def _gemma_rms_norm(x, w, eps):
+    """Gemma's RMSNorm: normalise in fp32, scale by 1 + w in fp32, round once."""
+    acc = torch.float32 if x.dtype != torch.float64 else torch.float64
+    h = x.to(acc)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + w.to(acc))).type_as(x)
+
+
+VARIANTS = {"hf_llama": ({"cast_before_weight": True}, _hf_llama_rms_norm),
+            "gemma": ({"offset": 1.0}, _gemma_rms_norm)}
+
+
+def _check_variant(variant, shape, dtype, seed=0, view=lambda t: t):
+    kwargs, formula = VARIANTS[variant]
+    x, w, dy = _inputs(shape, dtype, dtype, seed)
+    ours = _forward_backward(lambda x_, w_, eps: rms_norm(view(x_), w_, eps, **kwargs), x, w, view(dy), 1e-6)
+    x64, w64 = (t.detach().double().requires_grad_() for t in (x, w))
+    exact = _forward_backward(lambda x_, w_, eps: formula(view(x_), w_, eps), x64, w64, view(dy).double(), 1e-6)
+    ref = _forward_backward(lambda x_, w_, eps: rms_norm_reference(view(x_), w_, eps, **kwargs), x64, w64,
+                            view(dy).double(), 1e-6)
+    for name, out, expected, reference in zip(("y", "dx", "dw"), ours, exact, ref, strict=True):
+        assert out.dtype == dtype and out.shape == expected.shape, name
+        assert _rel_err(out, expected) < REL_TOL[dtype], (name, _rel_err(out, expected))
+        torch.testing.assert_close(reference, expected, rtol=1e-12, atol=1e-12)
+    return x, w, dy, ours, formula
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize(("shape", "dtype"), [((3, 5, 37), torch.float32), ((130, 64), torch.float16),
+                                              ((1, 1, 7), torch.float32)], ids=["odd-d", "fp16-130-rows", "one-row"])
+def test_variants_match_their_formulas(variant, shape, dtype):
+    _check_variant(variant, shape, dtype)
+
+
+def test_hf_rounding_is_hf_bit_for_bit_in_fp16():
+    # Each product of the rounded x * rstd and an fp16 weight is exact in fp32, so one rounding gives fp16's
+    # product: the forward equals HF's module bit for bit (the statistics are fp32 in both).
+    x, w, _ = _inputs((9, 40), torch.float16, torch.float16, seed=3)
+    assert torch.equal(rms_norm(x, w, 1e-6, cast_before_weight=True), _hf_llama_rms_norm(x, w, 1e-6))
+
+
+def test_per_head_qk_norm_on_a_projection_view():
+    # Qwen3 normalises each head of q: the (batch, seq, heads * head_dim) projection seen as (batch, seq, heads,
+    # head_dim), normalised over head_dim with a (head_dim,) weight.
+    proj, _, dy = _inputs((2, 7, 3 * 16), torch.float32, torch.float32, seed=4)
+    w = _inputs((16,), torch.float32, torch.float32, seed=5)[1]
+    heads = lambda t: t.view(2, 7, 3, 16)
+    ours = _forward_backward(lambda p_, w_, eps: rms_norm(heads(p_), w_, eps, cast_before_weight=True), proj, w,
+                             heads(dy), 1e-6)
+    p64, w64 = (t.detach().double().requires_grad_() for t in (proj, w))
+    exact = _forward_backward(lambda p_, w_, eps: _hf_llama_rms_norm(heads(p_), w_, eps), p64, w64,
+                              heads(dy).double(), 1e-6)
+    assert ours[0].shape == (2, 7, 3, 16)
+    for name, out, expected in zip(("y", "dproj", "dw"), ours, exact, strict=True):
+        assert _rel_err(out, expected) < REL_TOL[torch.float32], (name, _rel_err(out, expected))
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [({"offset": float("nan")}, "offset must be a finite float"),
+                                                 ({"offset": True}, "offset must be a finite float")])
+def test_variants_reject_bad_inputs(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        rms_norm(torch.randn(3, 4), torch.randn(4), **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_variants_bf16_on_gpu(variant):
+    # Llama-3.2-1B's width at 8,192 tokens; the forward of HF's rounding with a bf16 weight is HF's bit for bit.
+    x, w, dy, ours, formula = _check_variant(variant, (8192, 2048), torch.bfloat16, seed=6)
+    if variant == "hf_llama":
+        assert torch.equal(ours[0], formula(x.detach(), w.detach(), 1e-6))
+
+
 # add_rms_norm: the residual add folded into the norm.
 
 def _add_inputs(shape, dtype, w_dtype, seed=0, device=DEVICE):

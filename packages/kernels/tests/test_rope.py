@@ -1,4 +1,5 @@
-"""rope against its float64 reference: both outputs, both gradients, layouts, positions, errors.
+"""rope against its float64 reference: both outputs, both gradients, layouts, positions, errors; the half layout
+also against Hugging Face's ``apply_rotary_pos_emb`` formula written out here.
 
 CPU tests run the kernel in the Triton interpreter (root conftest) in fp32 and fp16, on contiguous and strided
 (batch, seq, heads, head_dim) views; GPU tests run bf16 at (1, 32768, 32, 128) and compare with the reference
@@ -147,6 +148,10 @@ def _bad(change: dict):
         ({"cos": torch.randn(6, 4, requires_grad=True)}, ValueError, "must not require grad"),
         ({"positions": torch.arange(4.0)}, TypeError, "int32 or int64"),
         ({"positions": torch.arange(5)}, ValueError, r"\(seq,\) = \(4,\)"),
+        # (batch, heads, seq, head_dim) views: named as the wrong layout, not as wrong positions.
+        ({"q": torch.randn(1, 2, 4, 8), "k": torch.randn(1, 2, 4, 8)}, ValueError, r"transpose\(1, 2\)"),
+        ({"positions": None}, ValueError, "layout='half'"),
+        ({"layout": "rotate_half"}, ValueError, "layout must be one of"),
         # The range check reads the positions: on CPU tensors only (a host sync on a GPU).
         pytest.param({"positions": torch.tensor([0, 1, 6, 2])}, ValueError, r"\[0, 6\).*\[0, 6\]",
                      marks=pytest.mark.interpreter),
@@ -156,8 +161,92 @@ def _bad(change: dict):
     ],
 )
 def test_rejects_bad_inputs(change, error, message):
+    args = _bad(change)
+    layout = args.pop("layout", "interleaved")
     with pytest.raises(error, match=message):
-        rope(**_bad(change))
+        rope(**args, layout=layout)
+
+
+# The half layout: Hugging Face's rotate_half on per-token (batch or 1, seq, rotary_dim) angles.
+def _hf_angles(batch, seq, rotary, dtype, positions, theta=10000.0, device=DEVICE):
+    """cos and sin as Hugging Face's rotary embedding returns them: cat(freqs, freqs), cast to the model's dtype."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, rotary, 2, dtype=torch.float32, device=device) / rotary)
+    freqs = positions.to(device)[..., None].float() * inv_freq  # (b, seq, r/2)
+    emb = torch.cat((freqs, freqs), dim=-1).expand(batch, seq, rotary)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _hf_apply_rotary(q, k, cos, sin):
+    """HF's apply_rotary_pos_emb (with partial rotary as Phi / GPT-NeoX apply it) on (batch, seq, heads, d)."""
+    def rotate(x):
+        rotary = cos.shape[-1]
+        x_rot, x_pass = x[..., :rotary], x[..., rotary:]
+        x1, x2 = x_rot[..., : rotary // 2], x_rot[..., rotary // 2:]
+        rotated = x_rot * cos.unsqueeze(2) + torch.cat((-x2, x1), dim=-1) * sin.unsqueeze(2)
+        return torch.cat((rotated, x_pass), dim=-1)
+    return rotate(q), rotate(k)
+
+
+def _check_half(batch, seq, heads_q, heads_k, head_dim, rotary, dtype, angle_batch, seed=0):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    q_proj = torch.randn(batch, seq, heads_q * head_dim, generator=gen, device=DEVICE).to(dtype).requires_grad_()
+    k_proj = torch.randn(batch, seq, heads_k * head_dim, generator=gen, device=DEVICE).to(dtype).requires_grad_()
+    q, k = q_proj.view(batch, seq, heads_q, head_dim), k_proj.view(batch, seq, heads_k, head_dim)
+    positions = torch.randint(0, 50, (angle_batch, seq), generator=gen, device=DEVICE)
+    cos, sin = _hf_angles(angle_batch, seq, rotary, dtype, positions)
+    dq = torch.randn(q.shape, generator=gen, device=DEVICE).to(dtype)
+    dk = torch.randn(k.shape, generator=gen, device=DEVICE).to(dtype)
+    leaves = (q_proj, k_proj)
+    ours = _forward_backward(lambda *a: rope(*a[:4], layout="half"), leaves, q, k, cos, sin, None, dq, dk)
+    leaves64, (q64, k64) = _float64_twin(leaves, q, k)
+    hf = _forward_backward(lambda q_, k_, c, s, _: _hf_apply_rotary(q_, k_, c, s), leaves64, q64, k64,
+                           cos.double(), sin.double(), None, dq.double(), dk.double())
+    ref = _forward_backward(lambda *a: rope_reference(*a[:4], layout="half"), leaves64, q64, k64, cos.double(),
+                            sin.double(), None, dq.double(), dk.double())
+    for name, out, expected, reference in zip(("q_rot", "k_rot", "dq_proj", "dk_proj"), ours, hf, ref, strict=True):
+        assert out.dtype == dtype and out.shape == expected.shape, name
+        assert _rel_err(out, expected) < REL_TOL[dtype], (name, _rel_err(out, expected))
+        torch.testing.assert_close(reference, expected, rtol=1e-12, atol=1e-12)
+    if rotary < head_dim:  # the features past rotary_dim pass through, and so do their gradients
+        assert torch.equal(ours[0][..., rotary:], q.detach()[..., rotary:])
+        assert torch.equal(ours[2].view(q.shape)[..., rotary:], dq[..., rotary:])
+
+
+@pytest.mark.parametrize(
+    ("batch", "seq", "heads_q", "heads_k", "head_dim", "rotary", "dtype", "angle_batch"),
+    [(2, 7, 3, 1, 16, 16, torch.float32, 1), (2, 5, 4, 2, 12, 12, torch.float32, 2),
+     (1, 9, 2, 2, 24, 8, torch.float32, 1), (3, 4, 5, 5, 128, 64, torch.float16, 3),
+     (1, 1, 1, 1, 2, 2, torch.float32, 1)],
+    ids=["gqa-shared-angles", "head-dim-12-batched-angles", "partial-rotary-8-of-24", "fp16-partial-d-128",
+         "one-token-d-2"],
+)
+def test_half_layout_matches_hugging_face(batch, seq, heads_q, heads_k, head_dim, rotary, dtype, angle_batch):
+    _check_half(batch, seq, heads_q, heads_k, head_dim, rotary, dtype, angle_batch)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "message"),
+    [
+        ({"positions": torch.arange(4)}, ValueError, "no positions"),
+        ({"cos": torch.randn(1, 4, 10), "sin": torch.randn(1, 4, 10)}, ValueError, "at most head_dim = 8"),
+        ({"cos": torch.randn(1, 4, 6)[..., :5], "sin": torch.randn(1, 4, 5)}, ValueError, "rotary_dim even"),
+        ({"cos": torch.randn(3, 4, 8), "sin": torch.randn(3, 4, 8)}, ValueError, r"batch = 1 or 1"),
+        ({"cos": torch.randn(1, 4, 8).double(), "sin": torch.randn(1, 4, 8).double()}, TypeError, "share a dtype"),
+        ({"cos": torch.randn(1, 8, 4).transpose(1, 2)}, ValueError, "unit stride"),
+    ],
+)
+def test_half_layout_rejects_bad_inputs(change, error, message):
+    args = {"q": torch.randn(1, 4, 2, 8), "k": torch.randn(1, 4, 2, 8), "cos": torch.randn(1, 4, 8),
+            "sin": torch.randn(1, 4, 8), "positions": None}
+    args.update(change)
+    with pytest.raises(error, match=message):
+        rope(**args, layout="half")
+
+
+@pytest.mark.gpu
+def test_half_layout_bf16_on_gpu():
+    # Llama-3.2-1B's attention at 8,192 tokens: 32 query heads, 8 key heads of 64, bf16 angles as HF passes them.
+    _check_half(1, 8192, 32, 8, 64, 64, torch.bfloat16, 1, seed=7)
 
 
 @pytest.mark.gpu

@@ -1,6 +1,6 @@
-"""Offline sm_90 builds (no GPU): the RMSNorm (alone and with the residual add folded in), RoPE and SiLU-mul kernels
-lower, spill nothing, and keep the resources their launchers assume; the Gluon attention kernels build under the
-installed Triton, with wgmma and TMA."""
+"""Offline sm_90 builds (no GPU): the RMSNorm (alone, with the residual add folded in, with HF's rounding), RoPE (both
+layouts) and SiLU-mul kernels lower, spill nothing, and keep the resources their launchers assume; the Gluon attention
+kernels build under the installed Triton, with wgmma and TMA."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def test_kernels_build_for_sm90():
     script = Path(__file__).with_name("sm90_builds.py")
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, check=True)
     rows = {row["kernel"]: row for row in map(json.loads, done.stdout.strip().splitlines())}
-    assert len(rows) == 17
+    assert len(rows) == 21
     gluon = {name: row for name, row in rows.items() if name.startswith("gluon_")}
     assert len(gluon) == 4
     for name, row in rows.items():
@@ -38,12 +38,14 @@ def test_kernels_build_for_sm90():
     # The RMSNorm kernels' default launches put programs_per_sm programs on each SM at once: their registers (allocated
     # in units of 8 per thread) and shared memory (the pipeline's buffers, plus 1 KiB the SM reserves per program)
     # fit an SM of sm_90 (65,536 registers, 228 KiB) that many times.
-    for name in ("rms_norm", "add_rms_norm"):
+    for name, weights in (("rms_norm", ("bf16", "fp32")), ("add_rms_norm", ("bf16", "fp32")),
+                          ("rms_norm_hf", ("bf16",))):
         for direction in ("fwd", "bwd"):
-            for weight in ("bf16", "fp32"):
+            for weight in weights:
                 row = rows[f"{name}_{direction} (weight {weight})"]
                 programs, threads = row["programs_per_sm"], 32 * row["num_warps"]
                 assert programs * threads * -(-row["registers"] // 8) * 8 <= 65536, row
                 assert programs * (row["shared_bytes"] + 1024) <= 228 * 1024, row
     # RoPE's pair split and join stay in registers: no shared-memory layout conversion.
-    assert rows["rope (forward)"]["shared_bytes"] == rows["rope (backward)"]["shared_bytes"] == 0
+    assert all(rows[f"rope {layout}({direction})"]["shared_bytes"] == 0 for layout in ("", "half ")
+               for direction in ("forward", "backward"))

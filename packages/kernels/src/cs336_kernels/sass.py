@@ -108,7 +108,7 @@ def gluon_attention_build(direction: str, head_dim: int, is_causal: bool,
         args, constants = gluon_forward.forward_args(q, k, k, q, lse, torch.zeros(1, dtype=torch.int32), params)
     else:
         kernel = gluon_backward._attn_bwd_kernel
-        locks = torch.zeros(gluon_backward.dq_lock_count(q), dtype=torch.int32) if deterministic else None
+        locks = torch.zeros(1, dtype=torch.int32) if deterministic else None
         args, constants = gluon_backward.backward_args(q, k, k, q, lse, lse, q.float(), k, k, locks, params)
     names = kernel.arg_names
     signature = {name: "constexpr" if name in constants else mangle_type(arg)

@@ -7,6 +7,7 @@ COMMANDS: dict[str, str] = {
     "collectives": "benchmark all-reduce / reduce-scatter / all-gather over sizes, world sizes and backends",
     "ddp": "time DDP training steps (naive, flat, overlapped, bucketed, torch DDP) with timelines",
     "fused": "benchmark our fused kernels against PyTorch, torch.compile and Liger-Kernel (needs a CUDA GPU)",
+    "hf": "train Hugging Face Llama-3.2-1B / Qwen3-1.7B shapes: as they come, with Liger-Kernel, with our kernels",
     "leaderboard": "time one full training step of the leaderboard model (FSDP, Triton attention, fused loss, AdamW)",
     "precision": "mixed-precision experiments: four sums, toy-model dtypes under fp16 autocast, layer norm fp16/bf16",
     "residuals": "count tensors saved for backward (RMSNorm, one xl block, four blocks with checkpointing)",

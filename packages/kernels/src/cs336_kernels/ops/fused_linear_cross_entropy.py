@@ -31,10 +31,23 @@ bytes add to a training step's peak; 2,048-token chunks keep the GEMMs' inner di
     loss = fused_linear_cross_entropy(hidden, lm_head.weight, targets)  # hidden (N, d), weight (V, d)
     loss.backward()
 
+Three options change the per-token loss, each off by default and a constexpr of the kernel when on (the default
+path compiles as before). With logits x (capped: ``x = softcap * tanh(x / softcap)``, Gemma-2's final logit cap),
+lse = logsumexp(x), target t and vocabulary V:
+
+    loss = lse - (1 - label_smoothing) * x[t] - label_smoothing / V * sum(x) + z_loss * lse^2
+    dloss/dx[j] = softmax(x)[j] * (1 + 2 * z_loss * lse) - (1 - label_smoothing) * [j == t] - label_smoothing / V
+
+(times ``1 - tanh^2`` for the cap): ``F.cross_entropy(..., label_smoothing=)``'s loss plus PaLM's auxiliary z-loss
+(Liger-Kernel's ``lse_square_scale``), reduced like the cross-entropy (the mean over tokens not ignored). The kernel
+reads the three as fp32 scalars, also for float64 inputs.
+
 ``linear_cross_entropy_reference`` is the plain PyTorch computation that tests and benchmarks compare against.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -55,18 +68,40 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @triton.jit
+def _tanh(x):
+    # From one exp2, exact at both ends (exp2 overflowing to inf gives 1, underflowing to 0 gives -1) and in the
+    # interpreter, which has no libdevice.
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)  # 2 * log2(e)
+
+
+@triton.jit
+def _load_logits(X, offs, V, softcap, ACC: tl.constexpr, SOFTCAP: tl.constexpr):
+    """A tile of logits in ACC, capped when SOFTCAP, -inf past the row's end."""
+    x = tl.load(X + offs, mask=offs < V, other=float("-inf")).to(ACC)
+    if SOFTCAP:
+        x = tl.where(offs < V, softcap * _tanh(x / softcap), float("-inf"))
+    return x
+
+
+@triton.jit
 def _softmax_grad_kernel(
-    LOGITS,  # (rows, V), in place: logits in, scale * (softmax - onehot) out when WRITE_GRAD
+    LOGITS,  # (rows, V), in place: logits in, scale * dloss/dlogits out when WRITE_GRAD
     TARGETS,  # (rows,) integer
-    LOSS,  # (rows,) float32 (float64 for float64 logits): logsumexp - logit[target], 0 where ignored
+    LOSS,  # (rows,) float32 (float64 for float64 logits): the token's loss, 0 where ignored
     SCALE,  # gradient scale of each row, read at SCALE + row * scale_stride
     stride_row,
     scale_stride,
     V,
     ignore_index,
+    label_smoothing,
+    z_loss,
+    softcap,
     WRITE_GRAD: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    SMOOTH: tl.constexpr,  # label_smoothing > 0
+    Z_LOSS: tl.constexpr,  # z_loss > 0
+    SOFTCAP: tl.constexpr,  # softcap > 0
 ):
     row = tl.program_id(0).to(tl.int64)
     X = LOGITS + row * stride_row
@@ -81,33 +116,69 @@ def _softmax_grad_kernel(
         # Online logsumexp over the row, one tile at a time.
         row_max = tl.full((), float("-inf"), ACC)
         row_sum = tl.zeros((), ACC)
+        logit_sum = tl.zeros((), ACC)
         for start in range(0, V, BLOCK_V):
-            x = tl.load(X + start + cols, mask=start + cols < V, other=float("-inf")).to(ACC)
+            x = _load_logits(X, start + cols, V, softcap, ACC, SOFTCAP)
             new_max = tl.maximum(row_max, tl.max(x, axis=0))
             row_sum = row_sum * tl.exp(row_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
             row_max = new_max
+            if SMOOTH:
+                logit_sum += tl.sum(tl.where(start + cols < V, x, 0.0), axis=0)
         lse = row_max + tl.log(row_sum)
-        tl.store(LOSS + row, lse - tl.load(X + target).to(ACC))
+        target_logit = tl.load(X + target).to(ACC)
+        if SOFTCAP:
+            target_logit = softcap * _tanh(target_logit / softcap)
+        target_weight = 1.0
+        if SMOOTH:
+            smoothing = tl.zeros((), ACC) + label_smoothing  # in ACC, so that smoothing / V is too
+            target_weight = 1.0 - smoothing
+        loss = lse - target_weight * target_logit
+        if SMOOTH:
+            loss -= smoothing / V * logit_sum
+        if Z_LOSS:
+            loss += z_loss * lse * lse
+        tl.store(LOSS + row, loss)
         if WRITE_GRAD:
             scale = tl.load(SCALE + row * scale_stride).to(ACC)
+            softmax_weight = 1.0
+            if Z_LOSS:
+                softmax_weight = 1.0 + 2.0 * z_loss * lse
             for start in range(0, V, BLOCK_V):
                 offs = start + cols
-                x = tl.load(X + offs, mask=offs < V, other=0.0).to(ACC)
-                grad = tl.exp(x - lse) - tl.where(offs == target, 1.0, 0.0)
+                x = _load_logits(X, offs, V, softcap, ACC, SOFTCAP)
+                grad = tl.exp(x - lse) * softmax_weight - tl.where(offs == target, target_weight, 0.0)
+                if SMOOTH:
+                    grad -= smoothing / V
+                if SOFTCAP:
+                    t = x / softcap
+                    grad = grad * (1.0 - t * t)  # d(softcap * tanh(x / softcap)) / dx
                 tl.store(X + offs, (grad * scale).to(X.dtype.element_ty), mask=offs < V)
 
 
+@dataclass(frozen=True)
+class LossOptions:
+    """What changes the per-token loss (module docstring): all 0 is plain cross-entropy."""
+
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+    softcap: float = 0.0
+
+
 def softmax_grad_inplace(logits: torch.Tensor, targets: torch.Tensor, losses: torch.Tensor, scale: torch.Tensor,
-                         scale_stride: int, ignore_index: int, write_grad: bool) -> None:
+                         scale_stride: int, ignore_index: int, write_grad: bool,
+                         options: LossOptions = LossOptions()) -> None:
     """The kernel over a contiguous (rows, V) chunk: per-row losses, and the logits turned into
-    scale * (softmax - onehot) when ``write_grad`` (row i's scale at ``scale[i * scale_stride]``)."""
+    scale * dloss/dlogits when ``write_grad`` (row i's scale at ``scale[i * scale_stride]``); plain cross-entropy
+    unless ``options`` say otherwise."""
     rows, vocab = logits.shape
     block_v = min(_MAX_BLOCK_V, triton.next_power_of_2(vocab))
     acc = tl.float64 if logits.dtype == torch.float64 else tl.float32
     with device_context(logits):
         _softmax_grad_kernel[(rows,)](
             logits, targets, losses, scale, logits.stride(0), scale_stride, vocab, ignore_index,
-            WRITE_GRAD=write_grad, ACC=acc, BLOCK_V=block_v, num_warps=8 if block_v >= 4096 else 4,
+            options.label_smoothing, options.z_loss, options.softcap,
+            WRITE_GRAD=write_grad, ACC=acc, BLOCK_V=block_v, SMOOTH=options.label_smoothing > 0,
+            Z_LOSS=options.z_loss > 0, SOFTCAP=options.softcap > 0, num_warps=8 if block_v >= 4096 else 4,
         )
 
 
@@ -158,6 +229,7 @@ def _loss_and_grads(
     need_grad_hidden: bool,
     need_grad_weight: bool,
     chunk_size: int | None,
+    options: LossOptions,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Per-token losses and, if asked, the gradients of sum_i scale_i * loss_i, chunk by chunk."""
     num_tokens, vocab = hidden.shape[0], weight.shape[0]
@@ -180,7 +252,7 @@ def _loss_and_grads(
         torch.mm(h, weight.t(), out=logits)
         row_scale = scale[start:] if scale_stride else scale
         softmax_grad_inplace(logits, targets[start:end], losses[start:end], row_scale, scale_stride, ignore_index,
-                             write_grad)
+                             write_grad, options)
         if need_grad_hidden:
             torch.mm(logits, weight, out=grad_hidden[start:end])
         if need_grad_weight:
@@ -205,25 +277,28 @@ def _acc_dtype(hidden: torch.Tensor) -> torch.dtype:
 
 @torch.library.custom_op("cs336::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str,
-                            ignore_index: int, chunk_size: int | None, need_grad_hidden: bool,
-                            need_grad_weight: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                            ignore_index: int, chunk_size: int | None, need_grad_hidden: bool, need_grad_weight: bool,
+                            label_smoothing: float = 0.0, z_loss: float = 0.0,
+                            softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, grad_hidden, grad_weight) for hidden (N, d), weight (V, d), targets (N,), as
     ``torch.ops.cs336.linear_cross_entropy``. For "mean" and "sum" the gradients of the loss are computed here,
     chunk by chunk, those not asked for coming back empty; for "none" both are empty (the backward recomputes)."""
+    options = LossOptions(label_smoothing, z_loss, softcap)
     if reduction == "none":
-        losses, _, _ = _loss_and_grads(hidden, weight, targets, ignore_index, None, 0, False, False, chunk_size)
+        losses, _, _ = _loss_and_grads(hidden, weight, targets, ignore_index, None, 0, False, False, chunk_size,
+                                       options)
         return losses, hidden.new_empty(0), weight.new_empty(0)
     scale = _scale(reduction, targets, ignore_index, _acc_dtype(hidden))
     losses, grad_hidden, grad_weight = _loss_and_grads(hidden, weight, targets, ignore_index, scale, 0,
-                                                       need_grad_hidden, need_grad_weight, chunk_size)
+                                                       need_grad_hidden, need_grad_weight, chunk_size, options)
     return (losses.sum() * scale, hidden.new_empty(0) if grad_hidden is None else grad_hidden,
             weight.new_empty(0) if grad_weight is None else grad_weight)
 
 
 @linear_cross_entropy_op.register_fake
 def _(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str, ignore_index: int,
-      chunk_size: int | None, need_grad_hidden: bool,
-      need_grad_weight: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+      chunk_size: int | None, need_grad_hidden: bool, need_grad_weight: bool, label_smoothing: float = 0.0,
+      z_loss: float = 0.0, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     loss = hidden.new_empty(targets.shape if reduction == "none" else (), dtype=_acc_dtype(hidden))
     in_forward = reduction != "none"
     grad_hidden = hidden.new_empty(hidden.shape if in_forward and need_grad_hidden else (0,))
@@ -234,28 +309,31 @@ def _(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reducti
 @torch.library.custom_op("cs336::linear_cross_entropy_backward", mutates_args=())
 def linear_cross_entropy_backward_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                                      grad_losses: torch.Tensor, ignore_index: int, chunk_size: int | None,
-                                     need_grad_hidden: bool,
-                                     need_grad_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                                     need_grad_hidden: bool, need_grad_weight: bool, label_smoothing: float = 0.0,
+                                     z_loss: float = 0.0,
+                                     softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradients of ``sum(grad_losses * losses)`` for reduction "none", recomputing the logits chunk by chunk
     (those not asked for come back empty), as ``torch.ops.cs336.linear_cross_entropy_backward``."""
     weights = grad_losses.reshape(-1)
     _, grad_hidden, grad_weight = _loss_and_grads(hidden, weight, targets, ignore_index, weights, weights.stride(0),
-                                                  need_grad_hidden, need_grad_weight, chunk_size)
+                                                  need_grad_hidden, need_grad_weight, chunk_size,
+                                                  LossOptions(label_smoothing, z_loss, softcap))
     return (hidden.new_empty(0) if grad_hidden is None else grad_hidden,
             weight.new_empty(0) if grad_weight is None else grad_weight)
 
 
 @linear_cross_entropy_backward_op.register_fake
 def _(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grad_losses: torch.Tensor,
-      ignore_index: int, chunk_size: int | None, need_grad_hidden: bool,
-      need_grad_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
+      ignore_index: int, chunk_size: int | None, need_grad_hidden: bool, need_grad_weight: bool,
+      label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     return (hidden.new_empty(hidden.shape if need_grad_hidden else (0,)),
             weight.new_empty(weight.shape if need_grad_weight else (0,)))
 
 
 def _setup(ctx, inputs: tuple, output: tuple) -> None:
-    hidden, weight, targets, reduction, ignore_index, chunk_size, need_h, need_w = inputs
+    hidden, weight, targets, reduction, ignore_index, chunk_size, need_h, need_w, *options = inputs
     ctx.reduction, ctx.ignore_index, ctx.chunk_size, ctx.needs = reduction, ignore_index, chunk_size, (need_h, need_w)
+    ctx.options = options  # label_smoothing, z_loss, softcap
     if reduction == "none":
         ctx.save_for_backward(hidden, weight, targets)
     else:
@@ -269,7 +347,8 @@ def _backward(ctx, grad_loss: torch.Tensor, _grad_h: torch.Tensor, _grad_w: torc
     if ctx.reduction == "none":
         hidden, weight, targets = ctx.saved_tensors
         grad_hidden, grad_weight = linear_cross_entropy_backward_op(hidden, weight, targets, grad_loss,
-                                                                    ctx.ignore_index, ctx.chunk_size, need_h, need_w)
+                                                                    ctx.ignore_index, ctx.chunk_size, need_h, need_w,
+                                                                    *ctx.options)
     else:
         if ctx.grads is None:
             raise RuntimeError("fused_linear_cross_entropy computes its gradients in the forward and supports "
@@ -287,7 +366,7 @@ def _backward(ctx, grad_loss: torch.Tensor, _grad_h: torch.Tensor, _grad_w: torc
                 scale_inplace(g, grad_loss)
             grad_hidden, grad_weight = grads
         del grads
-    return (grad_hidden if need_h else None, grad_weight if need_w else None, None, None, None, None, None, None)
+    return (grad_hidden if need_h else None, grad_weight if need_w else None, *(None,) * (6 + len(ctx.options)))
 
 
 linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup)
@@ -301,9 +380,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str,
-                ignore_index: int, chunk_size: int | None, need_grad_hidden: bool,
-                need_grad_weight: bool) -> torch.Tensor:
-        inputs = (hidden, weight, targets, reduction, ignore_index, chunk_size, need_grad_hidden, need_grad_weight)
+                ignore_index: int, chunk_size: int | None, need_grad_hidden: bool, need_grad_weight: bool,
+                label_smoothing: float, z_loss: float, softcap: float) -> torch.Tensor:
+        inputs = (hidden, weight, targets, reduction, ignore_index, chunk_size, need_grad_hidden, need_grad_weight,
+                  label_smoothing, z_loss, softcap)
         output = linear_cross_entropy_op(*inputs)
         _setup(ctx, inputs, output)
         return output[0]
@@ -311,6 +391,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         return _backward(ctx, grad_loss, None, None)
+
+
+def _check_options(label_smoothing: float, z_loss: float, softcap: float) -> None:
+    for name, value in (("label_smoothing", label_smoothing), ("z_loss", z_loss), ("softcap", softcap)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < float("inf"):
+            raise ValueError(f"{name} must be a finite non-negative float, got {value!r}")
+    if label_smoothing > 1:
+        raise ValueError(f"label_smoothing must lie in [0, 1], got {label_smoothing!r}")
 
 
 def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str,
@@ -346,6 +434,9 @@ def fused_linear_cross_entropy(
     ignore_index: int = -100,
     *,
     chunk_size: int | None = None,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T`` against ``targets``, as F.cross_entropy(F.linear(...)).
 
@@ -356,11 +447,15 @@ def fused_linear_cross_entropy(
         reduction: "mean" over non-ignored tokens, "sum", or "none" (per-token losses, ignored ones 0).
         ignore_index: target value that contributes no loss and no gradient.
         chunk_size: tokens per chunk; default from a fixed logits-memory budget.
+        label_smoothing: in [0, 1], as ``F.cross_entropy``'s.
+        z_loss: adds ``z_loss * logsumexp(logits)^2`` to each token's loss (PaLM; Liger's ``lse_square_scale``).
+        softcap: > 0 caps the logits at ``softcap * tanh(logits / softcap)`` before the loss (Gemma-2).
 
     Returns:
         The loss in fp32 (float64 for float64 inputs): a scalar, or shaped like targets for reduction="none".
     """
     _check_inputs(hidden, weight, targets, reduction, chunk_size)
+    _check_options(label_smoothing, z_loss, softcap)
     vocab = weight.shape[0]
     flat_targets = targets.reshape(-1).contiguous()
     # The range check reads the targets: free on CPU, a host sync per call on a GPU, so there it is not made
@@ -375,7 +470,8 @@ def fused_linear_cross_entropy(
     grad_enabled = torch.is_grad_enabled()
     loss = _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, flat_targets, reduction,
                                      ignore_index, chunk_size, grad_enabled and hidden.requires_grad,
-                                     grad_enabled and weight.requires_grad)
+                                     grad_enabled and weight.requires_grad, float(label_smoothing), float(z_loss),
+                                     float(softcap))
     return loss.reshape(targets.shape) if reduction == "none" else loss
 
 
@@ -385,11 +481,27 @@ def linear_cross_entropy_reference(
     targets: torch.Tensor,
     reduction: str = "mean",
     ignore_index: int = -100,
+    *,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Plain PyTorch: F.linear then F.cross_entropy, holding the full logits (the baseline and the oracle)."""
+    """Plain PyTorch: F.linear then F.cross_entropy, holding the full logits (the baseline and the oracle); the
+    options as Gemma-2 caps its logits and PaLM adds its z-loss, reduced like the cross-entropy."""
     logits = F.linear(hidden, weight)  # (..., V)
-    loss = F.cross_entropy(logits.reshape(-1, weight.shape[0]), targets.reshape(-1).long(),
-                           reduction=reduction, ignore_index=ignore_index)
-    return loss.reshape(targets.shape) if reduction == "none" else loss
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    logits, flat_targets = logits.reshape(-1, weight.shape[0]), targets.reshape(-1).long()
+    if not z_loss:
+        loss = F.cross_entropy(logits, flat_targets, reduction=reduction, ignore_index=ignore_index,
+                               label_smoothing=label_smoothing)
+        return loss.reshape(targets.shape) if reduction == "none" else loss
+    kept = flat_targets != ignore_index
+    losses = F.cross_entropy(logits, flat_targets, reduction="none", ignore_index=ignore_index,
+                             label_smoothing=label_smoothing)
+    losses = losses + z_loss * torch.logsumexp(logits, dim=-1).square() * kept
+    if reduction == "none":
+        return losses.reshape(targets.shape)
+    return losses.sum() / kept.sum() if reduction == "mean" else losses.sum()
 
 

@@ -50,6 +50,14 @@ each row in the same order, and the same programs take the same rows, so dw's pa
 
     h, y = add_rms_norm(x, delta, weight, eps=1e-5)
 
+Two variants for other models' norms, each a keyword of ``rms_norm`` (a runtime scalar and a constexpr of the same
+kernels): ``offset`` scales by ``offset + w`` (Gemma's ``1 + w``, added in fp32), and ``cast_before_weight`` rounds
+x * rstd to x's dtype before the weight multiplies it (Hugging Face Llama, Qwen and Mistral:
+``weight * hidden.to(input_dtype)``), so the product is rounded twice as there; the weight's gradient then sums
+dy times that rounded value, as autograd of that formula does.
+
+    y = rms_norm(x, weight, eps=1e-6, cast_before_weight=True)   # LlamaRMSNorm; also Qwen3's per-head q/k norm
+
 ``rms_norm_reference`` and ``add_rms_norm_reference`` are the model's formulas in plain PyTorch (any dtype,
 float64 for the tests' oracle); tests and benchmarks import them.
 """
@@ -57,6 +65,7 @@ float64 for the tests' oracle); tests and benchmarks import them.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -130,13 +139,14 @@ def launch_settings(d: int, backward: bool) -> Launch:
 @triton.jit
 def _rms_norm_fwd_kernel(
     X, DELTA, W, H, Y, RSTD,  # x, delta (rows, D) strided; w (D,); h, y (rows, D) contiguous; rstd (rows,) fp32
-    stride_x, stride_delta, n_rows, D, eps,
+    stride_x, stride_delta, n_rows, D, eps, offset,  # the scale is offset + w
     BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr,
     ADD: tl.constexpr,  # normalise h = x + delta and store h; otherwise DELTA and H are None
+    CAST_FIRST: tl.constexpr,  # round x * rstd to the dtype before the weight multiplies it
 ):
     cols = tl.arange(0, BLOCK_D)
     col_mask = cols < D
-    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    w = (tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset)[None, :]
     for start in tl.range(tl.program_id(0) * BLOCK_ROWS, n_rows, tl.num_programs(0) * BLOCK_ROWS,
                           num_stages=STAGES):
         rows = (start + tl.arange(0, BLOCK_ROWS)).to(tl.int64)  # int64 offsets
@@ -151,21 +161,25 @@ def _rms_norm_fwd_kernel(
         x = x.to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)
         tl.store(RSTD + rows, rstd, mask=row_mask)
-        y = x * rstd[:, None] * w
+        xhat = x * rstd[:, None]
+        if CAST_FIRST:
+            xhat = xhat.to(Y.dtype.element_ty).to(tl.float32)
+        y = xhat * w
         tl.store(Y + rows[:, None] * D + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _rms_norm_bwd_kernel(
     DY, DH, X, W, RSTD, DX, DW_PARTIAL,  # dy, dh, x (rows, D) strided; dx (rows, D) contiguous; (programs, D) fp32
-    stride_dy, stride_dh, stride_x, n_rows, D,
+    stride_dy, stride_dh, stride_x, n_rows, D, offset,  # the scale is offset + w
     BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr,
     ADD: tl.constexpr,  # dx = rounded dx_norm + dh (x is then h); otherwise DH is None
+    CAST_FIRST: tl.constexpr,  # the forward rounded x * rstd before the weight: dw sums dy times that rounded value
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     col_mask = cols < D
-    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    w = (tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset)[None, :]
     # One accumulator row per block row: summing over the block's rows every iteration would cost a cross-warp
     # reduction per block; they are summed once, after the loop.
     dw = tl.zeros((BLOCK_ROWS, BLOCK_D), tl.float32)
@@ -184,6 +198,8 @@ def _rms_norm_bwd_kernel(
             dh = tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             dx = dx.to(DX.dtype.element_ty).to(tl.float32) + dh
         tl.store(DX + rows[:, None] * D + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        if CAST_FIRST:
+            xhat = xhat.to(DX.dtype.element_ty).to(tl.float32)
         dw += dy * xhat
     tl.store(DW_PARTIAL + pid * D + cols, tl.sum(dw, axis=0), mask=col_mask)
 
@@ -219,9 +235,11 @@ def num_programs(launch: Launch, rows: int, device: torch.device) -> int:
 
 
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None,
-                     launch: Launch | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                     launch: Launch | None = None, *, offset: float = 0.0,
+                     cast_before_weight: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch the forward kernel on x (rows, d) with unit column stride, or with ``delta`` (the same shape, dtype
-    and column stride) on h = x + delta; ``launch`` defaults to ``launch_settings(d, backward=False)``. Returns
+    and column stride) on h = x + delta; ``launch`` defaults to ``launch_settings(d, backward=False)``; ``offset``
+    and ``cast_before_weight`` as in :func:`rms_norm`. Returns
     y (rows, d) in x's dtype, contiguous, rstd (rows,) fp32, and h (rows, d) contiguous when delta is given, else
     None."""
     rows, d = x.shape
@@ -233,15 +251,15 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: t
         stride_delta = 0 if delta is None else delta.stride(0)
         with device_context(x):
             _rms_norm_fwd_kernel[(num_programs(launch, rows, x.device),)](
-                x, delta, weight, h, y, rstd, x.stride(0), stride_delta, rows, d, eps,
+                x, delta, weight, h, y, rstd, x.stride(0), stride_delta, rows, d, eps, offset,
                 BLOCK_ROWS=launch.block_rows, BLOCK_D=triton.next_power_of_2(d), STAGES=launch.stages,
-                ADD=delta is not None, num_warps=launch.num_warps)
+                ADD=delta is not None, CAST_FIRST=cast_before_weight, num_warps=launch.num_warps)
     return y, rstd, h
 
 
 def rms_norm_backward_rows(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-                           dh: torch.Tensor | None = None,
-                           launch: Launch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           dh: torch.Tensor | None = None, launch: Launch | None = None, *, offset: float = 0.0,
+                           cast_before_weight: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The backward kernel alone: dx (as :func:`rms_norm_backward`) and the weight gradient's fp32 partial sums,
     one row per program, ``(programs, d)``. ``launch`` defaults to ``launch_settings(d, backward=True)``."""
     rows, d = x.shape
@@ -255,9 +273,9 @@ def rms_norm_backward_rows(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tens
     stride_dh = 0 if dh is None else dh.stride(0)
     with device_context(x):
         _rms_norm_bwd_kernel[(programs,)](
-            dy, dh, x, weight, rstd, dx, partial, dy.stride(0), stride_dh, x.stride(0), rows, d,
+            dy, dh, x, weight, rstd, dx, partial, dy.stride(0), stride_dh, x.stride(0), rows, d, offset,
             BLOCK_ROWS=launch.block_rows, BLOCK_D=triton.next_power_of_2(d), STAGES=launch.stages,
-            ADD=dh is not None, num_warps=launch.num_warps)
+            ADD=dh is not None, CAST_FIRST=cast_before_weight, num_warps=launch.num_warps)
     return dx, partial
 
 
@@ -273,27 +291,31 @@ def reduce_weight_grad(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
 
 
 def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-                      dh: torch.Tensor | None = None,
-                      launch: Launch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      dh: torch.Tensor | None = None, launch: Launch | None = None, *, offset: float = 0.0,
+                      cast_before_weight: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the backward kernel and the weight gradient's reduction; dy and x (h for the add) are (rows, d) with
     unit column strides, and so is ``dh``, the gradient reaching h from elsewhere, when the add was folded in.
     Returns dx (rows, d) in x's dtype (with dh: the gradient of both x and delta) and dw (d,) in the weight's dtype,
     reduced in fp32."""
-    dx, partial = rms_norm_backward_rows(dy, x, weight, rstd, dh, launch)
+    dx, partial = rms_norm_backward_rows(dy, x, weight, rstd, dh, launch, offset=offset,
+                                         cast_before_weight=cast_before_weight)
     return dx, reduce_weight_grad(partial, weight.dtype)
 
 
 # The operators. Each takes and returns tensors of the caller's shapes (x (..., d), rstd (...)); outputs are new
 # tensors, never views of inputs, as torch.library requires.
 @torch.library.custom_op("cs336::rms_norm_forward", mutates_args=())
-def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """y = rms_norm(x, weight, eps) and the rows' rstd (fp32), as ``torch.ops.cs336.rms_norm_forward``."""
-    y, rstd, _ = rms_norm_forward(as_rows(x), weight, eps)
+def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+                cast_before_weight: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """y = rms_norm(x, weight, eps, offset=offset, cast_before_weight=cast_before_weight) and the rows' rstd (fp32),
+    as ``torch.ops.cs336.rms_norm_forward``."""
+    y, rstd, _ = rms_norm_forward(as_rows(x), weight, eps, offset=offset, cast_before_weight=cast_before_weight)
     return y.view(x.shape), rstd.view(x.shape[:-1])
 
 
 @rms_norm_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+      cast_before_weight: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
@@ -313,29 +335,32 @@ def _(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
 
 @torch.library.custom_op("cs336::rms_norm_backward", mutates_args=())
 def rms_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-                         dh: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                         dh: torch.Tensor | None, offset: float = 0.0,
+                         cast_before_weight: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dw) of the norm of x (h when ``dh``, the residual's gradient of h, is given: dx is then the gradient of
     both x and delta), as ``torch.ops.cs336.rms_norm_backward``."""
     dh_rows = None if dh is None else as_rows(dh)
-    dx, dw = rms_norm_backward(as_rows(dy), as_rows(x), weight, rstd.reshape(-1), dh=dh_rows)
+    dx, dw = rms_norm_backward(as_rows(dy), as_rows(x), weight, rstd.reshape(-1), dh=dh_rows, offset=offset,
+                               cast_before_weight=cast_before_weight)
     return dx.view(x.shape), dw
 
 
 @rms_norm_backward_op.register_fake
-def _(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-      dh: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, dh: torch.Tensor | None,
+      offset: float = 0.0, cast_before_weight: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
 def _setup_norm(ctx, inputs: tuple, output: tuple) -> None:
-    x, weight, _ = inputs
+    x, weight, _, offset, cast_before_weight = inputs
     ctx.save_for_backward(x, weight, output[1])
+    ctx.offset, ctx.cast_before_weight = offset, cast_before_weight
 
 
 def _norm_backward(ctx, dy: torch.Tensor, _drstd: torch.Tensor):
     x, weight, rstd = ctx.saved_tensors
-    dx, dw = rms_norm_backward_op(dy, x, weight, rstd, None)
-    return dx, dw if ctx.needs_input_grad[1] else None, None
+    dx, dw = rms_norm_backward_op(dy, x, weight, rstd, None, ctx.offset, ctx.cast_before_weight)
+    return dx, dw if ctx.needs_input_grad[1] else None, None, None, None
 
 
 def _setup_add_norm(ctx, inputs: tuple, output: tuple) -> None:
@@ -355,7 +380,7 @@ rms_norm_op.register_autograd(_norm_backward, setup_context=_setup_norm)
 add_rms_norm_op.register_autograd(_add_norm_backward, setup_context=_setup_add_norm)
 
 
-def _check_inputs(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+def _check_inputs(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> None:
     for name, t in (("x", x), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -372,31 +397,42 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
         raise ValueError(f"x and weight must be on one device, got {x.device} and {weight.device}")
     if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps >= 0:
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    if isinstance(offset, bool) or not isinstance(offset, int | float) or not math.isfinite(offset):
+        raise ValueError(f"offset must be a finite float, got {offset!r}")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
-    """RMS-normalise the last dim of ``x`` and scale by ``weight`` (Triton, differentiable).
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, *, offset: float = 0.0,
+             cast_before_weight: bool = False) -> torch.Tensor:
+    """RMS-normalise the last dim of ``x`` and scale by ``offset + weight`` (Triton, differentiable).
 
     Args:
         x: (..., d) in fp32, fp16 or bf16, d <= 65536; any strides (a copy is made unless rows are views
-            with a unit stride on d).
+            with a unit stride on d). Qwen3's per-head q/k norm is x (batch, seq, heads, head_dim).
         weight: (d,) in fp32, fp16, bf16 or fp64 (used in fp32).
         eps: added to the mean square before the rsqrt.
+        offset: added to the weight in fp32 (Gemma's ``1 + w``: 1.0).
+        cast_before_weight: round x * rstd to x's dtype before the weight multiplies it (Hugging Face Llama, Qwen,
+            Mistral); otherwise the product is rounded once (``cs336_basics``, Gemma).
 
     Returns:
         (..., d) contiguous, in x's dtype; its gradient for the weight comes back in the weight's dtype.
     """
-    _check_inputs(x, weight, eps)
+    _check_inputs(x, weight, eps, offset)
     check_device(x.device, "rms_norm")
-    return rms_norm_op(x, weight, float(eps))[0]
+    return rms_norm_op(x, weight, float(eps), float(offset), bool(cast_before_weight))[0]
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
-    """``cs336_basics.model.RMSNorm.forward`` for any dtype: statistics in fp32 (float64 for float64 x)."""
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, *, offset: float = 0.0,
+                       cast_before_weight: bool = False) -> torch.Tensor:
+    """``cs336_basics.model.RMSNorm.forward`` for any dtype: statistics in fp32 (float64 for float64 x); with
+    ``cast_before_weight`` Hugging Face's ``LlamaRMSNorm.forward``, with ``offset`` Gemma's ``1 + w``."""
     acc = torch.promote_types(x.dtype, torch.float32)
     xa = x.to(acc)
-    rstd = torch.rsqrt(xa.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return (xa * rstd * weight).to(x.dtype)
+    xhat = xa * torch.rsqrt(xa.pow(2).mean(dim=-1, keepdim=True) + eps)
+    scale = weight.to(torch.promote_types(weight.dtype, torch.float32)) + offset if offset else weight
+    if cast_before_weight:
+        return (scale * xhat.to(x.dtype)).to(x.dtype)
+    return (xhat * scale).to(x.dtype)
 
 
 def _check_add_inputs(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> None:

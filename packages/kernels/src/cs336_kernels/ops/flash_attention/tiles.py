@@ -19,7 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
+from cs336_kernels.interpreter import INTERPRET
 from cs336_kernels.ops.flash_attention.params import Params
+
+_INTERPRET = tl.constexpr(INTERPRET)
 
 
 @triton.jit
@@ -147,25 +150,35 @@ def query_tile_ranges(k0, n_q, diag, WIN_L, WIN_R, BLOCK_M: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def visible(offs_m, offs_n, n_q, n_k, diag, WIN_L, WIN_R, KEYS_FIRST: tl.constexpr = False):
-    # (queries, keys), or (keys, queries) with KEYS_FIRST, True where query offs_m may see key offs_n: both inside
-    # the sequence and the key inside the query's window around its diagonal.
+def visible(offs_m, offs_n, n_k, diag, WIN_L, WIN_R, KEYS_FIRST: tl.constexpr, CHECK_KEYS: tl.constexpr,
+            WINDOW: tl.constexpr):
+    # (queries, keys), or (keys, queries) with KEYS_FIRST, True where query offs_m may see key offs_n: the key
+    # inside the query's window around its diagonal (its left side checked only for a WINDOW) and, with CHECK_KEYS,
+    # before the sequence's end (a key past it reads as zeros: the forward must not count it, the backward's
+    # products drop it by themselves; a query past the end has L = +inf, so P = 0 there). Each side is one
+    # comparison a score against a bound per row, not a (rows, columns) matrix of offsets.
     if KEYS_FIRST:
-        rows, cols = offs_n[:, None], offs_m[None, :]
-        rel = rows - cols - diag
-        inside = (cols < n_q) & (rows < n_k)
+        keep = offs_m[None, :] >= (offs_n - diag - WIN_R)[:, None]
+        if WINDOW:
+            keep = keep & (offs_m[None, :] <= (offs_n - diag + WIN_L)[:, None])
     else:
-        rows, cols = offs_m[:, None], offs_n[None, :]
-        rel = cols - rows - diag
-        inside = (rows < n_q) & (cols < n_k)
-    return inside & (rel >= -WIN_L) & (rel <= WIN_R)
+        end = offs_m + diag + WIN_R + 1
+        if CHECK_KEYS:
+            end = tl.minimum(end, n_k)
+        keep = offs_n[None, :] < end[:, None]
+        if WINDOW:
+            keep = keep & (offs_n[None, :] >= (offs_m + diag - WIN_L)[:, None])
+    return keep
 
 
 @triton.jit
 def tanh(x):
-    # tanh from one exp2, exact at both ends (exp2 overflowing to inf gives 1, underflowing to 0 gives -1) and in
-    # the interpreter, where libdevice is not available.
-    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)  # 2 * log2(e)
+    # On a GPU the hardware's tanh (one MUFU op, relative error below 2^-10.9), as the Gluon kernels use it, so
+    # that a forward and a backward of either kind agree; in the interpreter (no inline PTX) from one exp2, exact
+    # at both ends.
+    if _INTERPRET:
+        return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)  # 2 * log2(e)
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
 
 
 def kernel_constants(q: torch.Tensor, params: Params) -> dict:
@@ -177,6 +190,7 @@ def kernel_constants(q: torch.Tensor, params: Params) -> dict:
         "BLOCK_D": block_d,
         "EVEN_D": head_dim == block_d,
         "SOFTCAP": params.softcap > 0,
+        "WINDOW": params.window_left >= 0,
         "VARLEN": params.varlen,
         "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
     }
