@@ -17,6 +17,7 @@ from cs336_kernels.interpreter import INTERPRET
 from cs336_kernels.ops._common import LOG2E, output_like
 from cs336_kernels.ops.flash_attention.params import Params
 from cs336_kernels.ops.flash_attention.tiles import (
+    advance_tile,
     kernel_constants,
     key_tile_ranges,
     launch_geometry,
@@ -24,6 +25,7 @@ from cs336_kernels.ops.flash_attention.tiles import (
     load_tiles,
     query_tile_ranges,
     sequence,
+    store_tile,
     tanh,
     tile_ptr,
     tma_descriptors,
@@ -98,8 +100,8 @@ def _dkdv_inner(
         if SOFTCAP:
             ds_t = ds_t * (1.0 - t_t * t_t)  # d(softcap * tanh(x / softcap)) / dx
         dk = tl.dot(ds_t.to(q.dtype), q, acc=dk, input_precision=DOT_PRECISION)
-        Q_BLOCK = tl.advance(Q_BLOCK, (BLOCK_M, 0))
-        DO_BLOCK = tl.advance(DO_BLOCK, (BLOCK_M, 0))
+        Q_BLOCK = advance_tile(Q_BLOCK, BLOCK_M)
+        DO_BLOCK = advance_tile(DO_BLOCK, BLOCK_M)
     return dk, dv
 
 
@@ -188,8 +190,8 @@ def _attn_bwd_dkdv_kernel(
         DV + b * stride_dvb + h_kv * stride_dvh + k_start * stride_dvt, n_k, stride_dvt, stride_dvd, k0, HEAD_DIM,
         BLOCK_N, BLOCK_D,
     )
-    tl.store(DK_BLOCK, dk.to(DK.dtype.element_ty), boundary_check=(0, 1))
-    tl.store(DV_BLOCK, dv.to(DV.dtype.element_ty), boundary_check=(0, 1))
+    store_tile(DK_BLOCK, dk.to(DK.dtype.element_ty))
+    store_tile(DV_BLOCK, dv.to(DV.dtype.element_ty))
 
 
 @triton.jit
@@ -219,8 +221,8 @@ def _dq_inner(
         if SOFTCAP:
             ds = ds * (1.0 - t * t)
         dq = tl.dot(ds.to(k.dtype), k, acc=dq, input_precision=DOT_PRECISION)
-        K_BLOCK = tl.advance(K_BLOCK, (BLOCK_N, 0))
-        V_BLOCK = tl.advance(V_BLOCK, (BLOCK_N, 0))
+        K_BLOCK = advance_tile(K_BLOCK, BLOCK_N)
+        V_BLOCK = advance_tile(V_BLOCK, BLOCK_N)
     return dq
 
 
@@ -294,7 +296,7 @@ def _attn_bwd_dq_kernel(
         DQ + b * stride_dqb + h * stride_dqh + q_start * stride_dqt, n_q, stride_dqt, stride_dqd, q0, HEAD_DIM,
         BLOCK_M, BLOCK_D,
     )
-    tl.store(DQ_BLOCK, dq.to(DQ.dtype.element_ty), boundary_check=(0, 1))
+    store_tile(DQ_BLOCK, dq.to(DQ.dtype.element_ty))
 
 
 def backward_rows(lse: torch.Tensor, delta: torch.Tensor, dlse: torch.Tensor | None) -> torch.Tensor:

@@ -20,12 +20,14 @@ import triton.language as tl
 from cs336_kernels.ops._common import output_like
 from cs336_kernels.ops.flash_attention.params import Params
 from cs336_kernels.ops.flash_attention.tiles import (
+    advance_tile,
     kernel_constants,
     key_tile_ranges,
     launch_geometry,
     load_tile,
     load_tiles,
     sequence,
+    store_tile,
     tanh,
     tile_ptr,
     tma_descriptors,
@@ -71,8 +73,8 @@ def _fwd_inner(
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc=acc, input_precision=DOT_PRECISION)
         m_i = m_new
-        K_BLOCK = tl.advance(K_BLOCK, (BLOCK_N, 0))
-        V_BLOCK = tl.advance(V_BLOCK, (BLOCK_N, 0))
+        K_BLOCK = advance_tile(K_BLOCK, BLOCK_N)
+        V_BLOCK = advance_tile(V_BLOCK, BLOCK_N)
     return acc, l_i, m_i
 
 
@@ -145,7 +147,7 @@ def _attn_fwd_kernel(
         O + b * stride_ob + h * stride_oh + q_start * stride_ot, n_q, stride_ot, stride_od, q0, HEAD_DIM, BLOCK_M,
         BLOCK_D,
     )
-    tl.store(O_BLOCK, acc.to(O.dtype.element_ty), boundary_check=(0, 1))
+    store_tile(O_BLOCK, acc.to(O.dtype.element_ty))
     tl.store(L + b * stride_lb + h * stride_lh + q_start + offs_m, lse, mask=offs_m < n_q)
 
 

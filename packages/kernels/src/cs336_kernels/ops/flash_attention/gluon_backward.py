@@ -70,7 +70,9 @@ from cs336_kernels.ops.flash_attention.gluon_common import (
     mma_layout,
     sequence,
     tanh,
+    thread_barrier,
     tile_ranges,
+    tma_load,
     tma_ready,
 )
 from cs336_kernels.ops.flash_attention.params import Params
@@ -165,7 +167,7 @@ def _bwd_dq_writer(
             # thread that issued them has seen them complete.
             _wait_reduce_adds()
             _fence_async_global()
-            gl.thread_barrier()
+            thread_barrier()
             gl.atomic_add(lock, 1, sem="release", scope="gpu")
 
 
@@ -177,8 +179,8 @@ def _bwd_producer(
     # k0 and q_start are rows of the (batch, head, row, d) tensors: a packed batch's sequence starts at its first row.
     k_buf, v_buf, q_bufs, do_bufs, l_bufs, d_bufs, ds_bufs, kv_ready, qdo_ready, qdo_empty = bufs
     mbarrier.expect(kv_ready.index(0), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [b_row, h_kv, k0, 0], kv_ready.index(0), k_buf)
-    tma.async_copy_global_to_shared(v_desc, [b_row, h_kv, k0, 0], kv_ready.index(0), v_buf)
+    tma_load(k_desc, [b_row, h_kv, k0, 0], kv_ready.index(0), k_buf)
+    tma_load(v_desc, [b_row, h_kv, k0, 0], kv_ready.index(0), v_buf)
     for t in range(GROUP * n_q):
         h = h_kv * GROUP + t // n_q
         row = q_start + (q_first + t % n_q) * BLOCK_M
@@ -188,10 +190,10 @@ def _bwd_producer(
         ready = qdo_ready.index(stage)
         mbarrier.expect(ready, q_desc.block_type.nbytes + do_desc.block_type.nbytes + l_desc.block_type.nbytes
                         + d_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b_row, h, row, 0], ready, q_bufs.index(stage))
-        tma.async_copy_global_to_shared(do_desc, [b_row, h, row, 0], ready, do_bufs.index(stage))
-        tma.async_copy_global_to_shared(l_desc, [b_row, h, row], ready, l_bufs.index(stage))
-        tma.async_copy_global_to_shared(d_desc, [b_row, h, row], ready, d_bufs.index(stage))
+        tma_load(q_desc, [b_row, h, row, 0], ready, q_bufs.index(stage))
+        tma_load(do_desc, [b_row, h, row, 0], ready, do_bufs.index(stage))
+        tma_load(l_desc, [b_row, h, row], ready, l_bufs.index(stage))
+        tma_load(d_desc, [b_row, h, row], ready, d_bufs.index(stage))
 
 
 @gluon.jit

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from cs336_kernels.ops.flash_attention.checks import check_inputs as check_portable_inputs
@@ -21,6 +22,13 @@ MAX_REGISTERS = 168
 CONSUMER_REGISTERS = gl.constexpr(240)
 PRODUCER_REGISTERS = gl.constexpr(24)
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+# Gluon builtins that Triton renamed within the supported range (3.6-3.9), under one name each: the barrier of a
+# CTA's threads (gl.thread_barrier through 3.6, gl.barrier from 3.7) and the TMA tile copies between global and shared
+# memory (tma.async_copy_global_to_shared and async_copy_shared_to_global through 3.7, async_load and async_store
+# from 3.8).
+thread_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
 
 
 @gluon.jit

@@ -57,8 +57,11 @@ from cs336_kernels.ops.flash_attention.gluon_common import (
     mma_layout,
     sequence,
     tanh,
+    thread_barrier,
     tile_ranges,
+    tma_load,
     tma_ready,
+    tma_store,
 )
 from cs336_kernels.ops.flash_attention.params import Params
 
@@ -140,7 +143,7 @@ def _producer(
         b_row = 0 if VARLEN else b
         for c in gl.static_range(2):
             mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [b_row, h, q_start + q0 + c * BLOCK_M, 0], q_ready.index(c),
+            tma_load(q_desc, [b_row, h, q_start + q0 + c * BLOCK_M, 0], q_ready.index(c),
                                             q_bufs.index(c))
         for j in range(n_tiles):
             stage = (it + j) % STAGES
@@ -148,10 +151,10 @@ def _producer(
             row = k_start + (j0 + j) * BLOCK_N
             mbarrier.wait(k_empty.index(stage), phase)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [b_row, h_kv, row, 0], k_ready.index(stage), k_bufs.index(stage))
+            tma_load(k_desc, [b_row, h_kv, row, 0], k_ready.index(stage), k_bufs.index(stage))
             mbarrier.wait(v_empty.index(stage), phase)
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [b_row, h_kv, row, 0], v_ready.index(stage), v_bufs.index(stage))
+            tma_load(v_desc, [b_row, h_kv, row, 0], v_ready.index(stage), v_bufs.index(stage))
         it += n_tiles
         count += 1
         tile = _claim_tile(COUNTER) + gl.num_programs(0)
@@ -290,10 +293,10 @@ def _consumer(
             gl.store(out, acc.to(dtype), mask=(rows < n_q)[:, None])
         else:
             tma.store_wait(0)
-            gl.thread_barrier()
+            thread_barrier()
             o_tile.reshape([BLOCK_M, HEAD_DIM]).store(acc.to(dtype))
             fence_async_shared()
-            tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], o_tile)
+            tma_store(o_desc, [b, h, row0, 0], o_tile)
         lse = gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # natural-log units
         gl.store(L + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_start + offs_m, lse,
                  mask=offs_m < n_q)

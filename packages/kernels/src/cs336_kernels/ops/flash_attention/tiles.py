@@ -1,8 +1,8 @@
 """What the forward and backward FlashAttention-2 kernels share: tile loads and tile ranges in Triton,
 and the compile-time constants and TMA scratch memory of their launches.
 
-A main loop re-reads two (rows, d) tiles per step, either through block pointers (with bounds checks only
-where a tile can be partial) or through TMA tensor descriptors. A program finds its sequence's rows
+A main loop re-reads two (rows, d) tiles per step, either through pointer tiles (:func:`tile_ptr`, with bounds
+checks only where a tile can be partial) or through TMA tensor descriptors. A program finds its sequence's rows
 (:func:`sequence`: a dense batch's, or a packed one's from cu_seqlens); the forward and dQ kernels walk the key
 tiles of one query tile (:func:`key_tile_ranges`), the dK/dV kernel the query tiles of one key tile
 (:func:`query_tile_ranges`), each in three ranges: the tiles of the window's two edges masked by
@@ -28,24 +28,43 @@ _INTERPRET = tl.constexpr(INTERPRET)
 @triton.jit
 def tile_ptr(BASE, N_ROWS, stride_t, stride_d, start, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
              BLOCK_D: tl.constexpr):
-    # Block pointer to the (BLOCK_ROWS, BLOCK_D) tile at row `start` of one head's (N_ROWS, HEAD_DIM) tensor.
-    return tl.make_block_ptr(
-        BASE, shape=(N_ROWS, HEAD_DIM), strides=(stride_t, stride_d),
-        offsets=(start, 0), block_shape=(BLOCK_ROWS, BLOCK_D), order=(1, 0),
-    )
+    # The (BLOCK_ROWS, BLOCK_D) tile at row `start` of one head's (N_ROWS, HEAD_DIM) tensor as a tuple: its
+    # pointers, row indices, row count, row stride and which of its columns exist, what load_tile, store_tile and
+    # advance_tile need. Plain pointers, not tl.make_block_ptr, which Triton 3.9 removed; offsets in 64 bits, as a
+    # block pointer's.
+    rows = start + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    ptrs = BASE + rows.to(tl.int64)[:, None] * stride_t + cols[None, :] * stride_d
+    return ptrs, rows, N_ROWS, stride_t.to(tl.int64), cols < HEAD_DIM
 
 
 @triton.jit
-def load_tile(block_ptr, CHECK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
-    # Bounds checks cost address arithmetic in the hot loop, so only partial tiles pay for them.
+def advance_tile(tile, ROWS: tl.constexpr):
+    # The tile ROWS rows further down.
+    ptrs, rows, n_rows, stride_t, cols_ok = tile
+    return ptrs + ROWS * stride_t, rows + ROWS, n_rows, stride_t, cols_ok
+
+
+@triton.jit
+def load_tile(tile, CHECK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
+    # Bounds checks cost address arithmetic in the hot loop, so only partial tiles pay for them; what lies outside
+    # the tensor reads as zero.
+    ptrs, rows, n_rows, stride_t, cols_ok = tile
     if CHECK_ROWS:
         if EVEN_D:
-            x = tl.load(block_ptr, boundary_check=(0,), padding_option="zero")
+            x = tl.load(ptrs, mask=(rows < n_rows)[:, None], other=0.0)
         else:
-            x = tl.load(block_ptr, boundary_check=(0, 1), padding_option="zero")
+            x = tl.load(ptrs, mask=(rows < n_rows)[:, None] & cols_ok[None, :], other=0.0)
     else:
-        x = tl.load(block_ptr) if EVEN_D else tl.load(block_ptr, boundary_check=(1,), padding_option="zero")
+        x = tl.load(ptrs) if EVEN_D else tl.load(ptrs, mask=cols_ok[None, :], other=0.0)
     return x
+
+
+@triton.jit
+def store_tile(tile, x):
+    # Writes the rows and columns of x that lie inside the tensor.
+    ptrs, rows, n_rows, stride_t, cols_ok = tile
+    tl.store(ptrs, x, mask=(rows < n_rows)[:, None] & cols_ok[None, :])
 
 
 @triton.jit
@@ -68,7 +87,7 @@ def tma_descriptors(
 @triton.jit
 def load_tiles(A_BLOCK, B_BLOCK, A_DESC, B_DESC, start, CHECK_ROWS: tl.constexpr, EVEN_D: tl.constexpr,
                USE_TMA: tl.constexpr):
-    # The two tiles a main loop reads at row `start`: by TMA (no bounds checks needed), or by block pointers.
+    # The two tiles a main loop reads at row `start`: by TMA (no bounds checks needed), or by pointer tiles.
     if USE_TMA:
         a = A_DESC.load([start, 0])
         b = B_DESC.load([start, 0])
