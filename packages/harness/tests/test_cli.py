@@ -392,8 +392,8 @@ def test_markdown_leaves_out_other_rows_and_says_which(tmp_path, capsys: pytest.
     out, err = capsys.readouterr()
     assert "| 64 | 128 | 1.5 |" in out
     assert err.splitlines() == [f"cs336 attention: left out 2 rows of '{mixed}' that are not attention rows (line 1 "
-                                "has bench 'build', not one of pytorch, compiled, anchors, flash, gluon_attention; and "
-                                "1 more)"]
+                                "has bench 'build', not one of pytorch, compiled, anchors, flash, gluon_attention, "
+                                "varlen, window; and 1 more)"]
 
 
 def test_markdown_rows_that_lack_a_field_their_table_reads_are_not_rows(tmp_path) -> None:
