@@ -145,11 +145,13 @@ def main() -> int:
     args = parser.parse_args()
     declared = declared_range()
     releases = args.torch or [f"{a}.{b}" for a, b in range_ends(declared["torch"])]
+    # Taken once, before the first row makes the rows file (tracked) differ from the commit.
+    meta = provenance()
     status = 0
     for torch_minor in releases:
         with tempfile.TemporaryDirectory(prefix="kernels-compat-") as folder:
             row, versions = compat_row(torch_minor, declared, Path(folder))
-        append_rows(args.out, [row], provenance() | versions)
+        append_rows(args.out, [row], meta | versions)
         print(f"torch {versions['torch']} + triton {versions['triton']}: {row['pytest_summary']} "
               f"(sm_90 builds {row['sm90_builds']})", flush=True)
         status |= row["returncode"] != 0 or row["sm90_builds"] != "passed"
