@@ -167,6 +167,21 @@ def test_python_block_runs(block: Block, tmp_path: Path) -> None:
     assert done.returncode == 0, f"{block}:\n{done.stderr[-3000:]}"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("block", [b for b in PYTHON if b.readme == "packages/kernels/README.md"], ids=str)
+def test_kernels_block_on_cpu_without_the_interpreter_says_to_set_it(block: Block, tmp_path: Path) -> None:
+    """Eager or compiled (``fullgraph=True``, where Dynamo wraps a raise in its own error), the CPU form without
+    ``TRITON_INTERPRET`` fails with the kernels' device check."""
+    script = tmp_path / "readme_block.py"
+    script.write_text(_cpu_form(block.text))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode != 0
+    assert ("runs Triton kernels on CUDA tensors, or on CPU tensors in Triton's interpreter; got tensors on cpu. "
+            "To run on CPU, set TRITON_INTERPRET=1 before importing cs336_kernels.") in done.stderr, done.stderr[-3000:]
+
+
 def test_printed_numbers_are_checked() -> None:
     """The rewrite that checks a commented number catches a wrong one."""
     checked = _with_printed_numbers_checked("x = 2\nx / 3   # 0.67\nx / 3   # 0.66\ny = x   # 2\n")
