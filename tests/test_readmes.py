@@ -41,7 +41,7 @@ COMMANDS: dict[str, str] = {
     "uv run cs336 bench": "cpu",
     'uv run pytest -m "not slow" -n 2': "suite",
     "uv run pytest -n 2": "suite",
-    "uv run pytest -m gpu": "suite",
+    "uv run pytest -m gpu -n 8": "suite",
     "uv run cs336 bench --size xl --compute-dtype fp32,bf16 --out rows.jsonl": "gpu",
     "uv run cs336 ddp --world-size 2 --out ddp.jsonl": "gpu 2gpus",
     "uv run cs336 attention --quick --part flash": "gpu",
@@ -160,6 +160,7 @@ def _run_script(code: str, cwd: Path, timeout: float = 900) -> subprocess.Comple
 
 
 @pytest.mark.slow
+@pytest.mark.gpu_exclusive
 @pytest.mark.parametrize("block", PYTHON, ids=str)
 def test_python_block_runs(block: Block, tmp_path: Path) -> None:
     code = _with_printed_numbers_checked(block.text if CUDA else _cpu_form(block.text))
@@ -224,6 +225,7 @@ def _params(*kinds: str) -> list:
             seen.add(command)
             marks = [pytest.mark.slow] if "long" in COMMANDS[command] or _kind(command) == "cpu" else []
             marks += [pytest.mark.gpu] if _kind(command) == "gpu" else []
+            marks += [pytest.mark.gpu_exclusive] if _kind(command) in ("cpu", "gpu") else []  # its own process
             chosen.append(pytest.param(block, command, marks=marks, id=f"{block} {command}"))
     return chosen
 
