@@ -142,7 +142,6 @@ def test_offload_policies_plan_and_count() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.gpu_exclusive
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_offload_frees_device_memory_and_matches_bitwise() -> None:
     base, (tokens, targets) = _model("cuda", 1024, 4096), _batch("cuda")
