@@ -34,7 +34,7 @@ MARKER = ("gpu_exclusive: needs more than {budget:g} GiB of GPU memory, or start
 
 ACTIVE = torch.cuda.is_available()  # on with CUDA (test_gpu_share.py switches it on to test the plugin on a CPU)
 
-_held = contextlib.ExitStack()  # the lock of the running test (one test at a time per process)
+_held: list[contextlib.ExitStack] = []  # the lock of the running test, once its setup took it
 
 
 def register(config: pytest.Config) -> None:
@@ -63,14 +63,18 @@ def hold(exclusive: bool) -> Iterator[None]:
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if not ACTIVE:
         return
-    _held.enter_context(hold(_exclusive(item)))
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(hold(_exclusive(item)))
+        _held.append(stack.pop_all())
     if torch.cuda.is_initialized():
         torch.cuda.reset_peak_memory_stats()
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item: pytest.Item) -> None:
-    with _held:
+    if not _held:
+        return  # another plugin's setup stopped the test before this one's: nothing held, nothing measured
+    with _held.pop():
         if torch.cuda.is_initialized():
             torch.cuda.synchronize()
             peak_gib = torch.cuda.max_memory_reserved() / 2**30
