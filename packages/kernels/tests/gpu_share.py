@@ -4,10 +4,11 @@ repository's, for a run of the whole workspace; the kernels tests', for the kern
 Under pytest-xdist (``-n 8``, ``-n auto``) every worker runs its tests on the same GPU. Each test holds a
 cross-process lock from its setup to its teardown (module fixtures included, which are made in their first test's
 setup): shared by default, exclusive for a test marked ``gpu_exclusive``, which then finds the GPU to itself. A
-shared test may use at most :data:`SHARED_BUDGET_GIB` of GPU memory, so that sixteen workers (``-n auto`` on the lent
-16-core machines) fit on an 80 GiB GPU beside their CUDA contexts; one that reserves more fails at its teardown
-with the fix: mark it ``gpu_exclusive``. Mark one so too if it starts processes that use the GPU (their memory is
-not counted here). After each test the worker hands its cached GPU memory back to the driver.
+shared test may reserve at most :data:`SHARED_BUDGET_GIB` of GPU memory beyond what its process held when it
+started, so that sixteen workers (``-n auto`` on the lent 16-core machines) fit on an 80 GiB GPU beside their CUDA
+contexts; one that reserves more fails at its teardown with the fix: mark it ``gpu_exclusive``. Mark one so too
+if it starts processes that use the GPU (their memory is not counted here). After each test the worker hands its
+cached GPU memory back to the driver.
 
 Without CUDA the plugin does nothing.
 """
@@ -35,6 +36,7 @@ MARKER = ("gpu_exclusive: needs more than {budget:g} GiB of GPU memory, or start
 ACTIVE = torch.cuda.is_available()  # on with CUDA (test_gpu_share.py switches it on to test the plugin on a CPU)
 
 _held: list[contextlib.ExitStack] = []  # the lock of the running test, once its setup took it
+_reserved_before = [0]  # what this process held on the GPU when the running test started
 
 
 def register(config: pytest.Config) -> None:
@@ -68,6 +70,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         _held.append(stack.pop_all())
     if torch.cuda.is_initialized():
         torch.cuda.reset_peak_memory_stats()
+        _reserved_before[0] = torch.cuda.memory_reserved()
 
 
 @pytest.hookimpl(trylast=True)
@@ -77,8 +80,9 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
     with _held.pop():
         if torch.cuda.is_initialized():
             torch.cuda.synchronize()
-            peak_gib = torch.cuda.max_memory_reserved() / 2**30
+            peak_gib = (torch.cuda.max_memory_reserved() - _reserved_before[0]) / 2**30
             torch.cuda.empty_cache()
+            _reserved_before[0] = 0
             if peak_gib > SHARED_BUDGET_GIB and not _exclusive(item):
                 pytest.fail(f"{item.nodeid} reserved {peak_gib:.1f} GiB of GPU memory, more than a test that "
                             f"shares the GPU may ({SHARED_BUDGET_GIB:g} GiB): mark it gpu_exclusive", pytrace=False)

@@ -48,6 +48,7 @@ gpu_share.LOCK = gpu_share.Path({lock!r})
 torch.cuda.is_initialized = lambda: True
 torch.cuda.synchronize = torch.cuda.empty_cache = lambda: None
 torch.cuda.reset_peak_memory_stats = lambda: os.environ.update(RESERVED_GIB="0")
+torch.cuda.memory_reserved = lambda: 0
 torch.cuda.max_memory_reserved = lambda: float(os.environ.get("RESERVED_GIB", "0")) * 2**30
 
 def pytest_configure(config):
