@@ -96,6 +96,7 @@ def test_reductions_add_ranks_as_a_balanced_tree(quick: list[dict]) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_exclusive
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_cuda_data_parallel_equals_full_batch_training(tmp_path) -> None:
     records = _spawn(gpu_checks, 2, tmp_path, preload=())

@@ -41,7 +41,7 @@ COMMANDS: dict[str, str] = {
     "uv run cs336 bench": "cpu",
     'uv run pytest -m "not slow" -n 2': "suite",
     "uv run pytest -n 2": "suite",
-    "uv run pytest -m gpu": "suite",
+    "uv run pytest -m gpu -n 8": "suite",
     "uv run cs336 bench --size xl --compute-dtype fp32,bf16 --out rows.jsonl": "gpu",
     "uv run cs336 ddp --world-size 2 --out ddp.jsonl": "gpu 2gpus",
     "uv run cs336 attention --quick --part flash": "gpu",
@@ -162,11 +162,27 @@ def _run_script(code: str, cwd: Path, timeout: float = 900) -> subprocess.Comple
 
 
 @pytest.mark.slow
+@pytest.mark.gpu_exclusive
 @pytest.mark.parametrize("block", PYTHON, ids=str)
 def test_python_block_runs(block: Block, tmp_path: Path) -> None:
     code = _with_printed_numbers_checked(block.text if CUDA else _cpu_form(block.text))
     done = _run_script(code, tmp_path)
     assert done.returncode == 0, f"{block}:\n{done.stderr[-3000:]}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", [b for b in PYTHON if b.readme == "packages/kernels/README.md"], ids=str)
+def test_kernels_block_on_cpu_without_the_interpreter_says_to_set_it(block: Block, tmp_path: Path) -> None:
+    """Eager or compiled (``fullgraph=True``, where Dynamo wraps a raise in its own error), the CPU form without
+    ``TRITON_INTERPRET`` fails with the kernels' device check."""
+    script = tmp_path / "readme_block.py"
+    script.write_text(_cpu_form(block.text))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode != 0
+    assert ("runs Triton kernels on CUDA tensors, or on CPU tensors in Triton's interpreter; got tensors on cpu. "
+            "To run on CPU, set TRITON_INTERPRET=1 before importing cs336_kernels.") in done.stderr, done.stderr[-3000:]
 
 
 def test_printed_numbers_are_checked() -> None:
@@ -211,6 +227,7 @@ def _params(*kinds: str) -> list:
             seen.add(command)
             marks = [pytest.mark.slow] if "long" in COMMANDS[command] or _kind(command) == "cpu" else []
             marks += [pytest.mark.gpu] if _kind(command) == "gpu" else []
+            marks += [pytest.mark.gpu_exclusive] if _kind(command) in ("cpu", "gpu") else []  # its own process
             chosen.append(pytest.param(block, command, marks=marks, id=f"{block} {command}"))
     return chosen
 

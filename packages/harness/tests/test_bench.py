@@ -44,6 +44,36 @@ def test_defaults_without_cuda_are_tiny_on_cpu() -> None:
     assert (config.vocab_size, config.batch_size, config.context_length) == (10_000, 4, 512)
 
 
+@pytest.mark.parametrize(("argv", "flags"), [
+    (["--attention", "triton"], "--attention triton runs"),
+    (["--attention", "eager,triton", "--loss", "fused"], "--attention triton and --loss fused run"),
+    (["--optimizer", "fused-adamw"], "--optimizer fused-adamw runs"),
+])
+def test_triton_kernels_on_cpu_default_to_a_short_run_and_say_so(argv: list[str], flags: str,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    configs = _configs(*argv, "--device", "cpu")
+    assert {(c.context_length, c.warmup, c.steps) for c in configs} == {(64, 1, 3)}
+    assert capsys.readouterr().err == (
+        f"cs336 bench: {flags} in Triton's interpreter on a CPU, seconds a step, so this run defaults to context 64, "
+        "1 untimed step, 3 timed steps (set --context-length, --warmup, --steps to choose)\n")
+
+
+def test_flags_given_win_over_the_interpreters_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    (config,) = _configs("--attention", "triton", "--device", "cpu", "--steps", "2", "--context-length", "40")
+    assert (config.context_length, config.warmup, config.steps) == (40, 1, 2)
+    assert capsys.readouterr().err.endswith("defaults to 1 untimed step (set --warmup to choose)\n")
+    (config,) = _configs("--attention", "triton", "--device", "cpu", "--steps", "2", "--context-length", "40",
+                         "--warmup", "0")
+    assert (config.context_length, config.warmup, config.steps) == (40, 0, 2) and capsys.readouterr().err == ""
+    configs = _configs("--attention", "triton", "--device", "cpu", "--sweep", "--size", "tiny")
+    assert [c.context_length for c in configs] == list(step_timing.SWEEP_CONTEXT_LENGTHS)
+
+
+def test_without_a_triton_kernel_the_defaults_stay(capsys: pytest.CaptureFixture[str]) -> None:
+    (config,) = _configs("--attention", "sdpa", "--device", "cpu")
+    assert (config.context_length, config.warmup, config.steps) == (512, 5, 10) and capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

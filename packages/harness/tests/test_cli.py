@@ -108,6 +108,14 @@ def test_an_unwritable_out_fails_before_the_run(argv: list[str], no_run: None) -
         cli.main([*argv, "--out", UNWRITABLE])
 
 
+@pytest.mark.parametrize("argv", [["bench", "--device", "cpu"], ["leaderboard"], ["ddp", "--backend", "gloo"]])
+def test_an_out_below_a_file_names_the_file(argv: list[str], no_run: None, tmp_path: Path) -> None:
+    (tmp_path / "rows").write_text("")
+    with pytest.raises(SystemExit, match=f"^cs336 {argv[0]}: cannot write to '{tmp_path}/rows/x.jsonl': "
+                                         f"'{tmp_path}/rows' is a file, not a folder$"):
+        cli.main([*argv, "--out", str(tmp_path / "rows" / "x.jsonl")])
+
+
 @pytest.mark.parametrize(("argv", "flag"), [
     (["ddp", "--backend", "gloo"], "--figure-dir"), (["shard", "--backend", "gloo"], "--figure"),
     (["collectives", "--backends", "gloo"], "--plot"),
@@ -273,6 +281,17 @@ def test_triton_kernels_in_bench_run_on_cpu_without_setup() -> None:
     assert "triton" in done.stdout and "fused-adamw" in done.stdout and "fused" in done.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.gpu_exclusive
+@pytest.mark.parametrize("argv", [["bench", "--attention", "triton"], ["bench", "--loss", "fused", "--optimizer",
+                                                                       "fused-adamw"], ["leaderboard"]])
+def test_commands_with_triton_kernels_finish_at_their_defaults(argv: list[str]) -> None:
+    """On a CPU each takes about a minute on two cores, the kernels in the interpreter (at the context and steps of a
+    GPU run they took from forty minutes up); the timeout is a bound on that, not a measurement."""
+    done = _cs336(*argv, "--quiet", timeout=300)
+    assert done.returncode == 0, done.stderr
+
+
 @NO_CUDA
 @pytest.mark.slow
 @pytest.mark.parametrize("argv", [
@@ -431,6 +450,20 @@ def test_a_context_length_of_zero_is_refused_not_replaced_by_the_default(argv: l
         cli.main([*argv, "--context-length", "0"])
 
 
+def test_ddp_table_explains_nocomm_replicas_and_an_overhead_below_zero(monkeypatch: pytest.MonkeyPatch,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    rows = [{"variant": v, "dtype": "fp32", "bucket_size_mb": None, "step_ms": ms, "overhead_ms": ms - 10.0,
+             "backend": "gloo", "params_in_sync": v != "nocomm"} for v, ms in (("nocomm", 10.0), ("naive", 9.5))]
+    monkeypatch.setattr(ddp_study, "run_ddp_bench", lambda *args, **kwargs: rows)
+    assert cli.main(["ddp", "--backend", "gloo", "--variants", "nocomm,naive"]) == 0
+    notes = capsys.readouterr().out.splitlines()[-2:]
+    assert notes[0].startswith("params_in_sync is False for nocomm by design: its ranks exchange no gradients")
+    assert notes[1].startswith("overhead_ms below zero (naive): each step_ms is a median over a run of its own")
+    rows[1].update(step_ms=10.5, overhead_ms=0.5)
+    assert cli.main(["ddp", "--backend", "gloo", "--variants", "nocomm,naive"]) == 0
+    assert "overhead_ms below zero" not in capsys.readouterr().out
+
+
 def test_ddp_shows_a_bucket_size_only_for_the_variants_with_buckets(tmp_path: Path,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     rows = [{"variant": v, "dtype": "fp32", "bucket_size_mb": 25.0, "step_ms": 1.0, "backend": "gloo"}
@@ -483,14 +516,34 @@ def test_a_cpu_run_too_big_for_host_memory_is_refused_before_it_starts(
         argv: list[str], what: str, no_run: None, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(resources, "available_host_bytes", lambda: 16 * 2**30)
-    if argv[0] == "bench":  # a row with status oom, as on CUDA, and the reason on stderr
-        assert cli.main([*argv, "--quiet"]) == 0
+    if argv[0] == "bench":  # a row with status oom, as on CUDA, the reason on stderr, and a failure: nothing ran
+        with pytest.raises(SystemExit, match=r"^cs336 bench: no configuration ran \(1 of 1 out of memory\)$"):
+            cli.main([*argv, "--quiet"])
         out, err = capsys.readouterr()
         assert out.splitlines()[-1].split() == ["8B", "512", "train", "fp32", "oom"]
         assert err.startswith(f"cs336 bench: not run (its row says oom): {what}") and "16 GiB is available" in err
     else:
         with pytest.raises(SystemExit, match=re.escape(f"cs336 {argv[0]}: {what}")):
             cli.main(argv)
+
+
+@pytest.mark.parametrize("name", ["ddp", "shard", "leaderboard"])
+@pytest.mark.parametrize("ranks", ["0", "-2"])
+def test_a_world_size_below_one_is_named_as_the_mistake(name: str, ranks: str, no_run: None) -> None:
+    with pytest.raises(SystemExit, match=f"^cs336 {name}: world_size must be a positive int, got {ranks}$"):
+        cli.main([name, "--world-size", ranks])
+
+
+def test_a_bench_run_in_part_says_how_many_configurations_ran(monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(resources, "available_host_bytes", lambda: 16 * 2**30)
+    argv = ["bench", "--size", "8B,tiny", "--context-length", "9", "--batch-size", "2", "--warmup", "0", "--steps",
+            "1", "--device", "cpu", "--quiet"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    status = out[0].split().index("status")
+    assert [(line.split()[0], line.split()[status]) for line in out[2:4]] == [("8B", "oom"), ("tiny", "ok")]
+    assert out[-1] == "ran 1 of 2 configurations (1 out of memory)"
 
 
 @pytest.mark.parametrize(("argv", "said"), [

@@ -355,6 +355,7 @@ def test_a_failed_capture_gives_its_memory_back_on_gpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_exclusive
 def test_glue_kernels_match_the_model_modules_on_gpu():
     tokens, d_model, heads, d_ff = 32768, 4096, 32, 11008
     cases = {"rms_norm": block_glue.rms_norm_case(tokens, d_model, NO_PEER, NO_PEER),

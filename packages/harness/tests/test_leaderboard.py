@@ -242,6 +242,7 @@ needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_exclusive
 @needs_two_gpus
 def test_gpu_sharded_step_matches_single_process_step(tmp_path: Path) -> None:
     # SDPA: fp32 on the GPU without TF32, so the same tolerances hold as on CPU.
@@ -250,6 +251,7 @@ def test_gpu_sharded_step_matches_single_process_step(tmp_path: Path) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_exclusive
 @needs_two_gpus
 def test_gpu_leaderboard_step_at_small_size() -> None:
     config = LeaderboardConfig(size="small", vocab_size=32_000, context_length=2048, global_batch=2, world_size=2,

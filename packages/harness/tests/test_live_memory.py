@@ -141,6 +141,7 @@ print(torch.cuda.max_memory_allocated())
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.gpu_exclusive
 def test_gpu_allocator_peak_is_the_traced_peak() -> None:
     overrides = dict(num_layers=3, checkpoint="attention:1", context_length=8192)
     config = _proxy(**overrides)

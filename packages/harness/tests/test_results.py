@@ -57,6 +57,19 @@ def test_check_writable_leaves_no_file_behind_and_keeps_an_existing_one(tmp_path
         results.check_writable(tmp_path)  # a folder, not a file
 
 
+@pytest.mark.parametrize("below", ["", "/more"])
+def test_a_file_where_a_folder_should_be_is_named(tmp_path: Path, below: str) -> None:
+    blocker = tmp_path / "rows"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match=f"^cannot write to '{blocker}{below}/x.jsonl': '{blocker}' is a file, not a "
+                                         "folder$"):
+        results.check_writable(f"{blocker}{below}/x.jsonl")
+    with pytest.raises(ValueError, match=f"^cannot write to the folder '{blocker}{below}': '{blocker}' is a file, "
+                                         "not a folder$"):
+        results.check_writable_dir(f"{blocker}{below}")
+    assert blocker.is_file() and blocker.read_text() == ""
+
+
 def test_command_line_is_what_a_user_types_from_the_repository_root(monkeypatch: pytest.MonkeyPatch) -> None:
     root = results._REPO_ROOT
     cli = root / "packages/harness/src/cs336_harness/cli.py"

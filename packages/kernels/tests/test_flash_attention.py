@@ -388,6 +388,7 @@ def test_gpu_pytorch_function_and_compiled_backward():
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_exclusive
 @pytest.mark.parametrize(("shape", "heads_kv"), [((1, 16, 8192, 64), 16), ((1, 8, 4096, 128), 2)])
 def test_gpu_large_bf16_matches_sdpa_in_fp32(shape, heads_kv):
     # A float64 reference would not fit; fp32 SDPA on the same bf16-rounded inputs stands in for it.

@@ -129,6 +129,7 @@ def test_rejects_bad_inputs(x, w, eps, error, message):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_exclusive
 @pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
 def test_leaderboard_shape_bf16_on_gpu(w_dtype):
     shape = (32768, 4096)
@@ -355,6 +356,7 @@ def test_add_rejects_bad_inputs(x, delta, w, error, message):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_exclusive
 @pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
 def test_add_leaderboard_shape_bf16_on_gpu(w_dtype):
     shape = (32768, 4096)

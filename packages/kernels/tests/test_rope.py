@@ -250,6 +250,7 @@ def test_half_layout_bf16_on_gpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_exclusive
 def test_leaderboard_shape_bf16_on_gpu():
     batch, seq, heads, head_dim = 1, 32768, 32, 128
     positions = torch.arange(seq, device=DEVICE)

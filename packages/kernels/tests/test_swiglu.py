@@ -188,6 +188,7 @@ def test_rejects_bad_inputs(a, b, error, message):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_exclusive
 def test_leaderboard_shape_bf16_on_gpu():
     _check((32768, 11008), torch.bfloat16, seed=3)
 

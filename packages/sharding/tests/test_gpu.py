@@ -11,6 +11,7 @@ import torch
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.gpu_exclusive,  # ranks spawned on both GPUs
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"),
 ]
 TOLERANCE = {"fsdp_fp32": 1e-5, "fsdp_bf16": 1e-2}  # absolute, on parameters after 3 AdamW steps

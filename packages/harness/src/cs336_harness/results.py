@@ -129,15 +129,25 @@ def provenance(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
 
 
+def _file_in_the_way(folder: Path) -> Path | None:
+    """The first of ``folder`` and the folders above it that is a file, where making ``folder`` would fail with
+    "File exists" or "Not a directory"; None if there is none."""
+    return next((p for p in (*reversed(folder.parents), folder) if p.exists() and not p.is_dir()), None)
+
+
 def check_writable(path: str | Path) -> Path:
     """``path`` as a Path, once a file can be appended there (its folder made if missing), so a run whose output
     cannot be written fails before it starts rather than after.
 
     Raises:
-        ValueError: if the folder cannot be made or the file cannot be opened for appending.
+        ValueError: if the folder cannot be made (a file in the way is named) or the file cannot be opened for
+            appending.
     """
     path = Path(path)
     existed = path.exists()
+    blocker = _file_in_the_way(path.parent)
+    if blocker is not None:
+        raise ValueError(f"cannot write to {str(path)!r}: {str(blocker)!r} is a file, not a folder")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a"):
@@ -154,9 +164,13 @@ def check_writable_dir(path: str | Path) -> Path:
     than when it writes there.
 
     Raises:
-        ValueError: if the folder cannot be made or a file in it cannot be written, naming the folder.
+        ValueError: if the folder cannot be made (a file in the way is named) or a file in it cannot be written,
+            naming the folder.
     """
     path = Path(path)
+    blocker = _file_in_the_way(path)
+    if blocker is not None:
+        raise ValueError(f"cannot write to the folder {str(path)!r}: {str(blocker)!r} is a file, not a folder")
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):

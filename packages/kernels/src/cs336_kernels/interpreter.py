@@ -26,6 +26,15 @@ if INTERPRET:
                           "install cs336-kernels[cpu] (or numpy<2.4)") from error
 
 
+def _fake_tensors() -> bool:
+    """Whether this call runs on fake tensors outside torch.compile: the operators' fake implementations, no kernel
+    (e.g. counting a step's memory), so no device or dtype is refused. Under torch.compile the traced tensors stand for
+    the real ones the compiled code will get, on the same device, so the checks apply; Dynamo could not trace the
+    dispatch-mode query anyway, and ``is_compiling()`` is a constant to it, so the query is never traced."""
+    return not torch.compiler.is_compiling() and (
+        torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None)
+
+
 def check_device(device: torch.device, caller: str) -> None:
     """Raise ValueError unless the kernels can run on ``device`` in this process.
 
@@ -33,10 +42,8 @@ def check_device(device: torch.device, caller: str) -> None:
         device: where the caller's tensors are.
         caller: what is asking, for the message (e.g. ``"flash_attention"``).
     """
-    if device.type == "cuda" or (INTERPRET and device.type == "cpu"):
+    if device.type == "cuda" or (INTERPRET and device.type == "cpu") or _fake_tensors():
         return
-    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
-        return  # fake tensors run the operators' fake implementations, no kernel (e.g. counting a step's memory)
     late = " (it is set now, but was not when cs336_kernels was imported)" if (
         os.environ.get("TRITON_INTERPRET") == "1" and not INTERPRET
     ) else ""
@@ -54,8 +61,6 @@ def check_bf16(device: torch.device, dtype: torch.dtype, caller: str, wrong: str
         caller: what is asking, for the message (e.g. ``"flash_attention"``).
         wrong: what goes wrong, for the message (e.g. ``"it multiplies bf16 matrices as raw bits"``).
     """
-    if not (INTERPRET and device.type == "cpu" and dtype == torch.bfloat16):
-        return  # decided from constants first: torch.compile traces this and cannot trace the dispatch-mode query
-    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None:  # fake tensors run no kernel
+    if INTERPRET and device.type == "cpu" and dtype == torch.bfloat16 and not _fake_tensors():
         raise ValueError(f"{caller} got bfloat16 tensors on CPU, which Triton's interpreter computes wrongly "
                          f"({wrong}); use float32 or float16 there, or a CUDA GPU.")

@@ -7,6 +7,10 @@ Examples::
     uv run cs336 bench --sweep --steps 10 --warmup 5     # sizes small..10B x contexts 128..1024
     uv run cs336 bench --size small --attention annotated --profile prof/
     uv run cs336 bench --size xl --context-length 2048 --checkpoint groups --warmup 1 --steps 2
+
+On a CPU, a step that runs a Triton kernel (``--attention triton``, ``--loss fused``, ``--optimizer fused-adamw``)
+runs it in Triton's interpreter, seconds a step even for the tiny model: the flags not given then default to
+:data:`INTERPRETER_DEFAULTS` (a run of about a minute on two cores), and the command says so in one line.
 """
 
 from __future__ import annotations
@@ -20,9 +24,13 @@ from cs336_basics.config import DEFAULT_CONTEXT_LENGTH, DEFAULT_VOCAB_SIZE, PRES
 from cs336_harness import registry, resources
 from cs336_harness.analysis.tables import format_table
 from cs336_harness.commands._shared import add_quiet_argument, csv_of
-from cs336_harness.device import DTYPES, GIB
+from cs336_harness.device import DTYPES, GIB, default_device
 from cs336_harness.results import RowWriter, check_writable, check_writable_dir
 from cs336_harness.studies import step_timing
+
+# The run's defaults where Triton's interpreter runs a kernel of the step (seconds a step at these sizes on two
+# cores, where the default context of 512 takes minutes a step).
+INTERPRETER_DEFAULTS = {"context_length": 64, "warmup": 1, "steps": 3}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,11 +44,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help=f"default {DEFAULT_VOCAB_SIZE}")
     g.add_argument("--batch-size", type=int, default=step_timing.DEFAULT_BATCH_SIZE, help="default 4")
     g.add_argument("--context-length", type=csv_of(int), default=(),
-                   help=f"comma list (default {DEFAULT_CONTEXT_LENGTH})")
+                   help=f"comma list (default {DEFAULT_CONTEXT_LENGTH}; "
+                        f"{INTERPRETER_DEFAULTS['context_length']} for Triton kernels on CPU)")
     r = parser.add_argument_group("run")
     r.add_argument("--mode", default="train", help="forward (no grad) | forward-backward | train (default)")
-    r.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
-    r.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+    r.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5; "
+                   f"{INTERPRETER_DEFAULTS['warmup']} for Triton kernels on CPU)")
+    r.add_argument("--steps", type=int, default=None, help="timed steps (default 10; "
+                   f"{INTERPRETER_DEFAULTS['steps']} for Triton kernels on CPU)")
     r.add_argument("--compute-dtype", type=csv_of(str), default=(),
                    help="comma list of fp32 (default), bf16 (autocast)")
     r.add_argument("--compile", action="store_true", help="torch.compile the model")
@@ -70,14 +81,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--out", metavar="FILE", default=None, help="append rows (with provenance) to this JSONL file")
 
 
+def interpreted_kernels(args: argparse.Namespace) -> list[str]:
+    """The flags of ``args`` that put a Triton kernel in the step where it runs in Triton's interpreter (on a CPU)."""
+    if (args.device or default_device()) != "cpu":
+        return []
+    chosen = {"--attention triton": "triton" in args.attention, "--loss fused": args.loss == "fused",
+              "--optimizer fused-adamw": args.optimizer == "fused-adamw"}
+    return [flag for flag, used in chosen.items() if used]
+
+
+def interpreter_defaults(args: argparse.Namespace) -> dict[str, int]:
+    """Of :data:`INTERPRETER_DEFAULTS`, those for flags not given, if a kernel of the step runs in the interpreter;
+    each chosen is said in one line on stderr."""
+    kernels = interpreted_kernels(args)
+    if not kernels:
+        return {}
+    given = {"context_length": bool(args.context_length or args.sweep), "warmup": args.warmup is not None,
+             "steps": args.steps is not None}
+    chosen = {name: value for name, value in INTERPRETER_DEFAULTS.items() if not given[name]}
+    if chosen:
+        said = {"context_length": f"context {chosen.get('context_length')}",
+                "warmup": f"{chosen.get('warmup')} untimed step{'s' * (chosen.get('warmup') != 1)}",
+                "steps": f"{chosen.get('steps')} timed step{'s' * (chosen.get('steps') != 1)}"}
+        runs = "runs" if len(kernels) == 1 else "run"
+        print(f"cs336 bench: {' and '.join(kernels)} {runs} in Triton's interpreter on a CPU, seconds a step, so "
+              f"this run defaults to {', '.join(said[name] for name in chosen)} (set "
+              f"{', '.join('--' + name.replace('_', '-') for name in chosen)} to choose)", file=sys.stderr)
+    return chosen
+
+
 def configs_from_args(args: argparse.Namespace) -> list[step_timing.BenchConfig]:
     """Turn parsed flags into validated configs (raises ValueError with a message on a bad value)."""
+    run = {name: getattr(args, name) for name in ("warmup", "steps") if getattr(args, name) is not None}
+    run.update(interpreter_defaults(args))
     base = step_timing.BenchConfig(
         d_model=args.d_model, d_ff=args.d_ff, num_layers=args.num_layers, num_heads=args.num_heads,
-        vocab_size=args.vocab_size, batch_size=args.batch_size, mode=args.mode, warmup=args.warmup,
-        steps=args.steps, compile=args.compile, optimizer=args.optimizer, loss=args.loss,
-        profile_dir=args.profile, memory_dir=args.memory,
-        **({"device": args.device} if args.device else {}),
+        vocab_size=args.vocab_size, batch_size=args.batch_size, mode=args.mode, compile=args.compile,
+        optimizer=args.optimizer, loss=args.loss, profile_dir=args.profile, memory_dir=args.memory,
+        **run, **({"device": args.device} if args.device else {}),
     )
     sizes = args.size or (step_timing.SWEEP_SIZES if args.sweep else ())
     contexts = args.context_length or (step_timing.SWEEP_CONTEXT_LENGTHS if args.sweep else ())
@@ -139,4 +180,9 @@ def run(args: argparse.Namespace) -> int:
             best = min(ok, key=lambda r: (max(r["peak_forward_gib"], r["peak_backward_gib"]), r["step_ms_median"]))
             peak = max(best["peak_forward_gib"], best["peak_backward_gib"])
             print(f"lowest forward/backward peak: checkpoint {best['checkpoint']} at {peak:.2f} GiB")
+    ran, n = sum(r["status"] == "ok" for r in rows), len(rows)
+    if ran == 0:
+        raise SystemExit(f"cs336 bench: no configuration ran ({n} of {n} out of memory)")
+    if ran < n:
+        print(f"ran {ran} of {n} configurations ({n - ran} out of memory)")
     return 0

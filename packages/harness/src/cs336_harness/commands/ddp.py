@@ -57,6 +57,21 @@ def host_need(config: ddp_study.DDPBenchConfig) -> resources.HostMemoryNeed:
         ranks, spawned)
 
 
+def table_notes(rows: list[dict]) -> list[str]:
+    """What the printed table cannot say itself: why ``nocomm``'s replicas differ, and what an overhead below zero
+    means."""
+    notes = []
+    if any(r["variant"] == "nocomm" for r in rows):
+        notes.append("params_in_sync is False for nocomm by design: its ranks exchange no gradients, so each replica "
+                     "trains on its own share of the batch and they differ from the first step")
+    negative = [r["variant"] for r in rows if (r.get("overhead_ms") or 0) < 0]
+    if negative:
+        notes.append(f"overhead_ms below zero ({', '.join(negative)}): each step_ms is a median over a run of its "
+                     "own, and the gradient exchange cost less than steps vary from run to run (step_max_ms shows "
+                     "how much); read it as no overhead measurable here")
+    return notes
+
+
 def run(args: argparse.Namespace) -> int:
     if markdown_requested(args):
         return print_markdown(args, ROWS, lambda rows: {"ddp": ddp_study.ddp_markdown(
@@ -87,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
             return 0
         print_measured_table(rows, ddp_study.PRINTED_COLUMNS, floatfmt=".2f",
                              cuda_only="there are no NCCL kernels to time and no CUDA allocator to ask for peaks")
+        for note in table_notes(rows):
+            print(note)
         for dtype, path in figures.items():
             ddp_study.timeline_figure_from_rows(rows, trace_dir, dtype, path)
             print(f"timeline: {path}")

@@ -69,13 +69,13 @@ class DistributedRunConfig:
             object.__setattr__(self, "variants", self.VARIANTS)
         if self.size not in PRESETS:
             raise ValueError(f"size must be one of {', '.join(PRESETS)}, got {self.size!r}")
-        if self.world_size < 1 or self.global_batch % self.world_size != 0:
-            raise ValueError(
-                f"global_batch ({self.global_batch}) must be a positive multiple of world_size ({self.world_size})"
-            )
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {self.world_size}")
         if self.global_batch < 1 or self.context_length < 1 or self.vocab_size < 2:
             raise ValueError("global_batch and context_length must be positive and vocab_size at least 2, got "
                              f"{self.global_batch}, {self.context_length}, {self.vocab_size}")
+        if self.global_batch % self.world_size != 0:
+            raise ValueError(f"global_batch ({self.global_batch}) must be a multiple of world_size ({self.world_size})")
         if not self.dtypes or any(d not in COMPUTE_DTYPES for d in self.dtypes):
             raise ValueError(f"dtypes must be a non-empty subset of {list(COMPUTE_DTYPES)}, got {self.dtypes}")
         if any(v not in self.VARIANTS for v in self.variants):

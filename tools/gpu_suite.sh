@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The whole GPU suite (every package's tests and tests/ marked gpu) under pytest-xdist, several runs in a row: the
+# workers share the GPU through packages/kernels/tests/gpu_share.py (tests marked gpu_exclusive run alone), so every
+# run must pass. Arguments: the workers (default 8; `auto` is one per core) and the runs (default 5). No run starts
+# after $SUITE_DEADLINE_S seconds (default 570). Log: $OUT/gpu_suite_log.txt, one summary line per run at its end.
+#   run (GPU machine, repo root): bash tools/gpu_suite.sh 8 5; bash tools/gpu_suite.sh auto 1
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+OUT="${OUT:-$root/gpu_out}"
+mkdir -p "$OUT"
+workers="${1:-8}"
+runs="${2:-5}"
+deadline=$(($(date +%s) + ${SUITE_DEADLINE_S:-570}))
+left() { echo $((deadline - $(date +%s))); }
+py=(bash tools/gpu.sh python3)
+{
+  nvidia-smi --query-gpu=name,memory.total --format=csv
+  "${py[@]}" -c "import xdist" || { echo "pytest-xdist is not installed here"; exit 1; }
+  summary=()
+  for run in $(seq 1 "$runs"); do
+    if [ "$(left)" -lt 60 ]; then summary+=("run $run: skipped (deadline)"); continue; fi
+    echo "== gpu suite run $run of $runs, -n $workers"
+    start=$(date +%s)
+    timeout "$(left)" "${py[@]}" -m pytest -m gpu -n "$workers" -q -p no:cacheprovider
+    summary+=("run $run, -n $workers: rc $? in $(($(date +%s) - start)) s")
+  done
+  printf '%s\n' "${summary[@]}"
+} 2>&1 | tee "$OUT/gpu_suite_log.txt"
