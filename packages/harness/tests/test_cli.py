@@ -216,7 +216,7 @@ def test_leaderboard_offload_is_planned_and_its_host_copies_must_fit(no_run: Non
 
     config = leaderboard_study.LeaderboardConfig(**leaderboard_study.PROXY_DEFAULTS, backend="nccl", glue="triton",
                                                  checkpoint="offload:4")
-    block = memory_plan(config.train_config(), None).block
+    block = memory_plan(config.train_config(), None).step.block
     monkeypatch.setattr(resources, "available_host_bytes", lambda: 16 * 2**30)
     with pytest.raises(ValueError, match=re.escape(
             f"--checkpoint offload:4 (4 blocks' saved activations in host memory on each of 1 ranks) needs at least "

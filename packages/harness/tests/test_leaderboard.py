@@ -26,7 +26,8 @@ from cs336_harness.device import GIB
 from cs336_harness.memory_plan import memory_plan, reserved_bytes
 from cs336_harness.studies import leaderboard
 from cs336_harness.studies.leaderboard import LeaderboardConfig
-from cs336_harness.training import build_model, build_training, make_batch
+from cs336_harness.train_config import build_model
+from cs336_harness.training import build_training, make_batch
 from cs336_sharding.checkpointing import activation_peak_bytes, apply_checkpointing
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -54,7 +55,7 @@ _GLUE = dict(_SMALL, backend="gloo", attention="triton", glue="triton", fused_qk
 def _cap_for(config: LeaderboardConfig, policy: str) -> float:
     """The memory cap (GiB) whose budget is exactly what ``policy`` needs: the budget rule must pick it."""
     plan = memory_plan(dataclasses.replace(config, checkpoint="all", memory_cap_gib=None).train_config(), None)
-    blocks = activation_peak_bytes(plan.block, config.model_config.num_layers, policy)
+    blocks = activation_peak_bytes(plan.step.block, config.model_config.num_layers, policy)
     return (reserved_bytes(config.train_config()) + blocks) / GIB
 
 
@@ -287,7 +288,7 @@ def test_build_training_needs_a_process_group_that_matches() -> None:
     with pytest.raises(ValueError, match="world_size 2 needs an initialised process group"):
         build_training(two_ranks.train_config(), cpu)
     one_rank = dataclasses.replace(two_ranks, world_size=1, global_batch=1)
-    with pytest.raises(ValueError, match="fsdp 'fsdp2' on world_size 1 needs an initialised process group"):
+    with pytest.raises(ValueError, match="wrapper 'fsdp2' on world_size 1 needs an initialised process group"):
         build_training(leaderboard.recipe(one_rank, "torch_native").train_config(), cpu)  # FSDP2 needs a mesh
     with pytest.raises(TypeError, match="config must be a TrainConfig"):
         build_training(one_rank, cpu)  # type: ignore[arg-type]

@@ -10,11 +10,13 @@ import sys
 
 import pytest
 import torch
+from cs336_basics.config import ModelConfig
+from cs336_harness import registry
 from cs336_harness.analysis.live_memory import LiveMemory, fake_tensors
 from cs336_harness.device import GIB
 from cs336_harness.memory_plan import expected_peak_bytes, memory_plan
 from cs336_harness.studies.leaderboard import PROXY_DEFAULTS, LeaderboardConfig, traced_peak
-from cs336_harness.training import TrainConfig
+from cs336_harness.train_config import OptimizerConfig, Parallelism, TrainConfig
 from cs336_sharding.checkpointing import parse_policy
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -97,15 +99,28 @@ def test_the_proxy_budget_recomputes_matmuls_only_where_memory_forces() -> None:
     assert plan.expected_peak_bytes == pytest.approx(traced_peak(config).peak_bytes, abs=2**20)
     assert plan.expected_peak_bytes <= 92 * GIB
     # One block fewer recomputing anything does not fit.
-    assert expected_peak_bytes(config, plan.block, parse_policy("selective:12")) > 92 * GIB
+    assert expected_peak_bytes(config, plan.step, parse_policy("selective:12")) > 92 * GIB
 
 
-@pytest.mark.parametrize("checkpoint", ["none", "all"])
-def test_the_models_glue_is_planned_just_above_its_traced_peak(checkpoint: str) -> None:
-    # Its blocks are counted to the byte; its fp32 final norm's backward is bounded from above (measure_block).
-    config = _proxy(num_layers=2, checkpoint=checkpoint, glue="model")
-    over = memory_plan(config, None).expected_peak_bytes - traced_peak(config).peak_bytes
-    assert 0 <= over < 2 * GIB
+# The plan to the byte at a tiny awkward shape (a prime context and vocabulary, three sequences, five blocks) for every
+# loss and every checkpointing kind it plans per block, with either glue and compute dtype spread over them: the
+# fake-tensor count takes as long at any size, and at this one every small tensor (rstd, int64 ids, a norm's
+# gradient) shows.
+_TINY = ModelConfig.from_preset("tiny", vocab_size=997, context_length=37, num_layers=5, d_model=48, num_heads=3,
+                                d_ff=136)
+_KINDS = ["none", "all", "first:2", "selective:3", "attention", "attention:2+selective:2", "first:1+selective:2"]
+_EVERY_LOSS_AND_KIND = [(loss, kind, ("triton", "model")[(i + j) % 2], ("bf16", "fp32")[j % 2])
+                        for i, loss in enumerate(registry.LOSSES) for j, kind in enumerate(_KINDS)]
+
+
+@pytest.mark.parametrize(("loss", "checkpoint", "glue", "dtype"), [
+    case if case[1] in ("none", "all") else pytest.param(*case, marks=pytest.mark.slow)
+    for case in _EVERY_LOSS_AND_KIND], ids="-".join)
+def test_the_plan_is_the_traced_peak_for_every_loss(loss: str, checkpoint: str, glue: str, dtype: str) -> None:
+    config = TrainConfig(_TINY, kernels=registry.kernels("sdpa", glue, loss), global_batch=3,
+                         parallelism=Parallelism(checkpoint=checkpoint, compute_dtype=dtype),
+                         optimizer=OptimizerConfig("adamw"))
+    assert memory_plan(config, None).expected_peak_bytes == traced_peak(config).peak_bytes
 
 
 def test_traced_peak_refuses_what_it_cannot_trace() -> None:

@@ -12,7 +12,8 @@ from cs336_basics.config import ModelConfig
 from cs336_basics.model import BlockKernels
 from cs336_harness.device import GIB
 from cs336_harness.memory_plan import measure_block, memory_plan, reserved_bytes
-from cs336_harness.training import OptimizerConfig, Parallelism, TrainConfig, build_training, make_batch
+from cs336_harness.train_config import OptimizerConfig, Parallelism, TrainConfig
+from cs336_harness.training import build_training, make_batch
 from cs336_sharding.checkpointing import activation_peak_bytes, kept_bytes
 
 MODEL = ModelConfig.from_preset("tiny", vocab_size=101, context_length=24, num_layers=4)
@@ -34,7 +35,7 @@ def test_own_attention_and_optimizer_train_under_a_memory_budget() -> None:
 
     base = TrainConfig(MODEL, kernels=BlockKernels(attention=attention), global_batch=2,
                        optimizer=OptimizerConfig(momentum_sgd, lr=0.05, weight_decay=0.0))
-    block, _ = measure_block(base)
+    block = measure_block(base).memory
     assert block.kept > block.selective > block.checkpointed == 2 * 24 * MODEL.d_model * 4  # the output, fp32
     # A cap that holds two blocks' activations whole and the rest checkpointed, but not every block whole.
     blocks = activation_peak_bytes(block, 4, "first:2")
@@ -42,12 +43,14 @@ def test_own_attention_and_optimizer_train_under_a_memory_budget() -> None:
     cap = reserved_bytes(base) + blocks
     config = dataclasses.replace(base, parallelism=Parallelism(checkpoint="budget", memory_cap_gib=cap / GIB))
     plan = memory_plan(config, None)
-    assert plan.block == block and str(plan.policy) not in ("none", "all")
+    assert plan.step.block == block and str(plan.policy) not in ("none", "all")
     assert reserved_bytes(config) + activation_peak_bytes(block, 4, plan.policy) <= cap
     assert sum(kept_bytes(block, 4, plan.policy)) < 4 * block.kept  # some block recomputes
 
+    calls["optimizer"] = 0
     training = build_training(config, torch.device("cpu"))
-    assert calls["optimizer"] == 1 and isinstance(training.optimizer, torch.optim.SGD)
+    # Once for the plan (on fake parameters: its update's temporaries), once for the step.
+    assert calls["optimizer"] == 2 and isinstance(training.optimizer, torch.optim.SGD)
     assert training.model.module.layers.policy == str(plan.policy)  # checkpointed as planned
     inputs, targets = make_batch(config)
     calls["attention"] = 0
@@ -64,7 +67,8 @@ def test_own_attention_and_optimizer_train_under_a_memory_budget() -> None:
     (lambda: TrainConfig(MODEL, fused_qkv=1), TypeError, "fused_qkv must be a bool"),
     (lambda: Parallelism(world_size=0), ValueError, "world_size must be a positive int"),
     (lambda: Parallelism(compute_dtype="fp16"), ValueError, "compute_dtype must be one of fp32, bf16, got 'fp16'"),
-    (lambda: Parallelism(fsdp="deepspeed"), ValueError, "fsdp must be one of ours, fsdp2"),
+    (lambda: Parallelism(wrapper="deepspeed"), ValueError,
+     "wrapper must be one of none, naive, flat, overlapped, bucketed, torch_ddp, zero1, fsdp, fsdp2, got 'deepspeed'"),
     (lambda: Parallelism(checkpoint="every:2"), ValueError, "unknown checkpoint policy"),
     (lambda: Parallelism(memory_cap_gib=0.0), ValueError, "memory_cap_gib must be positive"),
     (lambda: OptimizerConfig("sgd"), ValueError, "optimizer must be one of adamw, torch-adamw, fused-adamw"),

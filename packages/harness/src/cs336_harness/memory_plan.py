@@ -4,7 +4,7 @@ memory cap that stands for a leaderboard rank (:func:`default_memory_cap_bytes`)
 (:func:`memory_plan`).
 
 What a block keeps is counted, not modelled: :func:`measure_block` builds one block of the step's model with its
-kernels (:func:`cs336_harness.training.build_block`) on fake tensors and counts its live storages
+kernels (:func:`cs336_harness.train_config.build_block`) on fake tensors and counts its live storages
 (:class:`cs336_harness.analysis.live_memory.LiveMemory`) after a forward, not checkpointed and under each
 checkpointing mode (the segments that keep the selective matmuls' or the fused attention's outputs, and the one that
 keeps nothing), then at the peak of its backward. Nothing is computed, so a block of the 8B model at context 32,768
@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from cs336_basics.config import ModelConfig
-from cs336_basics.model import TransformerBlocks
+from cs336_basics.model import LMHead, RMSNorm, TransformerBlocks
 from cs336_sharding.checkpointing import (
     BlockMemory,
     CheckpointPolicySpec,
@@ -38,7 +39,7 @@ from torch import nn
 from cs336_harness.analysis.live_memory import LiveMemory, fake_tensors
 from cs336_harness.device import GIB
 from cs336_harness.registry import BUDGET, CHUNK_TOKENS
-from cs336_harness.training import TrainConfig, build_block, saved_ops
+from cs336_harness.train_config import TrainConfig, build_block, build_model, saved_ops
 
 # The leaderboard's run, whose ranks a memory cap stands for: the 8B model at its vocabulary and context on two ranks.
 LEADERBOARD_MODEL = ModelConfig.from_preset("8B", vocab_size=151_936, context_length=32_768)
@@ -75,26 +76,43 @@ def compiled(config: TrainConfig) -> bool:
     ``torch.compile`` wrapper."""
     k = config.kernels
     glue = (k.norm, k.add_norm, k.rotary, k.gate)
-    return config.parallelism.compile_blocks or any(hasattr(fn, "_torchdynamo_orig_callable") for fn in glue)
+    return config.parallelism.compile != "none" or any(hasattr(fn, "_torchdynamo_orig_callable") for fn in glue)
 
 
-def measure_block(config: TrainConfig) -> tuple[BlockMemory, bool]:
+class MeasuredBlock(NamedTuple):
+    """What :func:`measure_block` counts of one block: its ``memory``; whether its forward keeps its own input
+    (``saves_input``: a norm that keeps an fp32 copy of a bf16 input does not, so the block before it need not keep
+    its output); whether the output projection reads a copy of the attention's output (``attention_copied``: a
+    heads-first output, which the compiled byte model needs)."""
+
+    memory: BlockMemory
+    saves_input: bool
+    attention_copied: bool
+
+
+def _saved_storages(saved: set[int]) -> torch.autograd.graph.saved_tensors_hooks:
+    """A context in which autograd records in ``saved`` the storage of every tensor it saves for backward."""
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.add(tensor.untyped_storage()._cdata)
+        return tensor
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
+
+
+def measure_block(config: TrainConfig) -> MeasuredBlock:
     """What one block of ``config``'s model keeps with its kernels on this rank's batch, in the compute dtype and
-    with its weights already there (FSDP's gathered views, counted with the step), traced on fake tensors:
+    with its weights already there (as our FSDP gathers them: the 2-D weights in the compute dtype, the norms' in
+    fp32, counted with the step), traced on fake tensors:
 
     - ``kept``: the live storages after a forward, its output included;
     - ``selective``, ``attention``, ``checkpointed``: the same under a checkpointed segment that keeps the matmuls'
-      and the fused attention's outputs (:func:`cs336_harness.training.saved_ops`), the fused attention's alone,
+      and the fused attention's outputs (:func:`cs336_harness.train_config.saved_ops`), the fused attention's alone,
       and nothing;
     - ``working``: the peak of the backward above what lives when it starts (what the block keeps and the gradient
-      reaching its output, which takes the place of the output, freed in a step by then); or, where it is more, the
-      peak of a norm's forward and backward on the block's output less the norm's output (the final norm's backward
-      comes just before the last block's, with every block's activations alive: the model's fp32 RMSNorm peaks
-      there, above its block's backward; counted so, with the norm's output held and the last block's weights
-      gathered, it bounds that moment from above).
+      reaching its output, which takes the place of the output, freed in a step by then).
 
-    Also whether the output projection reads a copy of the attention's output (a heads-first output, which the
-    compiled byte model needs). Compiled kernels run as their eager code here.
+    Compiled kernels run as their eager code here.
     """
     m = config.model
     dtype = config.compute_dtype
@@ -107,11 +125,16 @@ def measure_block(config: TrainConfig) -> tuple[BlockMemory, bool]:
         return out
 
     kernels = dataclasses.replace(config.kernels, attention=attention_probe)
+    saved: set[int] = set()
     with torch.compiler.set_stance("force_eager"), fake_tensors():
-        block = build_block(m, kernels, fused_qkv=config.fused_qkv, dtype=dtype)
+        block = build_block(m, kernels, fused_qkv=config.fused_qkv)
+        for weight in block.parameters():
+            if weight.dim() == 2:
+                weight.data = weight.data.to(dtype)
         x = torch.empty(config.batch_per_rank, m.context_length, m.d_model, dtype=dtype, requires_grad=True)
         with LiveMemory() as live:
-            out = block(x)
+            with _saved_storages(saved):
+                out = block(x)
             kept = live.live_bytes
             gradient = torch.empty_like(out)
             start = live.live_bytes
@@ -119,11 +142,6 @@ def measure_block(config: TrainConfig) -> tuple[BlockMemory, bool]:
             out.backward(gradient)
             working = live.peak_bytes - start
             del out, gradient
-        with LiveMemory() as live:
-            normed = block.ln2(x)
-            normed.backward(torch.empty_like(normed))
-            working = max(working, live.peak_bytes - normed.untyped_storage().nbytes())
-            del normed
         block.zero_grad(set_to_none=True)
         tiers = {}
         for tier, policy in _MODES.items():
@@ -134,7 +152,8 @@ def measure_block(config: TrainConfig) -> tuple[BlockMemory, bool]:
                 out = holder.layers(x)  # held: its graph holds what the segment saved
                 tiers[tier] = live.live_bytes
                 del out
-    return BlockMemory(kept=kept, working=working, **tiers), copied[0]
+        saves_input = x.untyped_storage()._cdata in saved
+    return MeasuredBlock(BlockMemory(kept=kept, working=working, **tiers), saves_input, copied[0])
 
 
 def compiled_block_memory(shape: ModelConfig, batch: int, seq: int, *, dtype_bytes: int, fused_qkv: bool,
@@ -183,15 +202,16 @@ def compiled_block_memory(shape: ModelConfig, batch: int, seq: int, *, dtype_byt
                        checkpointed=out, working=e * d * f + 2 * e * n * f)
 
 
-def block_memory(config: TrainConfig) -> BlockMemory:
-    """What one block of ``config`` keeps in each mode: :func:`measure_block`, or :func:`compiled_block_memory` where
-    the block's forward or a piece of its glue is compiled."""
-    measured, copied = measure_block(config)
+def block_memory(config: TrainConfig) -> tuple[BlockMemory, bool]:
+    """What one block of ``config`` keeps in each mode and whether it keeps its input (:class:`MeasuredBlock`):
+    :func:`measure_block`, or :func:`compiled_block_memory` where the block's forward or a piece of its glue is
+    compiled (which keeps the norms' inputs)."""
+    measured = measure_block(config)
     if not compiled(config):
-        return measured
+        return measured.memory, measured.saves_input
     return compiled_block_memory(config.model, config.batch_per_rank, config.model.context_length,
                                  dtype_bytes=config.compute_dtype.itemsize, fused_qkv=config.fused_qkv,
-                                 attention_copied=copied)
+                                 attention_copied=measured.attention_copied), True
 
 
 def _block_params(model: ModelConfig) -> int:
@@ -199,12 +219,129 @@ def _block_params(model: ModelConfig) -> int:
     return (model.num_params - 2 * model.vocab_size * model.d_model - model.d_model) // model.num_layers
 
 
+def _block_weights(model: ModelConfig) -> int:
+    """The elements of one block's 2-D weights: what an FSDP gathers and reduce-scatters (its two norms' weights
+    are replicated)."""
+    return _block_params(model) - 2 * model.d_model
+
+
+@dataclass(frozen=True)
+class HeadMemory:
+    """What the end of the step adds to memory on this rank's batch: the final norm, the LM head and its loss (any of
+    :data:`cs336_harness.registry.LOSSES`, or a user's), above their input (the last block's output, which the blocks
+    count) and their weights (which the plan counts as the wrapper holds them), as :func:`measure_head` counts them:
+
+    - ``forward``: the peak of their forward, the loss included (the standard loss's logits and their fp32
+      log-softmax, the chunked loss's one chunk, the fused loss's gradients);
+    - ``backward``: the peak of the loss's backward, up to the gradient for the final norm's output;
+    - ``handed``: what is alive then: that gradient, the head's weight gradient in the compute dtype (which the
+      wrapper takes over) and whatever the loss still holds;
+    - ``norm``: the peak of the final norm's backward, without the head's weight gradient (gone to the wrapper's
+      buffers by then);
+    - ``saves_input``: whether the final norm keeps its input itself (else the last block's output is freed once the
+      norm has run).
+    """
+
+    forward: int
+    backward: int
+    handed: int
+    norm: int
+    saves_input: bool
+
+
+def measure_head(config: TrainConfig) -> HeadMemory:
+    """:class:`HeadMemory` of ``config``: its final norm (fp32 weight, as our FSDP keeps a 1-D weight) and LM head (a
+    compute-dtype weight, as gathered) with its kernels' norm and loss, on fake tensors of this rank's batch, their
+    storages counted (:class:`~cs336_harness.analysis.live_memory.LiveMemory`) through a forward and a backward.
+    Compiled kernels run as their eager code here."""
+    m, dtype = config.model, config.compute_dtype
+    k = config.kernels
+    at_hidden_gradient: list[tuple[int, int]] = []
+    saved: set[int] = set()
+    with torch.compiler.set_stance("force_eager"), fake_tensors():
+        norm = RMSNorm(m.d_model, norm=k.norm)
+        head = LMHead(m.d_model, m.vocab_size, dtype=dtype, loss=k.loss)
+        x = torch.empty(config.batch_per_rank, m.context_length, m.d_model, dtype=dtype, requires_grad=True)
+        targets = torch.empty(config.batch_per_rank, m.context_length, dtype=torch.int64)
+        with LiveMemory() as live:
+
+            def handed(gradient: torch.Tensor) -> None:
+                at_hidden_gradient.append((live.peak_bytes, live.live_bytes))
+                live.reset_peak()
+
+            with _saved_storages(saved):
+                hidden = norm(x)
+            hidden.register_hook(handed)
+            loss = head(hidden, targets)
+            del hidden
+            forward = live.peak_bytes
+            live.reset_peak()
+            loss.backward()
+            norm_peak = live.peak_bytes - head.weight.grad.untyped_storage().nbytes()
+        saves_input = x.untyped_storage()._cdata in saved
+    (backward, handed_bytes), = at_hidden_gradient
+    return HeadMemory(forward=forward, backward=backward, handed=handed_bytes, norm=norm_peak,
+                      saves_input=saves_input)
+
+
+def measure_optimizer(config: TrainConfig) -> int:
+    """The peak of ``config``'s optimizer update above this rank's weights, gradients and optimizer state (its
+    temporaries), on fake tensors: the optimizer built over parameters shaped as our FSDP hands them over (a 2-D
+    weight flat, its 1 / world_size share; the others whole, fp32), a step taken to make its state, then the step
+    counted."""
+    w = config.parallelism.world_size
+    shapes = [p.shape for p in build_model(config.model, device=torch.device("meta")).parameters()]
+    with fake_tensors():
+        params = [nn.Parameter(torch.empty(-(-shape.numel() // w) if len(shape) == 2 else shape.numel()))
+                  for shape in shapes]
+        for p in params:
+            p.grad = torch.empty_like(p)
+        optimizer = config.optimizer.build(params)
+        with LiveMemory(host_read=1) as live:  # torch's optimizers read their count of steps taken
+            optimizer.step()
+            start = live.live_bytes
+            live.reset_peak()
+            optimizer.step()
+    return live.peak_bytes - start
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """What the plan counts of a step on fake tensors: ``block`` (what one block keeps in each mode,
+    :func:`block_memory`) and ``block_saves_input`` (whether a block keeps its input, :class:`MeasuredBlock`),
+    ``head`` (the end of the step, :func:`measure_head`) and ``optimizer`` (its update's temporaries,
+    :func:`measure_optimizer`)."""
+
+    block: BlockMemory
+    block_saves_input: bool
+    head: HeadMemory
+    optimizer: int
+
+
+def measure_step(config: TrainConfig) -> StepMemory:
+    """The :class:`StepMemory` of ``config``."""
+    block, saves_input = block_memory(config)
+    return StepMemory(block, saves_input, measure_head(config), measure_optimizer(config))
+
+
 def _held_through_step(config: TrainConfig) -> float:
     """What every moment of the backward holds (:func:`reserved_bytes`' first and third items): this rank's weights
-    and AdamW moments, RoPE's tables and the embedding's output."""
+    and AdamW moments, RoPE's tables, the batch's token ids and targets (int64) and the embedding's output."""
     m, e = config.model, config.compute_dtype.itemsize
+    tokens = config.batch_per_rank * m.context_length
     return (STATE_AT_BACKWARD_BYTES_PER_PARAM * m.num_params / config.parallelism.world_size
-            + 4 * m.context_length * m.head_dim + e * config.batch_per_rank * m.context_length * m.d_model)
+            + 4 * m.context_length * m.head_dim + 2 * 8 * tokens + e * tokens * m.d_model)
+
+
+# The loss and the gradient the backward starts from (fp32 scalars), alive through the backward; the loss also
+# through the optimizer's update.
+_LOSS_BYTES = 4
+
+
+def _after_head_bytes(config: TrainConfig) -> float:
+    """What the backward holds from the final norm's backward on, besides the wrapper's buffers: the final norm's
+    weight gradient (fp32, d) and the loss and its gradient."""
+    return 4 * config.model.d_model + 2 * _LOSS_BYTES
 
 
 def _head_gradient_bytes(config: TrainConfig) -> float:
@@ -216,17 +353,19 @@ def _head_gradient_bytes(config: TrainConfig) -> float:
 
 def reserved_bytes(config: TrainConfig) -> float:
     """What the step holds in the last block's backward besides the blocks' activations
-    (:func:`~cs336_sharding.checkpointing.activation_peak_bytes`). With P parameters (P_b in one block), N tokens,
+    (:func:`~cs336_sharding.checkpointing.activation_peak_bytes`). With P parameters (P_b in one block, G_b of them in
+    its 2-D weights, what FSDP gathers), N tokens,
     d = d_model, V = vocab, e = the compute dtype's bytes and W ranks:
 
     - weights and AdamW moments of this rank's shard, 12 P / W bytes (the last step's gradients were freed; the
       new ones grow while the backward frees activations);
-    - FSDP's gathered weights of two blocks, the one in its backward and the next, prefetched: 2 e P_b;
-    - RoPE's cos and sin tables (fp32, context x head_dim / 2 each) and the embedding's output (the first block's
-      input), e N d;
+    - FSDP's gathered weights of two blocks, the one in its backward and the next, prefetched: 2 e G_b;
+    - RoPE's cos and sin tables (fp32, context x head_dim / 2 each), the token ids and targets (16 N) and the
+      embedding's output (the first block's input), e N d;
+    - the final norm's weight gradient (fp32, 4 d), the loss and the gradient the backward started from;
     - our FSDP: the LM head's weight gradient in fp32, FSDP's buffer for its reduce-scatter (4 V d), and with W > 1
-      that collective's output shard (4 V d / W). The fused loss's chunk of logits and its gradients for the head
-      were freed before the blocks' backward began;
+      that collective's output shard (4 V d / W). The loss's tensors and its gradients for the head were freed
+      before the blocks' backward began (:func:`head_moments_bytes` has them);
     - FSDP2 with the chunked loss (the baselines; not traced): an estimate, the embedding's and head's gathered
       weights and the head's weight gradient in the compute dtype, 3 e V d (FSDP2 makes the root's fp32 gradients in
       its reduce-scatter after the embedding's backward, when the activations are freed); the final norm's saved
@@ -237,64 +376,103 @@ def reserved_bytes(config: TrainConfig) -> float:
     """
     m, e = config.model, config.compute_dtype.itemsize
     n, d, v = config.batch_per_rank * m.context_length, m.d_model, m.vocab_size
-    common = _held_through_step(config) + 2 * e * _block_params(m)
-    if config.parallelism.fsdp == "ours":
+    common = _held_through_step(config) + _after_head_bytes(config) + 2 * e * _block_weights(m)
+    if config.parallelism.wrapper == "fsdp":
         return common + _head_gradient_bytes(config)
     return common + 3 * e * v * d + (e + 8) * n * d + (e + 4 + 4) * min(CHUNK_TOKENS, n) * v
 
 
-def expected_peak_bytes(config: TrainConfig, block: BlockMemory, policy: CheckpointPolicySpec) -> float:
-    """The step's peak under ``policy`` with blocks that keep ``block``: :func:`reserved_bytes` plus the blocks'
-    share in the last block's backward (:func:`~cs336_sharding.checkpointing.activation_peak_bytes`), and with our
-    FSDP and the fused loss the largest of that and three other moments (P parameters, P_b in one block, N tokens, L
-    blocks, d = d_model, V = vocab, e = the compute dtype's bytes, W ranks; what every step holds, as in
+def head_moments_bytes(config: TrainConfig, head: HeadMemory) -> float:
+    """The step's peak at its end, above what it holds there besides (its state, :func:`_held_through_step`, and what
+    every block keeps): the largest of the loss's moments (:class:`HeadMemory`, measured) with the wrapper's weights
+    and buffers around them (e = the compute dtype's bytes, G_b elements in one block's 2-D weights, V = vocab,
+    d = d_model):
+
+    - the forward of the final norm and the loss, with the head's gathered weights (e V d; our FSDP gathers them
+      while the last block runs, FSDP2's root holds them with the embedding's, 2 e V d, through the step);
+    - the loss's backward: the head's weights gathered again and the last block's, prefetched (e G_b);
+    - our FSDP: the head's reduce-scatter, its weights freed and its fp32 gradient buffer made
+      (:func:`_head_gradient_bytes`) while the gradients the loss handed back are alive; then the final norm's
+      backward beside that buffer. FSDP2 keeps the head's weight gradient (e V d) through the final norm's backward.
+    """
+    m, e = config.model, config.compute_dtype.itemsize
+    gathered = e * m.vocab_size * m.d_model
+    block = e * _block_weights(m)
+    if config.parallelism.wrapper == "fsdp":
+        buffer = _head_gradient_bytes(config)
+        return max(gathered + head.forward, gathered + block + head.backward, block + head.handed + buffer,
+                   block + buffer + head.norm)
+    return max(2 * gathered + head.forward, 2 * gathered + block + max(head.backward, gathered + head.norm))
+
+
+def _unkept_outputs(step: StepMemory, tiers: list[str]) -> int:
+    """How many blocks' inputs (the previous block's output, or the embedding's) no one keeps: those of the blocks
+    kept whole that do not keep their input themselves (a checkpointed segment keeps its input)."""
+    return 0 if step.block_saves_input else tiers.count("kept")
+
+
+def expected_peak_bytes(config: TrainConfig, step: StepMemory, policy: CheckpointPolicySpec) -> float:
+    """The step's peak under ``policy``, its blocks, loss and optimizer as ``step`` counted them: the largest of
+    :func:`reserved_bytes` plus the blocks' share in the last block's backward
+    (:func:`~cs336_sharding.checkpointing.activation_peak_bytes`); what the step holds at its end (its state and what
+    every block keeps) plus :func:`head_moments_bytes`; the optimizer's update (this rank's weights, gradients and
+    state, 16 P / W, and its temporaries); and with our FSDP two other moments (P parameters, P_b in one block, G_b
+    in its 2-D weights, N
+    tokens, L blocks, d = d_model, V = vocab, e = the compute dtype's bytes, W ranks; what every step holds, as in
     :func:`reserved_bytes`, aside):
 
     - the first block's backward: its activations and working set, the fp32 gradients of every later block and of
-      the head (4 (L - 1) P_b + 4 V d, over W ranks plus the reduce-scatter in flight, 4 P_b, with W > 1), its
-      gathered weights and the embedding's, prefetched (e P_b + e V d). Between the first and the last block the
+      the head (4 (L - 1) P_b + 4 V d, over W ranks plus the reduce-scatter in flight, 4 G_b, with W > 1), its
+      gathered weights and the embedding's, prefetched (e G_b + e V d). Between the first and the last block the
       peak falls then rises (checkpointed blocks free more gradients' worth than they keep, kept blocks less), so
       these two moments bound every block's;
-    - the fused loss at the end of the forward (``cs336_kernels.fused_linear_cross_entropy``): what every block
-      keeps, the final norm's output, the head's gathered weights, the loss's gradients for the hidden states and the
-      head (e N d + e V d), one chunk of logits;
     - the embedding's backward, last: every block's and the head's fp32 gradients, the embedding's gathered weights,
       its dense weight gradient (zeros, then the scatter-add's result: 2 e V d) and the gradient reaching it.
 
-    Exact for our FSDP with the fused loss and the Triton glue
+    A block's output (e N d) that no one keeps is not counted where it is freed (:func:`_unkept_outputs`: a kept
+    block whose norm keeps an fp32 copy of its bf16 input; the final norm likewise for the last block's).
+
+    Exact for our FSDP, whatever the loss and the glue
     (:func:`~cs336_harness.studies.leaderboard.memory_trace.traced_peak` counts the step's tensors; on one H200 that
     count is within 0.1 GiB of the allocator's peak: cuBLAS' workspace and rounding); the two-rank terms come from
-    FSDP's code, not a trace.
+    FSDP's code, not a trace. For FSDP2 an estimate.
     """
-    # Imported here: on CPU the Triton interpreter must be chosen before the kernels load.
-    from cs336_kernels import CHUNK_BYTES
-
     m = config.model
-    last = reserved_bytes(config) + activation_peak_bytes(block, m.num_layers, policy)
-    if config.parallelism.fsdp != "ours":
-        return last
+    block = step.block
+    tiers = policy.per_block(m.num_layers)
     e = config.compute_dtype.itemsize
-    n, d, v, w, layers = config.batch_per_rank * m.context_length, m.d_model, m.vocab_size, \
-        config.parallelism.world_size, m.num_layers
-    block_params = _block_params(m)
-    common = _held_through_step(config)
-    in_flight = 4 * block_params if w > 1 else 0
+    output = e * config.batch_per_rank * m.context_length * m.d_model
+    unkept = _unkept_outputs(step, tiers)
+    held = _held_through_step(config)
+    last = reserved_bytes(config) + activation_peak_bytes(block, m.num_layers, policy) - unkept * output
+    kept = sum(kept_bytes(block, m.num_layers, policy)) - (unkept + (not step.head.saves_input)) * output
+    end = held + kept + head_moments_bytes(config, step.head)
+    update = held - output + 4 * m.num_params / config.parallelism.world_size + _LOSS_BYTES + step.optimizer
+    if config.parallelism.wrapper != "fsdp":
+        return max(last, end, update)
+    d, v, w, layers = m.d_model, m.vocab_size, config.parallelism.world_size, m.num_layers
+    block_params, block_weights = _block_params(m), _block_weights(m)
+    in_flight = 4 * block_weights if w > 1 else 0
     grads = 4 * ((layers - 1) * block_params + v * d) / w + in_flight
-    first = common + block.kept + block.working + grads + e * block_params + e * v * d
-    head = (common + sum(kept_bytes(block, layers, policy)) + e * n * d + 2 * e * v * d + e * n * d
-            + min(CHUNK_BYTES, n * v * e))
-    embedding = common + 4 * (layers * block_params + v * d) / w + in_flight + 3 * e * v * d
-    return max(last, first, head, embedding)
+    first_input = output if tiers[0] == "kept" and not step.block_saves_input else 0
+    after = _after_head_bytes(config)
+    first = held + after - first_input + block.kept + block.working + grads + e * block_weights + e * v * d
+    embedding = held + after + 4 * (layers * block_params + v * d) / w + in_flight + 3 * e * v * d
+    return max(last, end, first, embedding, update)
+
+
+# The wrappers the plan covers: the FSDPs, ours counted to the byte and FSDP2 estimated.
+PLANNED_WRAPPERS: tuple[str, ...] = ("fsdp", "fsdp2")
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """The checkpointing a run uses and the memory it expects: ``cap_bytes`` (None without one), ``block`` (what a
-    block keeps, :func:`block_memory`), ``policy`` and ``expected_peak_bytes`` (:func:`expected_peak_bytes`; None
-    for a policy it does not cover)."""
+    """The checkpointing a run uses and the memory it expects: ``cap_bytes`` (None without one), ``step`` (what its
+    blocks, loss and optimizer hold, :func:`measure_step`), ``policy`` and ``expected_peak_bytes``
+    (:func:`expected_peak_bytes`; None for a policy or a wrapper it does not cover)."""
 
     cap_bytes: float | None
-    block: BlockMemory
+    step: StepMemory
     policy: CheckpointPolicySpec
     expected_peak_bytes: float | None
 
@@ -303,33 +481,45 @@ def memory_plan(config: TrainConfig, device_bytes: int | None) -> MemoryPlan:
     """The :class:`MemoryPlan` of ``config`` on a device of ``device_bytes`` (None on CPU).
 
     Raises:
-        ValueError: for ``budget`` without a cap (``memory_cap_gib``, or a device to take the default from), or with
-            one below what the step holds besides the blocks' activations (:func:`reserved_bytes`).
+        ValueError: for ``budget`` under a wrapper the plan does not cover (:data:`PLANNED_WRAPPERS`), without a cap
+            (``memory_cap_gib``, or a device to take the default from), or with one below what the step holds
+            besides the blocks' activations (:func:`reserved_bytes`).
     """
     par = config.parallelism
+    if par.checkpoint == BUDGET and par.wrapper not in PLANNED_WRAPPERS:
+        raise ValueError(f"checkpoint 'budget' plans the steps of wrapper {' or '.join(PLANNED_WRAPPERS)}, got "
+                         f"{par.wrapper!r}; name a checkpoint policy")
     if par.memory_cap_gib is not None:
         cap = par.memory_cap_gib * GIB
     else:
         cap = None if device_bytes is None else default_memory_cap_bytes(config, device_bytes)
-    block = block_memory(config)
+    step = measure_step(config)
     if par.checkpoint == BUDGET:
         if cap is None:
             raise ValueError("checkpoint 'budget' needs memory_cap_gib without a GPU (its default comes from the GPU's "
                              "memory)")
-        # The policy decides the last block's backward, the peak whenever a block is kept; the first block's does
-        # not depend on it.
+        # The policy decides the last block's backward, the peak whenever a block is kept, and the end of the step,
+        # where every block's activations meet the loss's; the other moments do not depend on it.
         reserved = reserved_bytes(config)
         if cap <= reserved:
             raise ValueError(f"the memory cap, {cap / GIB:.3g} GiB, must cover what the step holds besides the blocks' "
                              f"activations ({reserved / GIB:.3g} GiB: this rank's weights and AdamW state, two blocks' "
                              "gathered weights, the LM head's gradient buffers) and leave room for them; raise "
                              "memory_cap_gib (--memory-cap-gib) above that")
-        policy = policy_for_budget(block, config.model.num_layers, cap - reserved,
-                                   keep_attention=par.budget_keeps_attention)
+        kept_cap = cap - _held_through_step(config) - head_moments_bytes(config, step.head)
+        policy = policy_for_budget(step.block, config.model.num_layers, cap - reserved,
+                                   keep_attention=par.budget_keeps_attention, kept_budget_bytes=kept_cap)
     else:
         policy = parse_policy(par.checkpoint)
-    try:
-        expected = expected_peak_bytes(config, block, policy)
-    except ValueError:
-        expected = None
-    return MemoryPlan(cap, block, policy, expected)
+    expected = None
+    if par.wrapper in PLANNED_WRAPPERS:
+        try:
+            expected = expected_peak_bytes(config, step, policy)
+        except ValueError:  # a policy of segments of several blocks: group, sqrt, nested
+            expected = None
+    return MemoryPlan(cap, step, policy, expected)
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """The memory of ``device``, a CUDA GPU's; None for any other device."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None

@@ -1,7 +1,7 @@
 """Every name the ``cs336`` command accepts for a piece of the training step, mapped once to its callable.
 
 The command line and the tables speak in these names; Python callers pass the callables themselves
-(:class:`cs336_harness.training.TrainConfig` takes a :class:`cs336_basics.model.BlockKernels` and an optimizer
+(:class:`cs336_harness.train_config.TrainConfig` takes a :class:`cs336_basics.model.BlockKernels` and an optimizer
 factory), so a function of their own trains the same way as one named here.
 
 - :data:`ATTENTIONS`: ``fn(q, k, v, is_causal) -> out`` over (batch, heads, seq, head_dim) tensors: ``eager`` (the
