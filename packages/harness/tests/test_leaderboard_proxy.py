@@ -191,7 +191,8 @@ def test_memory_plan_reports_the_policy_and_the_expected_peak() -> None:
     plan = memory_plan(config, None)
     assert str(plan.policy) == "none" and plan.cap_bytes == GIB  # a tiny model fits in 1 GiB
     assert plan.expected_peak_bytes == expected_peak_bytes(config, plan.step, plan.policy)
-    assert plan.expected_peak_bytes >= reserved_bytes(config) + activation_peak_bytes(plan.step.block, 2, "none")
+    blocks = activation_peak_bytes(plan.step.block, 2, "none")
+    assert plan.expected_peak_bytes >= reserved_bytes(config, plan.step) + blocks
     plain = memory_plan(dataclasses.replace(leaderboard_config, checkpoint="group:2",
                                             memory_cap_gib=None).train_config(), None)
     assert plain.expected_peak_bytes is None and plain.cap_bytes is None
@@ -206,7 +207,7 @@ def test_strong_baselines_budget_mixes_full_and_selective_blocks_on_the_proxy() 
     config = leaderboard.recipe(proxy, "torch_native_compiled").train_config()
     plan = memory_plan(config, None)
     assert str(plan.policy) == "first:4+selective:8" and plan.expected_peak_bytes <= plan.cap_bytes
-    budget, block = plan.cap_bytes - reserved_bytes(config), plan.step.block
+    budget, block = plan.cap_bytes - reserved_bytes(config, plan.step), plan.step.block
     assert activation_peak_bytes(block, 14, "first:3+selective:10") > budget
     assert activation_peak_bytes(block, 14, "first:4+selective:7") > budget
     assert activation_peak_bytes(block, 14, "first:6") > budget >= activation_peak_bytes(block, 14, "first:7")

@@ -44,10 +44,8 @@ from cs336_harness.train_config import TrainConfig, build_block, build_model, sa
 # The leaderboard's run, whose ranks a memory cap stands for: the 8B model at its vocabulary and context on two ranks.
 LEADERBOARD_MODEL = ModelConfig.from_preset("8B", vocab_size=151_936, context_length=32_768)
 LEADERBOARD_WORLD_SIZE = 2
-# Bytes of state per parameter through the step: fp32 weight, gradient and AdamW's two moments; the weight and the
-# moments alone are what lives at the start of the backward (the gradients of the previous step were freed).
+# Bytes of state per parameter of a leaderboard rank: fp32 weight, gradient and AdamW's two moments.
 STATE_BYTES_PER_PARAM = 16
-STATE_AT_BACKWARD_BYTES_PER_PARAM = 12
 # What a device's memory holds besides the tensors the plan counts: the CUDA context, NCCL's buffers, the caching
 # allocator's fragmentation. A budget is planned within the rest.
 DEVICE_RESERVE_BYTES = 4 * GIB
@@ -284,11 +282,11 @@ def measure_head(config: TrainConfig) -> HeadMemory:
                       saves_input=saves_input)
 
 
-def measure_optimizer(config: TrainConfig) -> int:
-    """The peak of ``config``'s optimizer update above this rank's weights, gradients and optimizer state (its
-    temporaries), on fake tensors: the optimizer built over parameters shaped as our FSDP hands them over (a 2-D
-    weight flat, its 1 / world_size share; the others whole, fp32), a step taken to make its state, then the step
-    counted."""
+def measure_optimizer(config: TrainConfig) -> tuple[int, int]:
+    """This rank's optimizer state, and the peak of its update above the weights, gradients and that state (its
+    temporaries), counted on fake tensors: ``config``'s optimizer built over parameters shaped as our FSDP hands them
+    over (a 2-D weight flat, its 1 / world_size share; the others whole, fp32), a step taken to make its state, then
+    the step counted."""
     w = config.parallelism.world_size
     shapes = [p.shape for p in build_model(config.model, device=torch.device("meta")).parameters()]
     with fake_tensors():
@@ -299,37 +297,39 @@ def measure_optimizer(config: TrainConfig) -> int:
         optimizer = config.optimizer.build(params)
         with LiveMemory(host_read=1) as live:  # torch's optimizers read their count of steps taken
             optimizer.step()
-            start = live.live_bytes
+            state = live.live_bytes
             live.reset_peak()
             optimizer.step()
-    return live.peak_bytes - start
+    return state, live.peak_bytes - state
 
 
 @dataclass(frozen=True)
 class StepMemory:
     """What the plan counts of a step on fake tensors: ``block`` (what one block keeps in each mode,
     :func:`block_memory`) and ``block_saves_input`` (whether a block keeps its input, :class:`MeasuredBlock`),
-    ``head`` (the end of the step, :func:`measure_head`) and ``optimizer`` (its update's temporaries,
-    :func:`measure_optimizer`)."""
+    ``head`` (the end of the step, :func:`measure_head`), ``optimizer_state`` and ``optimizer_update`` (this rank's
+    optimizer state, and its update's temporaries, :func:`measure_optimizer`)."""
 
     block: BlockMemory
     block_saves_input: bool
     head: HeadMemory
-    optimizer: int
+    optimizer_state: int
+    optimizer_update: int
 
 
 def measure_step(config: TrainConfig) -> StepMemory:
     """The :class:`StepMemory` of ``config``."""
     block, saves_input = block_memory(config)
-    return StepMemory(block, saves_input, measure_head(config), measure_optimizer(config))
+    return StepMemory(block, saves_input, measure_head(config), *measure_optimizer(config))
 
 
-def _held_through_step(config: TrainConfig) -> float:
-    """What every moment of the backward holds (:func:`reserved_bytes`' first and third items): this rank's weights
-    and AdamW moments, RoPE's tables, the batch's token ids and targets (int64) and the embedding's output."""
+def _held_through_step(config: TrainConfig, step: StepMemory) -> float:
+    """What every moment of the backward holds (:func:`reserved_bytes`' first and third items): this rank's fp32
+    weights and optimizer state, RoPE's tables, the batch's token ids and targets (int64) and the embedding's
+    output."""
     m, e = config.model, config.compute_dtype.itemsize
     tokens = config.batch_per_rank * m.context_length
-    return (STATE_AT_BACKWARD_BYTES_PER_PARAM * m.num_params / config.parallelism.world_size
+    return (4 * m.num_params / config.parallelism.world_size + step.optimizer_state
             + 4 * m.context_length * m.head_dim + 2 * 8 * tokens + e * tokens * m.d_model)
 
 
@@ -351,14 +351,14 @@ def _head_gradient_bytes(config: TrainConfig) -> float:
     return 4 * m.vocab_size * m.d_model * (1 + (1 / w if w > 1 else 0))
 
 
-def reserved_bytes(config: TrainConfig) -> float:
+def reserved_bytes(config: TrainConfig, step: StepMemory) -> float:
     """What the step holds in the last block's backward besides the blocks' activations
     (:func:`~cs336_sharding.checkpointing.activation_peak_bytes`). With P parameters (P_b in one block, G_b of them in
     its 2-D weights, what FSDP gathers), N tokens,
     d = d_model, V = vocab, e = the compute dtype's bytes and W ranks:
 
-    - weights and AdamW moments of this rank's shard, 12 P / W bytes (the last step's gradients were freed; the
-      new ones grow while the backward frees activations);
+    - this rank's fp32 weights, 4 P / W bytes, and its optimizer state (``step``'s; AdamW's two moments are 8 P / W):
+      the last step's gradients were freed, and the new ones grow while the backward frees activations;
     - FSDP's gathered weights of two blocks, the one in its backward and the next, prefetched: 2 e G_b;
     - RoPE's cos and sin tables (fp32, context x head_dim / 2 each), the token ids and targets (16 N) and the
       embedding's output (the first block's input), e N d;
@@ -376,7 +376,7 @@ def reserved_bytes(config: TrainConfig) -> float:
     """
     m, e = config.model, config.compute_dtype.itemsize
     n, d, v = config.batch_per_rank * m.context_length, m.d_model, m.vocab_size
-    common = _held_through_step(config) + _after_head_bytes(config) + 2 * e * _block_weights(m)
+    common = _held_through_step(config, step) + _after_head_bytes(config) + 2 * e * _block_weights(m)
     if config.parallelism.wrapper == "fsdp":
         return common + _head_gradient_bytes(config)
     return common + 3 * e * v * d + (e + 8) * n * d + (e + 4 + 4) * min(CHUNK_TOKENS, n) * v
@@ -443,11 +443,11 @@ def expected_peak_bytes(config: TrainConfig, step: StepMemory, policy: Checkpoin
     e = config.compute_dtype.itemsize
     output = e * config.batch_per_rank * m.context_length * m.d_model
     unkept = _unkept_outputs(step, tiers)
-    held = _held_through_step(config)
-    last = reserved_bytes(config) + activation_peak_bytes(block, m.num_layers, policy) - unkept * output
+    held = _held_through_step(config, step)
+    last = reserved_bytes(config, step) + activation_peak_bytes(block, m.num_layers, policy) - unkept * output
     kept = sum(kept_bytes(block, m.num_layers, policy)) - (unkept + (not step.head.saves_input)) * output
     end = held + kept + head_moments_bytes(config, step.head)
-    update = held - output + 4 * m.num_params / config.parallelism.world_size + _LOSS_BYTES + step.optimizer
+    update = held - output + 4 * m.num_params / config.parallelism.world_size + _LOSS_BYTES + step.optimizer_update
     if config.parallelism.wrapper != "fsdp":
         return max(last, end, update)
     d, v, w, layers = m.d_model, m.vocab_size, config.parallelism.world_size, m.num_layers
@@ -482,8 +482,8 @@ def memory_plan(config: TrainConfig, device_bytes: int | None) -> MemoryPlan:
 
     Raises:
         ValueError: for ``budget`` under a wrapper the plan does not cover (:data:`PLANNED_WRAPPERS`), without a cap
-            (``memory_cap_gib``, or a device to take the default from), or with one below what the step holds
-            besides the blocks' activations (:func:`reserved_bytes`).
+            (``memory_cap_gib``, or a device to take the default from), or with one below the step's peak with every
+            block checkpointed.
     """
     par = config.parallelism
     if par.checkpoint == BUDGET and par.wrapper not in PLANNED_WRAPPERS:
@@ -498,16 +498,16 @@ def memory_plan(config: TrainConfig, device_bytes: int | None) -> MemoryPlan:
         if cap is None:
             raise ValueError("checkpoint 'budget' needs memory_cap_gib without a GPU (its default comes from the GPU's "
                              "memory)")
+        least = expected_peak_bytes(config, step, CheckpointPolicySpec("all"))
+        if cap < least:
+            raise ValueError(f"the memory cap, {cap / GIB:.3g} GiB, is below the step's peak with every block "
+                             f"checkpointed ({least / GIB:.3g} GiB: this rank's weights, gradients and optimizer "
+                             "state, the gathered weights and gradient buffers, the loss's tensors); raise "
+                             "memory_cap_gib (--memory-cap-gib) to that or more")
         # The policy decides the last block's backward, the peak whenever a block is kept, and the end of the step,
-        # where every block's activations meet the loss's; the other moments do not depend on it.
-        reserved = reserved_bytes(config)
-        if cap <= reserved:
-            raise ValueError(f"the memory cap, {cap / GIB:.3g} GiB, must cover what the step holds besides the blocks' "
-                             f"activations ({reserved / GIB:.3g} GiB: this rank's weights and AdamW state, two blocks' "
-                             "gathered weights, the LM head's gradient buffers) and leave room for them; raise "
-                             "memory_cap_gib (--memory-cap-gib) above that")
-        kept_cap = cap - _held_through_step(config) - head_moments_bytes(config, step.head)
-        policy = policy_for_budget(step.block, config.model.num_layers, cap - reserved,
+        # where every block's activations meet the loss's; the other moments do not depend on it, and fit.
+        kept_cap = cap - _held_through_step(config, step) - head_moments_bytes(config, step.head)
+        policy = policy_for_budget(step.block, config.model.num_layers, cap - reserved_bytes(config, step),
                                    keep_attention=par.budget_keeps_attention, kept_budget_bytes=kept_cap)
     else:
         policy = parse_policy(par.checkpoint)
