@@ -22,14 +22,8 @@ from cs336_harness import cli, registry
 from cs336_harness.analysis import kernel_kinds
 from cs336_harness.commands import leaderboard as leaderboard_command
 from cs336_harness.device import GIB
-from cs336_harness.memory_plan import (
-    compiled_block_memory,
-    default_memory_cap_bytes,
-    expected_peak_bytes,
-    measure_block,
-    memory_plan,
-    reserved_bytes,
-)
+from cs336_harness.memory_plan import default_memory_cap_bytes, expected_peak_bytes, memory_plan, reserved_bytes
+from cs336_harness.step_memory import compiled_block_memory, measure_block
 from cs336_harness.studies import leaderboard
 from cs336_harness.studies.leaderboard import LeaderboardConfig
 from cs336_harness.train_config import Parallelism, TrainConfig, build_model, saved_ops

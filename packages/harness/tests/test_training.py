@@ -14,7 +14,8 @@ from cs336_basics.model import BlockKernels
 from cs336_comms.process_group import spawn
 from cs336_harness import cli, registry
 from cs336_harness.device import GIB
-from cs336_harness.memory_plan import expected_peak_bytes, measure_step, memory_plan
+from cs336_harness.memory_plan import expected_peak_bytes, memory_plan
+from cs336_harness.step_memory import measure_step
 from cs336_harness.studies.leaderboard import traced_peak
 from cs336_harness.train_config import OptimizerConfig, Parallelism, TrainConfig
 from cs336_harness.training import build_training, make_batch

@@ -13,8 +13,8 @@ import torch
 from cs336_sharding.checkpointing import parse_policy
 
 from cs336_harness.analysis.live_memory import LiveMemory, fake_tensors
-from cs336_harness.memory_plan import compiled
 from cs336_harness.registry import BUDGET
+from cs336_harness.step_memory import compiled
 from cs336_harness.train_config import TrainConfig
 from cs336_harness.training import build_training, rank_batch
 
