@@ -208,10 +208,10 @@ def _print_memory_plans(configs: list[leaderboard.LeaderboardConfig]) -> int:
             "block_kept_gib": plan.step.block.kept / GIB,
         })
     print_measured_table(rows, list(rows[0]), floatfmt=".2f")
-    print("planned: the memory plan (a block's bytes counted on fake tensors, compiled blocks' by the byte model, the "
-          "rest of the step by formula: exact for ours, an estimate for the baselines); fake_tensor_peak: the step's "
-          "tensors counted without running it; the allocator adds cuBLAS' workspace and rounding (about 0.07 GiB on "
-          "the proxy)")
+    print("planned: the memory plan (a block's, the loss's and the optimizer's bytes counted on fake tensors, compiled "
+          "blocks' by the byte model, the wrapper's buffers by formula: exact for ours, an estimate for the "
+          "baselines); fake_tensor_peak: the step's tensors counted without running it; the allocator adds cuBLAS' "
+          "workspace and rounding (about 0.07 GiB on the proxy)")
     return 0
 
 
