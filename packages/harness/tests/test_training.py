@@ -102,6 +102,10 @@ def test_own_attention_and_optimizer_train_under_a_memory_budget() -> None:
     (lambda: Parallelism(wrapper="deepspeed"), ValueError,
      "wrapper must be one of none, naive, flat, overlapped, bucketed, torch_ddp, zero1, fsdp, fsdp2, got 'deepspeed'"),
     (lambda: Parallelism(checkpoint="every:2"), ValueError, "unknown checkpoint policy"),
+    (lambda: Parallelism(compile="graph"), ValueError, "compile must be one of none, blocks, model, got 'graph'"),
+    (lambda: Parallelism(compile="model"), ValueError, "compile 'model' compiles the bare model .wrapper 'none'., got "
+                                                       "wrapper 'fsdp'; under a wrapper, compile 'blocks'"),
+    (lambda: Parallelism(bucket_size_mb=0), ValueError, "bucket_size_mb must be positive, got 0"),
     (lambda: Parallelism(memory_cap_gib=0.0), ValueError, "memory_cap_gib must be positive"),
     (lambda: OptimizerConfig("sgd"), ValueError, "optimizer must be one of adamw, torch-adamw, fused-adamw"),
     (lambda: OptimizerConfig(3), TypeError, "a callable fn.params, lr, weight_decay."),
@@ -124,3 +128,22 @@ def test_a_step_on_a_batch_larger_than_the_configs_is_refused() -> None:
             training.step(ids, ids)
     with pytest.raises(ValueError, match=r"targets must be shaped like token_ids \(2, 16\), got \(2, 15\)"):
         training.step(inputs, targets[:, :-1])
+
+
+def test_a_compute_dtype_is_autocast_where_the_wrapper_does_not_cast_the_weights() -> None:
+    casting = {w for w in ("none", "naive", "flat", "overlapped", "bucketed", "torch_ddp", "zero1", "fsdp", "fsdp2")
+               if not Parallelism(compute_dtype="bf16", wrapper=w).autocast}
+    assert casting == {"fsdp", "fsdp2"} and not Parallelism(wrapper="none").autocast  # fp32: nothing to cast
+    config = TrainConfig(dataclasses.replace(MODEL, context_length=8), global_batch=2,
+                         parallelism=Parallelism(compute_dtype="bf16", wrapper="none"))
+    training = build_training(config, torch.device("cpu"))
+    seen = []
+    training.model.layers[0].ffn.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    training.forward(*make_batch(config))
+    assert seen == [torch.bfloat16]  # the blocks' matmuls ran under autocast; the weights stay fp32
+    assert all(p.dtype == torch.float32 for p in training.model.parameters())
+    for wrapper in ("torch_ddp", "zero1", "fsdp2"):
+        with pytest.raises(ValueError, match=f"wrapper '{wrapper}' on world_size 1 needs an initialised process "
+                                             "group of that many ranks; without one, world_size 1 runs with any "
+                                             "wrapper but torch_ddp, zero1, fsdp2"):
+            build_training(dataclasses.replace(config, parallelism=Parallelism(wrapper=wrapper)), torch.device("cpu"))

@@ -123,7 +123,7 @@ def _no_sync() -> None:
     """The gradient sync of a wrapper that has none to finish (none, or one that waits inside backward)."""
 
 
-def wrap(model: nn.Module, config: TrainConfig, device: torch.device) -> tuple[nn.Module, Callable[[], None]]:
+def _wrap(model: nn.Module, config: TrainConfig, device: torch.device) -> tuple[nn.Module, Callable[[], None]]:
     """``model`` inside ``config``'s wrapper (:class:`~cs336_harness.train_config.Parallelism`), and the call that
     finishes its gradient synchronisation after backward."""
     par = config.parallelism
@@ -180,7 +180,7 @@ def build_training(config: TrainConfig, device: torch.device) -> Training:
     apply_checkpointing(model, policy, saved_ops(config.model))
     if par.compile == "blocks":
         apply_compile(model)
-    wrapped, finish_sync = wrap(model, config, device)
+    wrapped, finish_sync = _wrap(model, config, device)
     if par.compile == "model":
         wrapped = torch.compile(wrapped)
     params = list(wrapped.parameters())  # this rank's: an FSDP's are its shards
