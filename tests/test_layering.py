@@ -1,6 +1,7 @@
-"""Each package imports, and declares dependencies on, only the packages below it, and imports nothing it does not
-declare: its sources only its ``dependencies``, its ``tests/`` those, its extras and its ``dev`` group (what the tests
-need besides the package; uv installs that group with the package), so that each package's suite runs in an
+"""Each package imports, and declares dependencies on, only the packages below it, its modules import each other in one
+direction (no circle, counting every import: inside functions and for type checking too), and it imports nothing it
+does not declare: its sources only its ``dependencies``, its ``tests/`` those, its extras and its ``dev`` group (what
+the tests need besides the package; uv installs that group with the package), so that each package's suite runs in an
 environment holding only the package and what it declares (``.ci/run`` runs it so). An import inside a ``try`` that
 catches its ``ImportError`` is optional (a tool compared against where it is installed) and needs no declaration.
 """
@@ -79,6 +80,43 @@ def _undeclared(paths: list[Path], declared: set[str], local: set[str]) -> dict[
     return offenders
 
 
+def _module_graph(src: Path) -> dict[str, set[str]]:
+    """Module -> the modules of the same source tree that it imports (any import statement, anywhere in the file;
+    ``from a.b import c`` is module ``a.b.c`` where that is a module, else ``a.b``)."""
+    modules = {".".join(p.relative_to(src).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in src.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                edges |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                          for a in node.names}
+        graph[name] = {m for m in edges if m in modules and m != name}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One import circle through each module that is on one (a path back to itself), found depth first."""
+    circles, done = [], set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            circles.append(path[path.index(module):] + [module])
+            return
+        if module in done:
+            return
+        for imported in sorted(graph[module]):
+            visit(imported, [*path, module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+    return circles
+
+
 def _shown(offenders: dict[Path, list[str]]) -> dict[str, list[str]]:
     return {str(path.relative_to(ROOT)): modules for path, modules in offenders.items()}
 
@@ -109,6 +147,12 @@ def test_sources_import_only_lower_layers(package):
         if bad:
             offenders[str(path.relative_to(ROOT))] = sorted(bad)
     assert not offenders, f"imports of higher or sibling layers: {offenders}"
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_modules_import_each_other_without_a_circle(package):
+    circles = _circles(_module_graph(ROOT / "packages" / package / "src"))
+    assert not circles, f"import circles among {package}'s modules: {[' -> '.join(c) for c in circles]}"
 
 
 @pytest.mark.parametrize("package", sorted(ALLOWED))
@@ -164,3 +208,22 @@ def test_checker_catches_a_violation(tmp_path):
     assert _undeclared([bad], {"torch"}, local=set()) == {bad: ["numpy"]}  # the optional import is not counted
     assert _undeclared([bad], {"numpy"}, local=set()) == {}
     assert _undeclared([bad], {"torch"}, local={"numpy"}) == {}  # a helper module of the tests folder
+
+
+def test_circle_checker_catches_a_circle(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "plan.py").write_text("from pkg.config import Config\n")
+    (package / "config.py").write_text("import torch\n")
+    (package / "sub" / "__init__.py").write_text("from pkg.sub import train\n")
+    (package / "sub" / "train.py").write_text("from pkg import plan\n\n\ndef build():\n    from pkg import config\n")
+    graph = _module_graph(tmp_path)
+    assert graph == {"pkg": set(), "pkg.plan": {"pkg.config"}, "pkg.config": set(), "pkg.sub": {"pkg.sub.train"},
+                     "pkg.sub.train": {"pkg.plan", "pkg.config"}}
+    assert _circles(graph) == []
+    # An import inside a function closes a circle as surely as one at the top (the harness's plan and training had
+    # one so).
+    (package / "config.py").write_text("if False:\n    from pkg.sub.train import build\n")
+    assert _circles(_module_graph(tmp_path)) == [["pkg.config", "pkg.sub.train", "pkg.config"],
+                                                 ["pkg.config", "pkg.sub.train", "pkg.plan", "pkg.config"]]

@@ -10,8 +10,8 @@ example must say how it is checked): ``cpu`` runs it on this machine (``uv run X
 is a pytest run of this repo's tests (its paths and markers are checked; CI and the GPU calls run the suites);
 ``ci`` is a line that ``.ci/run`` runs; ``gpu-call`` is one of the lent machine's scripts (``tools/gpu*.sh``: it
 must exist and parse, and the command it wraps must parse); ``nsys`` is a Nsight command (our GPU machine has no
-working nsys: the cs336 command it profiles must parse); ``experiment`` re-runs a patch of ``experiments/`` (the patch
-must apply on the commit named, and the script run must be one the patches create).
+working nsys: the cs336 command it profiles must parse); ``experiment`` re-runs a patch of ``writeup/experiments/``
+(the patch must apply on the commit named, and the script run must be one the patches create).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 READMES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("packages/*/README.md")),
-           "tools/README.md", "writeup/README.md", "experiments/README.md"]
+           "tools/README.md", "writeup/README.md", "writeup/experiments/README.md"]
 CUDA = torch.cuda.is_available()
 MARKERS = {"gpu", "slow", "interpreter", "gpu_exclusive"}
 
@@ -82,7 +82,7 @@ COMMANDS: dict[str, str] = {
     "bash tools/gpu.sh python3 -m pytest -m gpu packages/sharding": "gpu-call",
     "bash tools/gpu.sh python3 -m cs336_harness.cli bench --size xl": "gpu-call",
     "bash tools/gpu.sh python3 -m pytest -m gpu": "gpu-call",
-    "git switch --detach 7b59342 && git apply experiments/s11a_attention_pieces.patch": "experiment",
+    "git switch --detach 7b59342 && git apply writeup/experiments/s11a_attention_pieces.patch": "experiment",
     "bash tools/gpu.sh python3 scratch/attn_probe.py": "experiment",
 }
 
@@ -309,4 +309,5 @@ def test_experiment_line_applies_its_patch_or_runs_a_script_a_patch_makes(block:
     else:
         script = words[-1]
         assert words[:3] == ["bash", "tools/gpu.sh", "python3"] and script.startswith("scratch/")
-        assert any(f"+++ b/{script}\n" in p.read_text() for p in (ROOT / "experiments").glob("*.patch")), script
+        patches = (ROOT / "writeup" / "experiments").glob("*.patch")
+        assert any(f"+++ b/{script}\n" in p.read_text() for p in patches), script

@@ -1,6 +1,6 @@
-"""``writeup/results/`` holds data and logs only: no code (experiment code is a patch in ``experiments/``), no
-archives, and every row's command is what a user types from the repository root: no value in a row names a folder
-of the machine that ran it (its command, the files it wrote)."""
+"""``writeup/results/`` holds data and logs only: no code (experiment code is a patch in ``writeup/experiments/``),
+no archives, and every row's command is what a user types from the repository root: no value in a row names a
+folder of the machine that ran it (its command, the files it wrote)."""
 
 import json
 import re
@@ -51,7 +51,7 @@ def test_the_checks_catch_what_they_look_for(tmp_path: Path) -> None:
     rows = [{"command": "cs336 bench --out writeup/results/x.jsonl --plot $OUT/a.png"}, {"value": 1},
             {"command": "/work/main/packages/harness/src/cs336_harness/cli.py bench"},
             {"command": "cs336 ddp --trace-dir=/tmp/tr"}, {"command": "uv run python tools/x.py --out /root/out/x"},
-            {"command": "bash tools/gpu.sh python3 scratch/p.py (scratch/ from experiments/p.patch on abc1234)"},
+            {"command": "bash tools/gpu.sh python3 scratch/p.py (scratch/ from writeup/experiments/p.patch on abc)"},
             {"memory": {"snapshot": "/tmp/tmp.x/memory.pickle"}, "note": "max / min"},
             {"profile": {"trace": "writeup/results/traces/t.json.gz"}, "ms_calls": [1.0, 2.0]}]
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")

@@ -23,7 +23,8 @@ from cs336_harness.analysis.live_memory import LiveMemory, fake_tensors
 from cs336_harness.memory_plan import memory_plan
 from cs336_harness.results import append_rows
 from cs336_harness.studies.leaderboard import PROXY_DEFAULTS, LeaderboardConfig
-from cs336_harness.training import TrainConfig, build_training, rank_batch
+from cs336_harness.train_config import TrainConfig
+from cs336_harness.training import build_training, rank_batch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 

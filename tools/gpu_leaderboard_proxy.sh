@@ -52,8 +52,11 @@ proxy() {  # proxy NAME MAX_S [FLAGS...]: one cs336 leaderboard --proxy run, ski
   fi
   if [ "$(left)" -gt 45 ]; then
     echo "== gpu tests ($(left) s left)"
+    # Of the step's peak against the allocator, ours (the fused loss) only: every loss and checkpointing kind is
+    # tools/gpu_memory_plan.sh's call.
     timeout "$(left)" bash tools/gpu.sh python3 -m pytest -m gpu packages/harness/tests/test_leaderboard_proxy.py \
-      packages/harness/tests/test_live_memory.py -q -p no:cacheprovider || echo "== gpu tests FAILED or timed out (rc $?)"
+      packages/harness/tests/test_live_memory.py -k "not planned_peak or fused-attention" -q -p no:cacheprovider \
+      || echo "== gpu tests FAILED or timed out (rc $?)"
   else
     echo "[skip: deadline] gpu tests"
   fi

@@ -9,7 +9,7 @@ Two methods, both scaling the proxy's step (ours, the ``budget`` policy, the lat
 - ``layers``: by the ratio of layers, 34 / 14 (the proxy does one rank's work per layer).
 
 Both assume that communication hides behind compute as on 30 Nov and that the policy sized on the proxy fits a rank
-with 34 layers; the row says so. Predictions never enter the tables of measurements (``cs336_harness.writeup``
+with 34 layers; the row says so. Predictions never enter the tables of measurements (``tools/writeup_tables.py``
 leaves out ``kind: prediction``).
 
     uv run python tools/predict_leaderboard.py          # appends the row to writeup/results/leaderboard.jsonl

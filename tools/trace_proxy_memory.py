@@ -59,7 +59,7 @@ def trace_rows() -> list[dict]:
         "config": {**{k: getattr(budget, k) for k in _SHOWN}, "checkpoint": str(plan.policy)},
         "traced_peak_gib": traced_peak(budget.train_config()).peak_bytes / GIB,
         "planned_peak_gib": plan.expected_peak_bytes / GIB,
-        "block_gib": {k: v / GIB for k, v in dataclasses.asdict(plan.block).items()},
+        "block_gib": {k: v / GIB for k, v in dataclasses.asdict(plan.step.block).items()},
     })
     return out
 

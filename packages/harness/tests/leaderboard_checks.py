@@ -62,6 +62,6 @@ def one_step_each(rank: int, world_size: int, configs: list[LeaderboardConfig], 
         training.optimizer.step()
         dist.all_reduce(loss)  # gloo has no AVG
         records.append({"loss": loss.item() / world_size, "grads": grads, "params": full_params(),
-                        "checkpoint": str(training.plan.policy)})
+                        "checkpoint": str(training.policy)})
     if rank == 0:
         (Path(out_dir) / "records.pkl").write_bytes(pickle.dumps(records))

@@ -10,6 +10,7 @@ from cs336_harness import cli
 from cs336_harness.commands.bench import configs_from_args
 from cs336_harness.results import read_rows
 from cs336_harness.studies import step_timing
+from cs336_harness.training import build_training
 
 PROVENANCE_KEYS = ("command", "device", "torch", "triton", "python", "commit", "date")
 TINY = ["--size", "tiny", "--batch-size", "2", "--context-length", "17", "--warmup", "1", "--steps", "2"]
@@ -157,12 +158,12 @@ def test_fused_loss_triton_attention_and_fused_adamw_match_the_plain_path() -> N
     targets = torch.randint(0, config.vocab_size, (2, 17), generator=gen)
 
     def loss_grads_and_step(cfg: step_timing.BenchConfig) -> tuple[torch.Tensor, list, list]:
-        model, loss_fn, optimizer = step_timing.build_step(cfg)
-        loss = loss_fn(tokens, targets)
+        training = build_training(cfg.train_config(), torch.device("cpu"))
+        loss = training.forward(tokens, targets)
         loss.backward()
-        grads = [p.grad.clone() for p in model.parameters()]
-        optimizer.step()
-        return loss.detach(), grads, [p.detach() for p in model.parameters()]
+        grads = [p.grad.clone() for p in training.model.parameters()]
+        training.optimizer.step()
+        return loss.detach(), grads, [p.detach() for p in training.model.parameters()]
 
     ref = loss_grads_and_step(config)
     fused = loss_grads_and_step(replace(config, loss="fused", attention="triton", optimizer="fused-adamw"))

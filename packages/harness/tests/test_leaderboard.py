@@ -23,11 +23,12 @@ from cs336_basics.config import ModelConfig
 from cs336_comms.process_group import spawn
 from cs336_harness import cli, device, registry
 from cs336_harness.device import GIB
-from cs336_harness.memory_plan import memory_plan, reserved_bytes
+from cs336_harness.memory_plan import expected_peak_bytes, memory_plan
 from cs336_harness.studies import leaderboard
 from cs336_harness.studies.leaderboard import LeaderboardConfig
-from cs336_harness.training import build_model, build_training, make_batch
-from cs336_sharding.checkpointing import activation_peak_bytes, apply_checkpointing
+from cs336_harness.train_config import build_model
+from cs336_harness.training import build_training, make_batch
+from cs336_sharding.checkpointing import apply_checkpointing, parse_policy
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).parent))  # spawned ranks import the checks module by name
@@ -52,17 +53,16 @@ _GLUE = dict(_SMALL, backend="gloo", attention="triton", glue="triton", fused_qk
 
 
 def _cap_for(config: LeaderboardConfig, policy: str) -> float:
-    """The memory cap (GiB) whose budget is exactly what ``policy`` needs: the budget rule must pick it."""
-    plan = memory_plan(dataclasses.replace(config, checkpoint="all", memory_cap_gib=None).train_config(), None)
-    blocks = activation_peak_bytes(plan.block, config.model_config.num_layers, policy)
-    return (reserved_bytes(config.train_config()) + blocks) / GIB
+    """The memory cap (GiB) that is exactly the peak ``policy`` plans: the budget rule must pick it."""
+    train = dataclasses.replace(config, checkpoint="all", memory_cap_gib=None).train_config()
+    return expected_peak_bytes(train, memory_plan(train, None).step, parse_policy(policy)) / GIB
 
 
 CPU_CONFIGS = [
     LeaderboardConfig(**_SMALL, backend="gloo", attention="sdpa", optimizer="fused-adamw", checkpoint="all"),
     LeaderboardConfig(**_SMALL, backend="gloo", attention="triton", optimizer="torch-adamw", checkpoint="group:2",
                       seed=1),
-    LeaderboardConfig(**_GLUE, checkpoint="budget", memory_cap_gib=_cap_for(LeaderboardConfig(**_GLUE), "attention:1")),
+    LeaderboardConfig(**_GLUE, checkpoint="budget", memory_cap_gib=_cap_for(LeaderboardConfig(**_GLUE), "selective:1")),
     leaderboard.recipe(LeaderboardConfig(**_SMALL, backend="gloo", seed=3), "torch_native"),
     # Three tiers: attention outputs kept, matmul outputs kept, a block kept whole.
     LeaderboardConfig(**{**_GLUE, "num_layers": 3, "checkpoint": "attention:1+selective:1", "fused_qkv": False}),
@@ -122,7 +122,7 @@ def _assert_same_step(configs: list[LeaderboardConfig], records: list[dict], dev
 @pytest.mark.slow
 def test_sharded_step_matches_single_process_step(tmp_path: Path) -> None:
     records = _sharded_steps(CPU_CONFIGS, tmp_path)
-    assert [r["checkpoint"] for r in records] == ["all", "group:2", "attention:1", "all", "attention:1+selective:1"]
+    assert [r["checkpoint"] for r in records] == ["all", "group:2", "selective:1", "all", "attention:1+selective:1"]
     _assert_same_step(CPU_CONFIGS, records, torch.device("cpu"))
 
 
@@ -289,7 +289,7 @@ def test_build_training_needs_a_process_group_that_matches() -> None:
     with pytest.raises(ValueError, match="world_size 2 needs an initialised process group"):
         build_training(two_ranks.train_config(), cpu)
     one_rank = dataclasses.replace(two_ranks, world_size=1, global_batch=1)
-    with pytest.raises(ValueError, match="fsdp 'fsdp2' on world_size 1 needs an initialised process group"):
+    with pytest.raises(ValueError, match="wrapper 'fsdp2' on world_size 1 needs an initialised process group"):
         build_training(leaderboard.recipe(one_rank, "torch_native").train_config(), cpu)  # FSDP2 needs a mesh
     with pytest.raises(TypeError, match="config must be a TrainConfig"):
         build_training(one_rank, cpu)  # type: ignore[arg-type]

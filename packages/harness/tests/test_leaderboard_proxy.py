@@ -22,17 +22,11 @@ from cs336_harness import cli, registry
 from cs336_harness.analysis import kernel_kinds
 from cs336_harness.commands import leaderboard as leaderboard_command
 from cs336_harness.device import GIB
-from cs336_harness.memory_plan import (
-    compiled_block_memory,
-    default_memory_cap_bytes,
-    expected_peak_bytes,
-    measure_block,
-    memory_plan,
-    reserved_bytes,
-)
+from cs336_harness.memory_plan import default_memory_cap_bytes, expected_peak_bytes, memory_plan, reserved_bytes
+from cs336_harness.step_memory import compiled_block_memory, measure_block
 from cs336_harness.studies import leaderboard
 from cs336_harness.studies.leaderboard import LeaderboardConfig
-from cs336_harness.training import Parallelism, TrainConfig, build_model, saved_ops
+from cs336_harness.train_config import Parallelism, TrainConfig, build_model, saved_ops
 from cs336_sharding.checkpointing import activation_peak_bytes, apply_checkpointing
 from cs336_sharding.parallelize import apply_compile
 
@@ -153,7 +147,7 @@ def test_block_memory_is_what_autograd_keeps(dtype: torch.dtype, glue: str, fuse
     config = TrainConfig(dataclasses.replace(_SHAPE, context_length=seq), kernels=registry.kernels(attention, glue),
                          parallelism=Parallelism(compute_dtype={torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]),
                          global_batch=batch, fused_qkv=fused_qkv)
-    got, _ = measure_block(config)
+    got = measure_block(config).memory
     assert got.kept == want
     # The segments keep the block's output; with the fused attention's outputs (its output and log-sum-exp); and
     # the outputs of the matmuls but the down projection (q, k, v, the output projection's, w1's and w3's).
@@ -190,8 +184,9 @@ def test_memory_plan_reports_the_policy_and_the_expected_peak() -> None:
     config = leaderboard_config.train_config()
     plan = memory_plan(config, None)
     assert str(plan.policy) == "none" and plan.cap_bytes == GIB  # a tiny model fits in 1 GiB
-    assert plan.expected_peak_bytes == expected_peak_bytes(config, plan.block, plan.policy)
-    assert plan.expected_peak_bytes >= reserved_bytes(config) + activation_peak_bytes(plan.block, 2, "none")
+    assert plan.expected_peak_bytes == expected_peak_bytes(config, plan.step, plan.policy)
+    blocks = activation_peak_bytes(plan.step.block, 2, "none")
+    assert plan.expected_peak_bytes >= reserved_bytes(config, plan.step) + blocks
     plain = memory_plan(dataclasses.replace(leaderboard_config, checkpoint="group:2",
                                             memory_cap_gib=None).train_config(), None)
     assert plain.expected_peak_bytes is None and plain.cap_bytes is None
@@ -206,10 +201,10 @@ def test_strong_baselines_budget_mixes_full_and_selective_blocks_on_the_proxy() 
     config = leaderboard.recipe(proxy, "torch_native_compiled").train_config()
     plan = memory_plan(config, None)
     assert str(plan.policy) == "first:4+selective:8" and plan.expected_peak_bytes <= plan.cap_bytes
-    budget = plan.cap_bytes - reserved_bytes(config)
-    assert activation_peak_bytes(plan.block, 14, "first:3+selective:10") > budget
-    assert activation_peak_bytes(plan.block, 14, "first:4+selective:7") > budget
-    assert activation_peak_bytes(plan.block, 14, "first:6") > budget >= activation_peak_bytes(plan.block, 14, "first:7")
+    budget, block = plan.cap_bytes - reserved_bytes(config, plan.step), plan.step.block
+    assert activation_peak_bytes(block, 14, "first:3+selective:10") > budget
+    assert activation_peak_bytes(block, 14, "first:4+selective:7") > budget
+    assert activation_peak_bytes(block, 14, "first:6") > budget >= activation_peak_bytes(block, 14, "first:7")
 
 
 # The glue wired into the model.
@@ -513,7 +508,7 @@ def test_gpu_block_memory_is_what_the_allocator_holds(glue: str) -> None:
     encoder = block.attn.positional_encoder
     encoder.cos, encoder.sin = encoder.cos.float(), encoder.sin.float()
     config = TrainConfig(shape, kernels=kernels, parallelism=Parallelism(compute_dtype="bf16"), global_batch=batch)
-    assert _held_by_a_forward(block, batch, seq) == pytest.approx(measure_block(config)[0].kept, rel=0.01)
+    assert _held_by_a_forward(block, batch, seq) == pytest.approx(measure_block(config).memory.kept, rel=0.01)
 
 
 def _held_by_a_forward(block: torch.nn.Module, batch: int, seq: int) -> int:

@@ -64,3 +64,41 @@ def test_names_resolve_to_the_pieces_and_unknown_ones_are_refused() -> None:
                          ("optimizer", registry.optimizer)):
         with pytest.raises(ValueError, match=f"{what} must be one of .*, got 'flash3'"):
             lookup("flash3")
+
+
+def test_pieces_of_ones_own_get_names_the_commands_take(own_registry) -> None:
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+
+    def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
+
+    def sgd(params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
+
+    registry.register_attention("mine", attention)
+    registry.register_glue("my-norm", norm=norm)
+    registry.register_loss("my-chunks", registry.chunked_cross_entropy)
+    registry.register_optimizer("my-sgd", sgd)
+    assert registry.kernels("mine", "my-norm", "my-chunks") == BlockKernels(
+        attention=attention, norm=norm, loss=registry.chunked_cross_entropy)
+    assert registry.optimizer("my-sgd") is sgd
+    # The configs that name pieces take the names (the command line builds these).
+    from cs336_harness.studies.leaderboard import LeaderboardConfig
+    from cs336_harness.studies.step_timing import BenchConfig
+
+    assert BenchConfig(attention="mine", optimizer="my-sgd", loss="my-chunks", device="cpu").train_config().kernels \
+        == BlockKernels(attention=attention, loss=registry.chunked_cross_entropy)
+    assert LeaderboardConfig(attention="mine", glue="my-norm", optimizer="my-sgd", backend="gloo",
+                             compute_dtype="fp32").train_config().kernels.norm is norm
+
+    with pytest.raises(ValueError, match="attention 'mine' is already registered"):
+        registry.register_attention("mine", attention)
+    for name in ("", "a,b", "my attention", 3):
+        with pytest.raises(ValueError, match="loss name must be a non-empty string without commas or spaces"):
+            registry.register_loss(name, registry.chunked_cross_entropy)
+    with pytest.raises(TypeError, match="optimizer factory must be callable, got str"):
+        registry.register_optimizer("adam", "adam")
+    with pytest.raises(TypeError, match="glue gate must be callable, got int"):
+        registry.register_glue("gate", gate=3)
+    assert "adam" not in registry.OPTIMIZERS and "gate" not in registry.GLUES  # a refused piece is not registered

@@ -339,6 +339,23 @@ def test_budget_policy_recomputes_least_within_the_budget(budget: int, keep_atte
         assert activation_peak_bytes(_MEMORY, 5, spec) <= budget
 
 
+@pytest.mark.parametrize(("kept_budget", "policy"), [
+    (500, "none"),  # 5 * 100: the blocks' activations whole fit with the moment after them
+    (499, "selective:1"),  # 60 + 4 * 100 = 460
+    (379, "selective:4"),  # 4 * 60 + 100 = 340; selective:3 keeps 380
+    (171, "attention:4"),  # 4 * 12 + 100 = 148; attention:3+selective:1 keeps 196
+    (147, "first:4"),  # 4 * 10 + 100 = 140: the attention tier leaves the last block kept
+    (139, "first:5"),  # 5 * 10
+    (49, "all"),  # nothing fits: the least memory
+])
+def test_budget_policy_also_keeps_within_a_bound_on_all_blocks_activations(kept_budget: int, policy: str) -> None:
+    # A moment after the last block's forward (the loss's) adds to what every block keeps: a bound on that sum.
+    spec = policy_for_budget(_MEMORY, 5, 530, kept_budget_bytes=kept_budget)
+    assert str(spec) == policy
+    if policy != "all":
+        assert sum(kept_bytes(_MEMORY, 5, spec)) <= kept_budget
+
+
 def test_attention_with_a_count_checkpoints_the_first_blocks() -> None:
     plan = plan_segments(5, "attention:2")
     assert [not isinstance(i, int) for i in plan] == [True, True, False, False, False]

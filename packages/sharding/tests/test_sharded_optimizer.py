@@ -86,10 +86,30 @@ def test_outer_groups_show_the_wrapped_defaults() -> None:
     assert opt.param_groups[0]["betas"] == (0.9, 0.999)
 
 
+def test_a_callable_that_makes_the_optimizer_wraps_as_its_class_does() -> None:
+    def momentum_sgd(groups: list[dict], lr: float) -> torch.optim.Optimizer:
+        return torch.optim.SGD(groups, lr=lr, momentum=0.9)
+
+    torch.manual_seed(0)
+    ref = TiedToy()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.SGD(_groups(ref), lr=0.1, momentum=0.9)
+    opt = ShardedOptimizer(_groups(model), momentum_sgd, lr=0.1)
+    assert isinstance(opt.inner, torch.optim.SGD) and opt.param_groups[0]["momentum"] == 0.9
+    data = batches(3, seed=5)
+    _train_tied(ref, ref_opt, data, 0, 3)
+    _train_tied(model, opt, data, 0, 3)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q), n
+
+
 def test_bad_arguments() -> None:
     p = torch.nn.Parameter(torch.randn(3))
-    with pytest.raises(TypeError, match="optimizer_cls"):
+    with pytest.raises(TypeError, match="optimizer_cls must be a torch.optim.Optimizer subclass or a callable that "
+                                        "makes one, got 'adamw'"):
         ShardedOptimizer([p], "adamw")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="optimizer_cls must be .*, got <class 'int'>"):
+        ShardedOptimizer([p], int)
     opt = ShardedOptimizer([p], torch.optim.SGD, lr=0.1)
     with pytest.raises(ValueError, match="groups do not match"):
         opt.load_state_dict({"state": {}, "param_groups": [{"params": [0, 1], "lr": 0.1}]})

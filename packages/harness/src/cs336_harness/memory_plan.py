@@ -1,59 +1,51 @@
-"""A training step's memory plan: what one block keeps for its backward in each checkpointing mode, measured for
-whatever kernels the step runs (:func:`block_memory`), what the step holds besides (:func:`reserved_bytes`), the
-memory cap that stands for a leaderboard rank (:func:`default_memory_cap_bytes`) and the checkpointing they choose
-(:func:`memory_plan`).
+"""A training step's memory plan, the whole step's: what one block keeps for its backward in each checkpointing mode,
+what the final norm, the LM head and its loss hold, the optimizer's state and the temporaries of its update, all
+measured for whatever pieces the step runs (:func:`cs336_harness.step_memory.measure_step`); what the wrapper holds
+around them (:func:`reserved_bytes`, :func:`head_moments_bytes`); the
+step's peak over the moments where it can fall (:func:`expected_peak_bytes`); the memory cap that stands for a
+leaderboard rank (:func:`default_memory_cap_bytes`) and the checkpointing they choose (:func:`memory_plan`).
 
-What a block keeps is counted, not modelled: :func:`measure_block` builds one block of the step's model with its
-kernels (:func:`cs336_harness.training.build_block`) on fake tensors and counts its live storages
-(:class:`cs336_harness.analysis.live_memory.LiveMemory`) after a forward, not checkpointed and under each
-checkpointing mode (the segments that keep the selective matmuls' or the fused attention's outputs, and the one that
-keeps nothing), then at the peak of its backward. Nothing is computed, so a block of the 8B model at context 32,768
-takes a second. Where Inductor decides what is saved (compiled blocks, compiled glue) no trace of the eager code can
-say it, and :func:`compiled_block_memory` keeps the byte model that the GPU's peaks check.
+What the pieces hold is counted, not modelled (:mod:`cs336_harness.step_memory`, on fake tensors with the step's
+kernels, loss and optimizer); where Inductor decides what is saved (compiled blocks, compiled glue) a byte model
+stands in, which the GPU's peaks check. For our FSDP the plan is
+the step's peak counted on fake tensors
+(:func:`~cs336_harness.studies.leaderboard.memory_trace.traced_peak`) to the byte; for FSDP2 an estimate; the other
+wrappers have none. It imports the config (:mod:`cs336_harness.train_config`), never the composition that uses it
+(:mod:`cs336_harness.training`).
 
 ``checkpoint="budget"`` is the policy that recomputes least within the cap (``memory_cap_gib``, default
 :func:`default_memory_cap_bytes` on a GPU): :func:`cs336_sharding.checkpointing.policy_for_budget` over the blocks'
-activations, with :func:`reserved_bytes` set aside; the plan says which policy that was and the peak it expects.
+activations, with :func:`reserved_bytes` set aside and what all blocks keep bounded by the loss's moment; the plan
+says which policy that was and the peak it expects.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 from cs336_basics.config import ModelConfig
-from cs336_basics.model import TransformerBlocks
 from cs336_sharding.checkpointing import (
-    BlockMemory,
     CheckpointPolicySpec,
     activation_peak_bytes,
-    apply_checkpointing,
     kept_bytes,
     parse_policy,
     policy_for_budget,
 )
-from torch import nn
 
-from cs336_harness.analysis.live_memory import LiveMemory, fake_tensors
 from cs336_harness.device import GIB
 from cs336_harness.registry import BUDGET, CHUNK_TOKENS
-from cs336_harness.training import TrainConfig, build_block, saved_ops
+from cs336_harness.step_memory import HeadMemory, StepMemory, measure_step
+from cs336_harness.train_config import TrainConfig
 
 # The leaderboard's run, whose ranks a memory cap stands for: the 8B model at its vocabulary and context on two ranks.
 LEADERBOARD_MODEL = ModelConfig.from_preset("8B", vocab_size=151_936, context_length=32_768)
 LEADERBOARD_WORLD_SIZE = 2
-# Bytes of state per parameter through the step: fp32 weight, gradient and AdamW's two moments; the weight and the
-# moments alone are what lives at the start of the backward (the gradients of the previous step were freed).
+# Bytes of state per parameter of a leaderboard rank: fp32 weight, gradient and AdamW's two moments.
 STATE_BYTES_PER_PARAM = 16
-STATE_AT_BACKWARD_BYTES_PER_PARAM = 12
 # What a device's memory holds besides the tensors the plan counts: the CUDA context, NCCL's buffers, the caching
 # allocator's fragmentation. A budget is planned within the rest.
 DEVICE_RESERVE_BYTES = 4 * GIB
-# The checkpointing modes a block is measured in, by the policy that puts a single block in that mode.
-_MODES = {"selective": "selective", "attention": "attention", "checkpointed": "all"}
-
-
 def default_memory_cap_bytes(config: TrainConfig, device_bytes: int) -> float:
     """The memory a run may use to stand for a leaderboard rank on a device of ``device_bytes``: its own state plus
     the share of a rank's activation memory that its layers would have there,
@@ -70,141 +62,36 @@ def default_memory_cap_bytes(config: TrainConfig, device_bytes: int) -> float:
     return own + (usable - rank_state) * config.model.num_layers / full.num_layers
 
 
-def compiled(config: TrainConfig) -> bool:
-    """Whether Inductor decides what ``config``'s blocks save: compiled blocks, or a piece of the glue that is a
-    ``torch.compile`` wrapper."""
-    k = config.kernels
-    glue = (k.norm, k.add_norm, k.rotary, k.gate)
-    return config.parallelism.compile_blocks or any(hasattr(fn, "_torchdynamo_orig_callable") for fn in glue)
-
-
-def measure_block(config: TrainConfig) -> tuple[BlockMemory, bool]:
-    """What one block of ``config``'s model keeps with its kernels on this rank's batch, in the compute dtype and
-    with its weights already there (FSDP's gathered views, counted with the step), traced on fake tensors:
-
-    - ``kept``: the live storages after a forward, its output included;
-    - ``selective``, ``attention``, ``checkpointed``: the same under a checkpointed segment that keeps the matmuls'
-      and the fused attention's outputs (:func:`cs336_harness.training.saved_ops`), the fused attention's alone,
-      and nothing;
-    - ``working``: the peak of the backward above what lives when it starts (what the block keeps and the gradient
-      reaching its output, which takes the place of the output, freed in a step by then); or, where it is more, the
-      peak of a norm's forward and backward on the block's output less the norm's output (the final norm's backward
-      comes just before the last block's, with every block's activations alive: the model's fp32 RMSNorm peaks
-      there, above its block's backward; counted so, with the norm's output held and the last block's weights
-      gathered, it bounds that moment from above).
-
-    Also whether the output projection reads a copy of the attention's output (a heads-first output, which the
-    compiled byte model needs). Compiled kernels run as their eager code here.
-    """
-    m = config.model
-    dtype = config.compute_dtype
-    copied: list[bool] = []
-    attention = config.kernels.attention
-
-    def attention_probe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> torch.Tensor:
-        out = attention(q, k, v, is_causal)  # (..., H, T, Dh); the projection reads (..., T, H * Dh)
-        copied.append(not out.transpose(-3, -2).is_contiguous())
-        return out
-
-    kernels = dataclasses.replace(config.kernels, attention=attention_probe)
-    with torch.compiler.set_stance("force_eager"), fake_tensors():
-        block = build_block(m, kernels, fused_qkv=config.fused_qkv, dtype=dtype)
-        x = torch.empty(config.batch_per_rank, m.context_length, m.d_model, dtype=dtype, requires_grad=True)
-        with LiveMemory() as live:
-            out = block(x)
-            kept = live.live_bytes
-            gradient = torch.empty_like(out)
-            start = live.live_bytes
-            live.reset_peak()
-            out.backward(gradient)
-            working = live.peak_bytes - start
-            del out, gradient
-        with LiveMemory() as live:
-            normed = block.ln2(x)
-            normed.backward(torch.empty_like(normed))
-            working = max(working, live.peak_bytes - normed.untyped_storage().nbytes())
-            del normed
-        block.zero_grad(set_to_none=True)
-        tiers = {}
-        for tier, policy in _MODES.items():
-            holder = nn.Module()
-            holder.layers = TransformerBlocks([block])
-            apply_checkpointing(holder, policy, saved_ops(m))
-            with LiveMemory() as live:
-                out = holder.layers(x)  # held: its graph holds what the segment saved
-                tiers[tier] = live.live_bytes
-                del out
-    return BlockMemory(kept=kept, working=working, **tiers), copied[0]
-
-
-def compiled_block_memory(shape: ModelConfig, batch: int, seq: int, *, dtype_bytes: int, fused_qkv: bool,
-                          attention_copied: bool) -> BlockMemory:
-    """:class:`~cs336_sharding.checkpointing.BlockMemory` of one ``cs336_basics`` block whose forward Inductor
-    compiled (RMSNorm, RoPE attention with a fused attention op, RMSNorm, SwiGLU), on ``batch`` sequences of ``seq``
-    tokens in a compute dtype of ``dtype_bytes``. Inductor's partitioner keeps the inputs of the norms and of the gate
-    and recomputes the rest, as our kernels do, so with N = batch * seq tokens, d = d_model, f = d_ff, h = heads,
-    e = dtype_bytes, autograd keeps:
-
-    - both norms: their input (the block input for the first, free here; the residual sum h for the second: e N d) and
-      rstd (4 N); RoPE: the positions (8 seq, int64);
-    - the q / k / v projections keep the normed input (e N d); the attention op keeps rotated q and k, v and its
-      output (4 e N d) and the fp32 log-sum-exp (4 N h); with ``fused_qkv`` v is a view of the (N, 3 d) projection
-      output, which it keeps whole (2 e N d more), and the matmul keeps the concatenated (3 d, d) weight (3 e d^2);
-    - the output projection keeps the heads' outputs in (N, d) layout: a view of the attention output, or a copy
-      (e N d) where that output is heads-first (``attention_copied``, :func:`measure_block`);
-    - SwiGLU: w1 and w3 keep the normed input (e N d); the gate keeps a and b (2 e N f); w2 its output (e N f);
-    - the block's output (e N d).
-
-    Checkpointed, a compiled block has its checkpoint inside the compiled code
-    (:meth:`cs336_sharding.checkpointing.CheckpointedBlocks.compile_blocks`), so the partitioner saves exactly what
-    the segment's policy keeps and recomputes the rest from that, the block's input and its weights (RoPE's tables
-    are views of the model's buffers), all of which the step counts elsewhere:
-
-    - ``selective`` (the op policy: the matmuls' and the attention op's outputs): the output, the attention op's
-      output and log-sum-exp (e N d + 4 N h), and the outputs of the matmuls the recomputation uses: q, k and v (one
-      (N, 3 d) output with ``fused_qkv``), the output projection's, w1's and w3's (4 e N d + 2 e N f); not w2's,
-      which only the residual add reads (:class:`cs336_sharding.checkpointing.SavedOps`). The norms, RoPE, a
-      heads-first output's copy and the gate are recomputed;
-    - ``attention``: the output and the attention op's output and log-sum-exp;
-    - ``checkpointed``: the output.
-
-    ``working``: the backward's peak is in the gate's backward, holding w2's weight gradient (e d f) and the gate's
-    two input gradients (2 e N f).
-    """
-    d, f, h = shape.d_model, shape.d_ff, shape.num_heads
-    n, e = batch * seq, dtype_bytes
-    out, lse = e * n * d, 4 * n * h
-    norms, rope, gate = e * n * d + 2 * 4 * n, 8 * seq, 2 * e * n * f
-    copy = e * n * d if attention_copied else 0
-    attention = (1 + 4) * e * n * d + copy + lse + ((2 * n + 3 * d) * e * d if fused_qkv else 0)
-    kept = norms + rope + attention + e * n * d + gate + e * n * f + out
-    attention_kept = out + e * n * d + lse
-    return BlockMemory(kept=kept, selective=attention_kept + 4 * e * n * d + 2 * e * n * f, attention=attention_kept,
-                       checkpointed=out, working=e * d * f + 2 * e * n * f)
-
-
-def block_memory(config: TrainConfig) -> BlockMemory:
-    """What one block of ``config`` keeps in each mode: :func:`measure_block`, or :func:`compiled_block_memory` where
-    the block's forward or a piece of its glue is compiled."""
-    measured, copied = measure_block(config)
-    if not compiled(config):
-        return measured
-    return compiled_block_memory(config.model, config.batch_per_rank, config.model.context_length,
-                                 dtype_bytes=config.compute_dtype.itemsize, fused_qkv=config.fused_qkv,
-                                 attention_copied=copied)
-
-
 def _block_params(model: ModelConfig) -> int:
     """Parameters of one block: all but the embeddings, the head and the final norm, over the blocks."""
     return (model.num_params - 2 * model.vocab_size * model.d_model - model.d_model) // model.num_layers
 
 
-def _held_through_step(config: TrainConfig) -> float:
-    """What every moment of the backward holds (:func:`reserved_bytes`' first and third items): this rank's weights
-    and AdamW moments, RoPE's tables and the embedding's output."""
+def _block_weights(model: ModelConfig) -> int:
+    """The elements of one block's 2-D weights: what an FSDP gathers and reduce-scatters (its two norms' weights
+    are replicated)."""
+    return _block_params(model) - 2 * model.d_model
+
+
+def _held_through_step(config: TrainConfig, step: StepMemory) -> float:
+    """What every moment of the backward holds (:func:`reserved_bytes`' first and third items): this rank's fp32
+    weights and optimizer state, RoPE's tables, the batch's token ids and targets (int64) and the embedding's
+    output."""
     m, e = config.model, config.compute_dtype.itemsize
-    return (STATE_AT_BACKWARD_BYTES_PER_PARAM * m.num_params / config.parallelism.world_size
-            + 4 * m.context_length * m.head_dim + e * config.batch_per_rank * m.context_length * m.d_model)
+    tokens = config.batch_per_rank * m.context_length
+    return (4 * m.num_params / config.parallelism.world_size + step.optimizer_state
+            + 4 * m.context_length * m.head_dim + 2 * 8 * tokens + e * tokens * m.d_model)
+
+
+# The loss and the gradient the backward starts from (fp32 scalars), alive through the backward; the loss also
+# through the optimizer's update.
+_LOSS_BYTES = 4
+
+
+def _after_head_bytes(config: TrainConfig) -> float:
+    """What the backward holds from the final norm's backward on, besides the wrapper's buffers: the final norm's
+    weight gradient (fp32, d) and the loss and its gradient."""
+    return 4 * config.model.d_model + 2 * _LOSS_BYTES
 
 
 def _head_gradient_bytes(config: TrainConfig) -> float:
@@ -214,19 +101,21 @@ def _head_gradient_bytes(config: TrainConfig) -> float:
     return 4 * m.vocab_size * m.d_model * (1 + (1 / w if w > 1 else 0))
 
 
-def reserved_bytes(config: TrainConfig) -> float:
+def reserved_bytes(config: TrainConfig, step: StepMemory) -> float:
     """What the step holds in the last block's backward besides the blocks' activations
-    (:func:`~cs336_sharding.checkpointing.activation_peak_bytes`). With P parameters (P_b in one block), N tokens,
+    (:func:`~cs336_sharding.checkpointing.activation_peak_bytes`). With P parameters (P_b in one block, G_b of them in
+    its 2-D weights, what FSDP gathers), N tokens,
     d = d_model, V = vocab, e = the compute dtype's bytes and W ranks:
 
-    - weights and AdamW moments of this rank's shard, 12 P / W bytes (the last step's gradients were freed; the
-      new ones grow while the backward frees activations);
-    - FSDP's gathered weights of two blocks, the one in its backward and the next, prefetched: 2 e P_b;
-    - RoPE's cos and sin tables (fp32, context x head_dim / 2 each) and the embedding's output (the first block's
-      input), e N d;
+    - this rank's fp32 weights, 4 P / W bytes, and its optimizer state (``step``'s; AdamW's two moments are 8 P / W):
+      the last step's gradients were freed, and the new ones grow while the backward frees activations;
+    - FSDP's gathered weights of two blocks, the one in its backward and the next, prefetched: 2 e G_b;
+    - RoPE's cos and sin tables (fp32, context x head_dim / 2 each), the token ids and targets (16 N) and the
+      embedding's output (the first block's input), e N d;
+    - the final norm's weight gradient (fp32, 4 d), the loss and the gradient the backward started from;
     - our FSDP: the LM head's weight gradient in fp32, FSDP's buffer for its reduce-scatter (4 V d), and with W > 1
-      that collective's output shard (4 V d / W). The fused loss's chunk of logits and its gradients for the head
-      were freed before the blocks' backward began;
+      that collective's output shard (4 V d / W). The loss's tensors and its gradients for the head were freed
+      before the blocks' backward began (:func:`head_moments_bytes` has them);
     - FSDP2 with the chunked loss (the baselines; not traced): an estimate, the embedding's and head's gathered
       weights and the head's weight gradient in the compute dtype, 3 e V d (FSDP2 makes the root's fp32 gradients in
       its reduce-scatter after the embedding's backward, when the activations are freed); the final norm's saved
@@ -237,64 +126,103 @@ def reserved_bytes(config: TrainConfig) -> float:
     """
     m, e = config.model, config.compute_dtype.itemsize
     n, d, v = config.batch_per_rank * m.context_length, m.d_model, m.vocab_size
-    common = _held_through_step(config) + 2 * e * _block_params(m)
-    if config.parallelism.fsdp == "ours":
+    common = _held_through_step(config, step) + _after_head_bytes(config) + 2 * e * _block_weights(m)
+    if config.parallelism.wrapper == "fsdp":
         return common + _head_gradient_bytes(config)
     return common + 3 * e * v * d + (e + 8) * n * d + (e + 4 + 4) * min(CHUNK_TOKENS, n) * v
 
 
-def expected_peak_bytes(config: TrainConfig, block: BlockMemory, policy: CheckpointPolicySpec) -> float:
-    """The step's peak under ``policy`` with blocks that keep ``block``: :func:`reserved_bytes` plus the blocks'
-    share in the last block's backward (:func:`~cs336_sharding.checkpointing.activation_peak_bytes`), and with our
-    FSDP and the fused loss the largest of that and three other moments (P parameters, P_b in one block, N tokens, L
-    blocks, d = d_model, V = vocab, e = the compute dtype's bytes, W ranks; what every step holds, as in
+def head_moments_bytes(config: TrainConfig, head: HeadMemory) -> float:
+    """The step's peak at its end, above what it holds there besides (its state, :func:`_held_through_step`, and what
+    every block keeps): the largest of the loss's moments (:class:`~cs336_harness.step_memory.HeadMemory`, measured)
+    with the wrapper's weights and buffers around them (e = the compute dtype's bytes, G_b elements in one block's 2-D
+    weights, V = vocab, d = d_model):
+
+    - the forward of the final norm and the loss, with the head's gathered weights (e V d; our FSDP gathers them
+      while the last block runs, FSDP2's root holds them with the embedding's, 2 e V d, through the step);
+    - the loss's backward: the head's weights gathered again and the last block's, prefetched (e G_b);
+    - our FSDP: the head's reduce-scatter, its weights freed and its fp32 gradient buffer made
+      (:func:`_head_gradient_bytes`) while the gradients the loss handed back are alive; then the final norm's
+      backward beside that buffer. FSDP2 keeps the head's weight gradient (e V d) through the final norm's backward.
+    """
+    m, e = config.model, config.compute_dtype.itemsize
+    gathered = e * m.vocab_size * m.d_model
+    block = e * _block_weights(m)
+    if config.parallelism.wrapper == "fsdp":
+        buffer = _head_gradient_bytes(config)
+        return max(gathered + head.forward, gathered + block + head.backward, block + head.handed + buffer,
+                   block + buffer + head.norm)
+    return max(2 * gathered + head.forward, 2 * gathered + block + max(head.backward, gathered + head.norm))
+
+
+def _unkept_outputs(step: StepMemory, tiers: list[str]) -> int:
+    """How many blocks' inputs (the previous block's output, or the embedding's) no one keeps: those of the blocks
+    kept whole that do not keep their input themselves (a checkpointed segment keeps its input)."""
+    return 0 if step.block_saves_input else tiers.count("kept")
+
+
+def expected_peak_bytes(config: TrainConfig, step: StepMemory, policy: CheckpointPolicySpec) -> float:
+    """The step's peak under ``policy``, its blocks, loss and optimizer as ``step`` counted them: the largest of
+    :func:`reserved_bytes` plus the blocks' share in the last block's backward
+    (:func:`~cs336_sharding.checkpointing.activation_peak_bytes`); what the step holds at its end (its state and what
+    every block keeps) plus :func:`head_moments_bytes`; the optimizer's update (this rank's weights, gradients and
+    state, 16 P / W, and its temporaries); and with our FSDP two other moments (P parameters, P_b in one block, G_b
+    in its 2-D weights, N
+    tokens, L blocks, d = d_model, V = vocab, e = the compute dtype's bytes, W ranks; what every step holds, as in
     :func:`reserved_bytes`, aside):
 
     - the first block's backward: its activations and working set, the fp32 gradients of every later block and of
-      the head (4 (L - 1) P_b + 4 V d, over W ranks plus the reduce-scatter in flight, 4 P_b, with W > 1), its
-      gathered weights and the embedding's, prefetched (e P_b + e V d). Between the first and the last block the
+      the head (4 (L - 1) P_b + 4 V d, over W ranks plus the reduce-scatter in flight, 4 G_b, with W > 1), its
+      gathered weights and the embedding's, prefetched (e G_b + e V d). Between the first and the last block the
       peak falls then rises (checkpointed blocks free more gradients' worth than they keep, kept blocks less), so
       these two moments bound every block's;
-    - the fused loss at the end of the forward (``cs336_kernels.fused_linear_cross_entropy``): what every block
-      keeps, the final norm's output, the head's gathered weights, the loss's gradients for the hidden states and the
-      head (e N d + e V d), one chunk of logits;
     - the embedding's backward, last: every block's and the head's fp32 gradients, the embedding's gathered weights,
       its dense weight gradient (zeros, then the scatter-add's result: 2 e V d) and the gradient reaching it.
 
-    Exact for our FSDP with the fused loss and the Triton glue
+    A block's output (e N d) that no one keeps is not counted where it is freed (:func:`_unkept_outputs`: a kept
+    block whose norm keeps an fp32 copy of its bf16 input; the final norm likewise for the last block's).
+
+    Exact for our FSDP, whatever the loss and the glue
     (:func:`~cs336_harness.studies.leaderboard.memory_trace.traced_peak` counts the step's tensors; on one H200 that
     count is within 0.1 GiB of the allocator's peak: cuBLAS' workspace and rounding); the two-rank terms come from
-    FSDP's code, not a trace.
+    FSDP's code, not a trace. For FSDP2 an estimate.
     """
-    # Imported here: on CPU the Triton interpreter must be chosen before the kernels load.
-    from cs336_kernels import CHUNK_BYTES
-
     m = config.model
-    last = reserved_bytes(config) + activation_peak_bytes(block, m.num_layers, policy)
-    if config.parallelism.fsdp != "ours":
-        return last
+    block = step.block
+    tiers = policy.per_block(m.num_layers)
     e = config.compute_dtype.itemsize
-    n, d, v, w, layers = config.batch_per_rank * m.context_length, m.d_model, m.vocab_size, \
-        config.parallelism.world_size, m.num_layers
-    block_params = _block_params(m)
-    common = _held_through_step(config)
-    in_flight = 4 * block_params if w > 1 else 0
+    output = e * config.batch_per_rank * m.context_length * m.d_model
+    unkept = _unkept_outputs(step, tiers)
+    held = _held_through_step(config, step)
+    last = reserved_bytes(config, step) + activation_peak_bytes(block, m.num_layers, policy) - unkept * output
+    kept = sum(kept_bytes(block, m.num_layers, policy)) - (unkept + (not step.head.saves_input)) * output
+    end = held + kept + head_moments_bytes(config, step.head)
+    update = held - output + 4 * m.num_params / config.parallelism.world_size + _LOSS_BYTES + step.optimizer_update
+    if config.parallelism.wrapper != "fsdp":
+        return max(last, end, update)
+    d, v, w, layers = m.d_model, m.vocab_size, config.parallelism.world_size, m.num_layers
+    block_params, block_weights = _block_params(m), _block_weights(m)
+    in_flight = 4 * block_weights if w > 1 else 0
     grads = 4 * ((layers - 1) * block_params + v * d) / w + in_flight
-    first = common + block.kept + block.working + grads + e * block_params + e * v * d
-    head = (common + sum(kept_bytes(block, layers, policy)) + e * n * d + 2 * e * v * d + e * n * d
-            + min(CHUNK_BYTES, n * v * e))
-    embedding = common + 4 * (layers * block_params + v * d) / w + in_flight + 3 * e * v * d
-    return max(last, first, head, embedding)
+    first_input = output if tiers[0] == "kept" and not step.block_saves_input else 0
+    after = _after_head_bytes(config)
+    first = held + after - first_input + block.kept + block.working + grads + e * block_weights + e * v * d
+    embedding = held + after + 4 * (layers * block_params + v * d) / w + in_flight + 3 * e * v * d
+    return max(last, end, first, embedding, update)
+
+
+# The wrappers the plan covers: the FSDPs, ours counted to the byte and FSDP2 estimated.
+PLANNED_WRAPPERS: tuple[str, ...] = ("fsdp", "fsdp2")
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """The checkpointing a run uses and the memory it expects: ``cap_bytes`` (None without one), ``block`` (what a
-    block keeps, :func:`block_memory`), ``policy`` and ``expected_peak_bytes`` (:func:`expected_peak_bytes`; None
-    for a policy it does not cover)."""
+    """The checkpointing a run uses and the memory it expects: ``cap_bytes`` (None without one), ``step`` (what its
+    blocks, loss and optimizer hold, :func:`~cs336_harness.step_memory.measure_step`), ``policy`` and
+    ``expected_peak_bytes`` (:func:`expected_peak_bytes`; None for a policy or a wrapper it does not cover)."""
 
     cap_bytes: float | None
-    block: BlockMemory
+    step: StepMemory
     policy: CheckpointPolicySpec
     expected_peak_bytes: float | None
 
@@ -303,33 +231,45 @@ def memory_plan(config: TrainConfig, device_bytes: int | None) -> MemoryPlan:
     """The :class:`MemoryPlan` of ``config`` on a device of ``device_bytes`` (None on CPU).
 
     Raises:
-        ValueError: for ``budget`` without a cap (``memory_cap_gib``, or a device to take the default from), or with
-            one below what the step holds besides the blocks' activations (:func:`reserved_bytes`).
+        ValueError: for ``budget`` under a wrapper the plan does not cover (:data:`PLANNED_WRAPPERS`), without a cap
+            (``memory_cap_gib``, or a device to take the default from), or with one below the step's peak with every
+            block checkpointed.
     """
     par = config.parallelism
+    if par.checkpoint == BUDGET and par.wrapper not in PLANNED_WRAPPERS:
+        raise ValueError(f"checkpoint 'budget' plans the steps of wrapper {' or '.join(PLANNED_WRAPPERS)}, got "
+                         f"{par.wrapper!r}; name a checkpoint policy")
     if par.memory_cap_gib is not None:
         cap = par.memory_cap_gib * GIB
     else:
         cap = None if device_bytes is None else default_memory_cap_bytes(config, device_bytes)
-    block = block_memory(config)
+    step = measure_step(config)
     if par.checkpoint == BUDGET:
         if cap is None:
             raise ValueError("checkpoint 'budget' needs memory_cap_gib without a GPU (its default comes from the GPU's "
                              "memory)")
-        # The policy decides the last block's backward, the peak whenever a block is kept; the first block's does
-        # not depend on it.
-        reserved = reserved_bytes(config)
-        if cap <= reserved:
-            raise ValueError(f"the memory cap, {cap / GIB:.3g} GiB, must cover what the step holds besides the blocks' "
-                             f"activations ({reserved / GIB:.3g} GiB: this rank's weights and AdamW state, two blocks' "
-                             "gathered weights, the LM head's gradient buffers) and leave room for them; raise "
-                             "memory_cap_gib (--memory-cap-gib) above that")
-        policy = policy_for_budget(block, config.model.num_layers, cap - reserved,
-                                   keep_attention=par.budget_keeps_attention)
+        least = expected_peak_bytes(config, step, CheckpointPolicySpec("all"))
+        if cap < least:
+            raise ValueError(f"the memory cap, {cap / GIB:.3g} GiB, is below the step's peak with every block "
+                             f"checkpointed ({least / GIB:.3g} GiB: this rank's weights, gradients and optimizer "
+                             "state, the gathered weights and gradient buffers, the loss's tensors); raise "
+                             "memory_cap_gib (--memory-cap-gib) to that or more")
+        # The policy decides the last block's backward, the peak whenever a block is kept, and the end of the step,
+        # where every block's activations meet the loss's; the other moments do not depend on it, and fit.
+        kept_cap = cap - _held_through_step(config, step) - head_moments_bytes(config, step.head)
+        policy = policy_for_budget(step.block, config.model.num_layers, cap - reserved_bytes(config, step),
+                                   keep_attention=par.budget_keeps_attention, kept_budget_bytes=kept_cap)
     else:
         policy = parse_policy(par.checkpoint)
-    try:
-        expected = expected_peak_bytes(config, block, policy)
-    except ValueError:
-        expected = None
-    return MemoryPlan(cap, block, policy, expected)
+    expected = None
+    if par.wrapper in PLANNED_WRAPPERS:
+        try:
+            expected = expected_peak_bytes(config, step, policy)
+        except ValueError:  # a policy of segments of several blocks: group, sqrt, nested
+            expected = None
+    return MemoryPlan(cap, step, policy, expected)
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """The memory of ``device``, a CUDA GPU's; None for any other device."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None

@@ -1,7 +1,7 @@
 """Every name the ``cs336`` command accepts for a piece of the training step, mapped once to its callable.
 
 The command line and the tables speak in these names; Python callers pass the callables themselves
-(:class:`cs336_harness.training.TrainConfig` takes a :class:`cs336_basics.model.BlockKernels` and an optimizer
+(:class:`cs336_harness.train_config.TrainConfig` takes a :class:`cs336_basics.model.BlockKernels` and an optimizer
 factory), so a function of their own trains the same way as one named here.
 
 - :data:`ATTENTIONS`: ``fn(q, k, v, is_causal) -> out`` over (batch, heads, seq, head_dim) tensors: ``eager`` (the
@@ -26,6 +26,14 @@ factory), so a function of their own trains the same way as one named here.
 
 Entries that need ``cs336_kernels`` import it when they are asked for: on a CPU the Triton interpreter must be
 chosen before the kernels load.
+
+A piece of one's own gets a name with :func:`register_attention`, :func:`register_glue`, :func:`register_loss` or
+:func:`register_optimizer`, after which every command and config that names pieces takes it. Register at the top
+level of the module that runs the command (``cs336_harness.cli.main([...])``): ranks that a command spawns import
+that module again, and so know the name too::
+
+    registry.register_attention("mine", my_attention)      # fn(q, k, v, is_causal) -> out
+    cli.main(["bench", "--attention", "mine"])
 """
 
 from __future__ import annotations
@@ -145,6 +153,62 @@ GLUES: dict[str, Callable[[], dict[str, Callable]]] = {"model": dict, "triton": 
 LOSSES: dict[str, Callable[[], LossFn | None]] = {"standard": lambda: None, "fused": _fused_loss,
                                                  "chunked": lambda: chunked_cross_entropy}
 OPTIMIZERS: dict[str, OptimizerFactory] = {"adamw": _adamw, "torch-adamw": _torch_adamw, "fused-adamw": _fused_adamw}
+
+
+def _callable(what: str, piece: object) -> None:
+    if not callable(piece):
+        raise TypeError(f"{what} must be callable, got {type(piece).__name__}")
+
+
+def _register(what: str, table: dict[str, object], name: str, entry: object) -> None:
+    """Put ``entry`` in ``table`` under ``name``.
+
+    Raises:
+        ValueError: for a name that is empty, holds a comma or whitespace (the command line's lists split on commas)
+            or is taken.
+    """
+    if not isinstance(name, str) or not name or any(c == "," or c.isspace() for c in name):
+        raise ValueError(f"{what} name must be a non-empty string without commas or spaces, got {name!r}")
+    if name in table:
+        raise ValueError(f"{what} {name!r} is already registered (as one of {', '.join(table)}); pick another name")
+    table[name] = entry
+
+
+def register_attention(name: str, fn: AttentionFn) -> None:
+    """Name ``fn(q, k, v, is_causal) -> out`` (over (batch, heads, seq, head_dim) tensors) as an attention
+    (:data:`ATTENTIONS`).
+
+    Raises:
+        ValueError: for a name taken or unfit for the command line (no commas, no spaces).
+        TypeError: for an ``fn`` that is not callable.
+    """
+    _callable("attention", fn)
+    _register("attention", ATTENTIONS, name, lambda: fn)
+
+
+def register_glue(name: str, *, norm: Callable | None = None, add_norm: Callable | None = None,
+                  rotary: Callable | None = None, gate: Callable | None = None) -> None:
+    """Name a set of the block's glue (:data:`GLUES`): any of ``norm``, ``add_norm``, ``rotary`` and ``gate`` with
+    the signatures of :class:`cs336_basics.model.BlockKernels`; those not given are the model's own code. Raises as
+    :func:`register_attention`."""
+    pieces = {k: v for k, v in dict(norm=norm, add_norm=add_norm, rotary=rotary, gate=gate).items() if v is not None}
+    for piece, fn in pieces.items():
+        _callable(f"glue {piece}", fn)
+    _register("glue", GLUES, name, lambda: dict(pieces))
+
+
+def register_loss(name: str, fn: LossFn) -> None:
+    """Name the LM head's loss ``fn(hidden, weight, targets) -> mean loss`` (:data:`LOSSES`). Raises as
+    :func:`register_attention`."""
+    _callable("loss", fn)
+    _register("loss", LOSSES, name, lambda: fn)
+
+
+def register_optimizer(name: str, factory: OptimizerFactory) -> None:
+    """Name ``factory(params, lr, weight_decay) -> Optimizer`` (:data:`OPTIMIZERS`). Raises as
+    :func:`register_attention`."""
+    _callable("optimizer factory", factory)
+    _register("optimizer", OPTIMIZERS, name, factory)
 
 
 def check_name(what: str, name: object, names: Iterable[str]) -> str:

@@ -417,10 +417,11 @@ def activation_peak_bytes(memory: BlockMemory, num_blocks: int, policy: str | Ch
 
 
 def policy_for_budget(memory: BlockMemory, num_blocks: int, budget_bytes: float, *,
-                      keep_attention: bool = True) -> CheckpointPolicySpec:
-    """The policy that recomputes least with an :func:`activation_peak_bytes` of at most ``budget_bytes``, by the
-    rule of the module docstring: ``none`` if it fits; else ``selective:M`` with M as small as fits; else N blocks
-    recomputing their matmuls with N as small as fits, then M ``selective`` blocks after them with M as small as fits
+                      keep_attention: bool = True, kept_budget_bytes: float | None = None) -> CheckpointPolicySpec:
+    """The policy that recomputes least with an :func:`activation_peak_bytes` of at most ``budget_bytes`` (and, with
+    ``kept_budget_bytes``, all blocks keeping at most that through the forward), by the rule of the module
+    docstring: ``none`` if it fits; else ``selective:M`` with M as small as fits; else N blocks recomputing their
+    matmuls with N as small as fits, then M ``selective`` blocks after them with M as small as fits
     (M < n - N: the last block stays kept): with ``keep_attention`` the N keep their attention outputs
     (``attention:N+selective:M``), and where none of those fits, ``first:N`` with N as small as fits; without, they
     keep nothing (``first:N+selective:M``). ``all`` if nothing fits.
@@ -432,6 +433,8 @@ def policy_for_budget(memory: BlockMemory, num_blocks: int, budget_bytes: float,
             weights, optimizer state, the LM head's buffers).
         keep_attention: whether a block that recomputes its matmuls may keep its attention outputs (a fused
             attention op; the ``attention`` tier); otherwise it keeps nothing (``first``).
+        kept_budget_bytes: the most the blocks may keep together (:func:`kept_bytes`), for a moment after the last
+            block's forward that adds to all of it (the loss's); None: no such bound.
     """
     if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
         raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
@@ -446,6 +449,7 @@ def policy_for_budget(memory: BlockMemory, num_blocks: int, budget_bytes: float,
     else:
         candidates += [CheckpointPolicySpec("first", k, m) for k in range(1, n + 1) for m in range(n - k)]
     for spec in candidates:
-        if activation_peak_bytes(memory, num_blocks, spec) <= budget_bytes:
+        fits_end = kept_budget_bytes is None or sum(kept_bytes(memory, num_blocks, spec)) <= kept_budget_bytes
+        if fits_end and activation_peak_bytes(memory, num_blocks, spec) <= budget_bytes:
             return spec
     return CheckpointPolicySpec("all")

@@ -9,20 +9,13 @@ and keeps every other parameter (norm weights, biases) replicated::
     model.finish_gradient_synchronization()         # every .grad is now the averaged local shard gradient
     opt.step(); opt.zero_grad()
 
-Units of communication (:func:`communication_units`): every child of an innermost ``nn.ModuleList`` (a
-Transformer block) is one unit holding all the 2-D weights inside it; a module outside any ``ModuleList``
-that owns a 2-D weight (embedding, LM head) is a unit of its own. A model without a ``ModuleList``
+Units of communication (:func:`~cs336_sharding.fsdp_units.communication_units`): every child of an innermost
+``nn.ModuleList`` (a Transformer block) is one unit holding all the 2-D weights inside it; a module outside any
+``ModuleList`` that owns a 2-D weight (embedding, LM head) is a unit of its own. A model without a ``ModuleList``
 therefore communicates weight by weight. Each unit moves as one flat buffer: one all-gather before its
 forward, one re-gather for its backward and one reduce-scatter of its concatenated gradient, as FSDP2 does
 per ``fully_shard`` call; per-weight collectives are many small ones whose fixed cost no compute can hide.
-
-Sharding is per weight inside the unit: a weight of ``n`` elements is flattened, zero-padded to
-``world_size * ceil(n / world_size)`` and split into equal pieces, so any shape works, and a rank's flat
-unit shard is its pieces of the unit's weights one after another. ``param.data`` is replaced by a view of
-its piece in that shard, which keeps names, ``requires_grad`` and the optimizer's view of the model
-unchanged; the padding has zero gradient, so it stays zero under SGD and AdamW and is never gathered back.
-The gathered buffer is rank-major (every rank's whole shard in turn), so one copy (``split_with_sizes_copy``)
-puts each weight's pieces side by side; gradients take the reverse copy before the reduce-scatter.
+The flat layout of a unit's weights, its shard and its gathered buffer is :mod:`cs336_sharding.fsdp_units`'s.
 
 Forward: a pre-hook on the unit's module all-gathers its shard (cast to ``compute_dtype`` first, so
 communication is in the compute dtype too) into the unit's full buffer, swaps views of it in as the
@@ -56,7 +49,6 @@ to modules that each own it directly (embedding and LM head), not to the inside 
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -70,91 +62,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from cs336_sharding.fsdp_units import Slot, Unit, allocate, communication_units
+
 # Reduce-scatters left in flight while backward computes; the oldest is waited for (and its unit's full fp32
 # gradient buffer freed) before the next unit's buffer is allocated. One (as in FSDP2) overlaps it with the
 # next unit's backward, which at our sizes takes several times longer than the collective; every further one
 # costs a unit's fp32 gradient in memory.
 MAX_PENDING_REDUCE_SCATTERS = 1
-
-
-def _allocate(full: torch.Tensor) -> torch.Tensor:
-    """Give a freed full buffer its memory back (a no-op when it has it) and return it."""
-    full.untyped_storage().resize_(full.numel() * full.element_size())
-    return full
-
-
-
-def shards_weight(module: nn.Module) -> bool:
-    """Which weights are sharded: a module's own ``weight`` parameter when it is 2-D (Linear, Embedding)."""
-    weight = module._parameters.get("weight")
-    return isinstance(weight, nn.Parameter) and weight.dim() == 2
-
-
-def communication_units(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Module]]]:
-    """The grouping policy: ``(module name, module, modules whose weight the unit shards)`` in module order.
-
-    A child of an ``nn.ModuleList`` with sharded weights anywhere inside it and no ``ModuleList`` of its own
-    is one unit holding all of them (a child holding a list, such as a checkpointed segment of blocks, is
-    looked into); elsewhere, each module that shards its own weight is a unit of that weight alone.
-    """
-    units: list[tuple[str, nn.Module, list[nn.Module]]] = []
-
-    def visit(name: str, module: nn.Module, in_list: bool) -> None:
-        owners = [m for m in module.modules() if shards_weight(m)]
-        if in_list and owners and not any(isinstance(m, nn.ModuleList) for m in module.modules()):
-            units.append((name, module, owners))
-            return
-        if shards_weight(module):
-            units.append((name, module, [module]))
-        for child_name, child in module.named_children():
-            visit(f"{name}.{child_name}" if name else child_name, child, isinstance(module, nn.ModuleList))
-
-    visit("", model, False)
-    return units
-
-
-class _Slot:
-    """One sharded weight inside its unit: its padded piece of ``shard_numel`` elements starts at ``offset``
-    in the unit's local shard, and its full weight at ``world_size * offset`` in the gathered unit."""
-
-    def __init__(self, name: str, param: nn.Parameter, offset: int, rank: int, world_size: int):
-        self.name, self.param, self.offset = name, param, offset
-        self.shape = param.shape
-        self.numel = param.numel()
-        self.shard_numel = math.ceil(self.numel / world_size)
-        # Real (unpadded) elements in this rank's piece; the same split as torch.chunk over the flat weight.
-        self.valid = max(0, min(self.shard_numel, self.numel - rank * self.shard_numel))
-
-
-class _Unit:
-    """The weights communicated together: their local flat shard (which the parameters view), the buffer
-    their full weights are gathered into (its storage allocated only while in use), and the gradient shards
-    reduce-scattered to this rank."""
-
-    def __init__(self, name: str, slots: list[_Slot], world_size: int, local: torch.Tensor, dtype: torch.dtype):
-        self.name, self.slots, self.world_size = name, slots, world_size
-        self.shard_numel = sum(s.shard_numel for s in slots)
-        self.local = local  # (shard_numel,) in the master dtype
-        self.uses: list[tuple[nn.Module, int]] = []  # (module, index of the slot holding its weight)
-        # (world_size * shard_numel,) in the compute dtype, slot-major. One tensor for the model's lifetime:
-        # autograd saves views of it, so a re-gather into its storage restores what they see.
-        self.full = torch.empty(world_size * self.shard_numel, dtype=dtype, device=local.device)
-        self.full.untyped_storage().resize_(0)
-        self.full_data = self.full.data  # writes through this alias leave autograd's version counter alone
-        self.gather: tuple[dist.Work, torch.Tensor, torch.Tensor] | None = None  # in flight: work, output, input
-        self.in_use = False  # counted in this phase's execution order; cleared when freed
-        self.backward_uses = 0  # backward passes through the unit's module begun and not yet reduce-scattered
-        self.grad_parts: list[torch.Tensor] = []
-
-    @property
-    def gathered(self) -> bool:
-        """Whether the unit's gather has started (it may still be in flight)."""
-        return self.gather is not None or self.full.untyped_storage().size() > 0
-
-    def full_weight(self, slot: _Slot) -> torch.Tensor:
-        assert self.gather is None and self.full.untyped_storage().size() > 0, f"{self.name} is not gathered"
-        start = self.world_size * slot.offset
-        return self.full[start : start + slot.numel].view(slot.shape)
 
 
 class _UseFullWeights(torch.autograd.Function):
@@ -163,7 +77,7 @@ class _UseFullWeights(torch.autograd.Function):
     shards: those arrive in ``finish_gradient_synchronization``, once the collective is done."""
 
     @staticmethod
-    def forward(ctx: Any, fsdp: FSDP, unit: _Unit, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, fsdp: FSDP, unit: Unit, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.fsdp, ctx.unit = fsdp, unit
         ctx.set_materialize_grads(False)  # an unused weight's gradient stays None instead of a zero tensor
         fulls = tuple(unit.full_weight(s) for s in unit.slots)
@@ -239,9 +153,9 @@ class FSDP(nn.Module):
                 for t in [*names, *module.buffers()]:
                     dist.broadcast(t.data, group=process_group, group_src=0)
 
-        self._units: list[_Unit] = []
-        self._unit_of_module: dict[nn.Module, _Unit] = {}  # the modules whose forward gathers a unit
-        by_param: dict[nn.Parameter, _Unit] = {}
+        self._units: list[Unit] = []
+        self._unit_of_module: dict[nn.Module, Unit] = {}  # the modules whose forward gathers a unit
+        by_param: dict[nn.Parameter, Unit] = {}
         for unit_name, root, owners in communication_units(module):
             if root in self._unit_of_module:  # a module reachable by two paths is hooked once
                 continue
@@ -271,7 +185,7 @@ class FSDP(nn.Module):
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(lambda param: owner()._all_reduce_grad(param))
 
-        self._pending_reduce_scatters: list[tuple[_Unit, dist.Work | TreeReduction | None, torch.Tensor,
+        self._pending_reduce_scatters: list[tuple[Unit, dist.Work | TreeReduction | None, torch.Tensor,
                                                   torch.Tensor]] = []
         self._pending_all_reduces: dict[nn.Parameter, dist.Work | TreeReduction] = {}
         # The profiler range of each module forward in progress, exited after it.
@@ -279,15 +193,15 @@ class FSDP(nn.Module):
         # Set when the gradient reaches the model's output: unit forwards from then on are recomputations.
         self._in_backward = False
         # Orders of unit uses seen in the last iteration (the prediction) and in this one.
-        self._forward_order: list[_Unit] = list(self._units)
-        self._backward_order: list[_Unit] = []
-        self._forward_seen: list[_Unit] = []
-        self._backward_seen: list[_Unit] = []
+        self._forward_order: list[Unit] = list(self._units)
+        self._backward_order: list[Unit] = []
+        self._forward_seen: list[Unit] = []
+        self._backward_seen: list[Unit] = []
         self._mesh = None
 
     # Sharding and gathering.
 
-    def _new_unit(self, name: str, weights: list[tuple[str, nn.Parameter]]) -> _Unit:
+    def _new_unit(self, name: str, weights: list[tuple[str, nn.Parameter]]) -> Unit:
         first = weights[0][1]
         for weight_name, w in weights:
             if (w.dtype, w.device) != (first.dtype, first.device):
@@ -296,7 +210,7 @@ class FSDP(nn.Module):
                                  f"for {weights[0][0]}")
         slots, offset = [], 0
         for weight_name, w in weights:
-            slots.append(_Slot(weight_name, w, offset, self._rank, self._world_size))
+            slots.append(Slot(weight_name, w, offset, self._rank, self._world_size))
             offset += slots[-1].shard_numel
         local = torch.zeros(sum(s.shard_numel for s in slots), dtype=first.dtype, device=first.device)
         with torch.no_grad():
@@ -305,20 +219,20 @@ class FSDP(nn.Module):
                 local[s.offset : s.offset + s.valid] = s.param.data.reshape(-1)[start : start + s.valid]
                 s.param.data = local[s.offset : s.offset + s.shard_numel]
         # A unit of one weight is named by the weight, as its module path may be empty (a bare Linear).
-        unit = _Unit(name if len(slots) > 1 else slots[0].name, slots, self._world_size, local,
+        unit = Unit(name if len(slots) > 1 else slots[0].name, slots, self._world_size, local,
                      self.compute_dtype or first.dtype)
         self._units.append(unit)
         return unit
 
-    def _launch_gather(self, unit: _Unit, local: torch.Tensor, out: torch.Tensor, async_op: bool) -> dist.Work | None:
+    def _launch_gather(self, unit: Unit, local: torch.Tensor, out: torch.Tensor, async_op: bool) -> dist.Work | None:
         with torch.profiler.record_function(f"fsdp.all_gather.{unit.name}"):
             return dist.all_gather_into_tensor(out, local, group=self._group, async_op=async_op)
 
-    def _layouts_coincide(self, unit: _Unit) -> bool:
+    def _layouts_coincide(self, unit: Unit) -> bool:
         """Whether the gathered (rank-major) layout is already slot-major."""
         return len(unit.slots) == 1 or self._world_size == 1
 
-    def _slot_major(self, unit: _Unit, gathered: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def _slot_major(self, unit: Unit, gathered: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Copy a gathered (rank-major) unit into ``out`` so that each weight's pieces are contiguous."""
         sizes = [s.shard_numel for s in unit.slots]
         pieces = [out[self._world_size * s.offset :][: self._world_size * s.shard_numel].view(self._world_size, -1)
@@ -326,18 +240,18 @@ class FSDP(nn.Module):
         torch.split_with_sizes_copy(gathered.view(self._world_size, unit.shard_numel), sizes, dim=1, out=pieces)
         return out
 
-    def _start_gather(self, unit: _Unit) -> None:
+    def _start_gather(self, unit: Unit) -> None:
         if unit.gathered:
             return
         shard = unit.local.detach()
         full = unit.full_data
         if self._world_size == 1:
-            _allocate(full)
+            allocate(full)
             full.copy_(shard)
             return
         # With a staging buffer, the full buffer gets its memory only when the gather has landed (as in
         # FSDP2), so a prefetched unit costs its staging buffer alone while in flight.
-        out = _allocate(full) if self._layouts_coincide(unit) else torch.empty_like(full)
+        out = allocate(full) if self._layouts_coincide(unit) else torch.empty_like(full)
         if full.dtype == shard.dtype:
             local = shard  # nothing writes to the shard between the forward and the optimizer step
         else:
@@ -349,16 +263,16 @@ class FSDP(nn.Module):
         assert work is not None
         unit.gather = (work, out, local)
 
-    def _wait_gather(self, unit: _Unit) -> None:
+    def _wait_gather(self, unit: Unit) -> None:
         self._start_gather(unit)
         if unit.gather is not None:
             work, out, _ = unit.gather
             work.wait()
             unit.gather = None
             if out is not unit.full_data:
-                self._slot_major(unit, out, _allocate(unit.full_data))
+                self._slot_major(unit, out, allocate(unit.full_data))
 
-    def _free(self, unit: _Unit) -> None:
+    def _free(self, unit: Unit) -> None:
         if unit.gather is not None:  # never drop a buffer a collective may still write into
             unit.gather[0].wait()
             unit.gather = None
@@ -366,7 +280,7 @@ class FSDP(nn.Module):
         unit.in_use = False
         unit.backward_uses = 0
 
-    def _use(self, unit: _Unit) -> None:
+    def _use(self, unit: Unit) -> None:
         """Gather ``unit`` now and, on its first use in this phase, start the gather that the last
         iteration's order says comes next."""
         if self._in_backward:
@@ -413,14 +327,14 @@ class FSDP(nn.Module):
             return output
         return _on_backward(output, lambda: self._pre_backward(unit))
 
-    def _pre_backward(self, unit: _Unit) -> None:
+    def _pre_backward(self, unit: Unit) -> None:
         unit.backward_uses += 1
         self._use(unit)
 
     def _start_backward(self) -> None:
         self._in_backward = True
 
-    def _reduce_scatter(self, unit: _Unit, grads: tuple[torch.Tensor | None, ...]) -> None:
+    def _reduce_scatter(self, unit: Unit, grads: tuple[torch.Tensor | None, ...]) -> None:
         unit.backward_uses -= 1
         if unit.backward_uses <= 0:
             self._free(unit)

@@ -1,8 +1,8 @@
 """Optimizer state sharding (ZeRO stage 1, Rajbhandari et al., 2020, "ZeRO-DP P_os").
 
-:class:`ShardedOptimizer` wraps any ``torch.optim.Optimizer`` class. Every rank keeps the full model
-and full gradients (as in plain data parallel training), but each parameter is owned by exactly one
-rank, and only the owner's inner optimizer holds state for it and updates it. After the local update
+:class:`ShardedOptimizer` wraps any ``torch.optim.Optimizer`` class (or a callable that makes one). Every rank
+keeps the full model and full gradients (as in plain data parallel training), but each parameter is owned by
+exactly one rank, and only the owner's inner optimizer holds state for it and updates it. After the local update
 the owners broadcast the new values so that every rank again holds the same model::
 
     model = ...                                     # gradients averaged by DDP or an all-reduce
@@ -38,18 +38,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     Args:
         params: parameters or parameter groups (dicts with ``"params"`` and per-group hyperparameters).
-        optimizer_cls: the optimizer to wrap, e.g. ``torch.optim.AdamW``; built once per rank over the
-            parameters that rank owns.
+        optimizer_cls: the optimizer to wrap, e.g. ``torch.optim.AdamW``, or any callable ``fn(param_groups,
+            **kwargs) -> Optimizer`` that makes one; built once per rank over the parameters that rank owns.
         process_group: the ranks that share the state (default: the world); ranks are numbered within it.
         **kwargs: default hyperparameters, forwarded to ``optimizer_cls``.
     """
 
     def __init__(
-        self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], optimizer_cls: type[torch.optim.Optimizer],
+        self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        optimizer_cls: Callable[..., torch.optim.Optimizer],
         *, process_group: dist.ProcessGroup | None = None, **kwargs: Any,
     ):
-        if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
-            raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer subclass, got {optimizer_cls!r}")
+        if not callable(optimizer_cls) or (isinstance(optimizer_cls, type)
+                                           and not issubclass(optimizer_cls, torch.optim.Optimizer)):
+            raise TypeError("optimizer_cls must be a torch.optim.Optimizer subclass or a callable that makes one, got "
+                            f"{optimizer_cls!r}")
         self._optimizer_cls = optimizer_cls
         self._group = process_group
         self._rank, self._world_size = rank_and_world(process_group)

@@ -8,7 +8,8 @@ the same storage) are counted at their new size. So what it reports is what the 
 
 Inside :func:`fake_tensors` no operator computes anything, so the peak of a whole training step at the leaderboard's
 shape takes seconds on a laptop's CPU. Host reads of fake values (an input check's ``.item()``) get 0, what a
-check that passes sees; code whose memory depends on tensor values cannot be counted this way.
+check that passes sees, or the value given (an optimizer's count of steps taken must not be 0); code whose memory
+depends on tensor values cannot be counted this way.
 
     with fake_tensors(), LiveMemory() as live:
         model = build(...); loss = model(x); loss.backward()
@@ -53,11 +54,13 @@ class LiveMemory(TorchDispatchMode):
     Args:
         sites: also record where each storage was made, for :meth:`peak_sites` (a Python stack per new storage:
             several times slower).
+        host_read: what a host read of a fake value gets (module docstring).
     """
 
-    def __init__(self, sites: bool = False) -> None:
+    def __init__(self, sites: bool = False, host_read: int = 0) -> None:
         super().__init__()
         self.sites = sites
+        self.host_read = host_read
         self.live_bytes = 0
         self.peak_bytes = 0
         self._ids: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> id
@@ -119,7 +122,7 @@ class LiveMemory(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
-            return 0  # a host read of a fake value (module docstring)
+            return self.host_read  # a host read of a fake value (module docstring)
         out = func(*args, **(kwargs or {}))
         # An output on an input's storage (a view, an in-place op) is not new, even when made before the mode.
         inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}

@@ -3,7 +3,7 @@
 A writeup section holds ``<!-- table:NAME -->`` ... ``<!-- /table:NAME -->``; :func:`fill_tables`
 replaces the table between them with a freshly generated one, so numbers in the text are never typed
 by hand; a caption paragraph (``: ...``) after the table, inside the markers, stays.
-:mod:`cs336_harness.writeup` builds the writeup's tables this way.
+``tools/writeup_tables.py`` builds the writeup's tables this way.
 """
 
 from __future__ import annotations

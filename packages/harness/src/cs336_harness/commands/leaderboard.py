@@ -49,10 +49,10 @@ from cs336_harness.commands._shared import (
     print_measured_table,
 )
 from cs336_harness.device import GIB
-from cs336_harness.memory_plan import memory_plan
+from cs336_harness.memory_plan import device_memory_bytes, memory_plan
 from cs336_harness.results import RowKind, append_rows, check_writable
 from cs336_harness.studies import leaderboard
-from cs336_harness.training import COMPUTE_DTYPES
+from cs336_harness.train_config import COMPUTE_DTYPES
 
 _SIZED = ("size", "vocab_size", "context_length", "global_batch", "world_size", "num_layers", "compute_dtype")
 # What the tables read of every row (writeup_tables picks the leaderboard configuration and the proxy by these).
@@ -176,7 +176,7 @@ def _check_offload_fits(config: leaderboard.LeaderboardConfig) -> None:
     if spec.kind != "offload":
         return
     blocks = spec.per_block(config.model_config.num_layers).count("offloaded")
-    block = memory_plan(config.train_config(), None).block
+    block = memory_plan(config.train_config(), None).step.block
     ranks, spawned = resources.ranks_here(config.world_size)
     what = f"--checkpoint {spec} ({blocks} blocks' saved activations in host memory on each of {ranks} ranks)"
     resources.HostMemoryNeed(what, {"host copies": blocks * block.kept}, ranks, spawned).check()
@@ -189,7 +189,7 @@ def _print_memory_plans(configs: list[leaderboard.LeaderboardConfig]) -> int:
     Raises:
         ValueError: for a ``budget`` policy with no cap given and no GPU to take one from.
     """
-    device_bytes = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    device_bytes = device_memory_bytes(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     rows = []
     for config in configs:
         if config.checkpoint == registry.BUDGET and config.memory_cap_gib is None and device_bytes is None:
@@ -205,13 +205,13 @@ def _print_memory_plans(configs: list[leaderboard.LeaderboardConfig]) -> int:
             "cap_gib": None if plan.cap_bytes is None else plan.cap_bytes / GIB,
             "planned_peak_gib": None if plan.expected_peak_bytes is None else plan.expected_peak_bytes / GIB,
             "fake_tensor_peak_gib": leaderboard.traced_peak(train).peak_bytes / GIB if traceable else None,
-            "block_kept_gib": plan.block.kept / GIB,
+            "block_kept_gib": plan.step.block.kept / GIB,
         })
     print_measured_table(rows, list(rows[0]), floatfmt=".2f")
-    print("planned: the memory plan (a block's bytes counted on fake tensors, compiled blocks' by the byte model, the "
-          "rest of the step by formula: exact for ours, an estimate for the baselines); fake_tensor_peak: the step's "
-          "tensors counted without running it; the allocator adds cuBLAS' workspace and rounding (about 0.07 GiB on "
-          "the proxy)")
+    print("planned: the memory plan (a block's, the loss's and the optimizer's bytes counted on fake tensors, compiled "
+          "blocks' by the byte model, the wrapper's buffers by formula: exact for ours, an estimate for the "
+          "baselines); fake_tensor_peak: the step's tensors counted without running it; the allocator adds cuBLAS' "
+          "workspace and rounding (about 0.07 GiB on the proxy)")
     return 0
 
 

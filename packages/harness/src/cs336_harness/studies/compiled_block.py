@@ -1,7 +1,7 @@
 """One Transformer block, eager and under ``torch.compile(fullgraph=True)``, with our kernels and with PyTorch's
 (``cs336 block``).
 
-The block is :func:`cs336_harness.training.build_block` at a size preset's shape (default: one block of the 8B
+The block is :func:`cs336_harness.train_config.build_block` at a size preset's shape (default: one block of the 8B
 model, one sequence of 32,768 tokens, bf16 weights and activations), built with its pieces from one of two sets of
 :mod:`cs336_harness.registry` (:data:`KERNELS`):
 
@@ -37,7 +37,7 @@ from cs336_basics.config import PRESETS, ModelConfig
 from cs336_harness import registry
 from cs336_harness.device import DTYPES, GIB
 from cs336_harness.progress import progress_bar
-from cs336_harness.training import build_block
+from cs336_harness.train_config import build_block
 
 VARIANTS: tuple[str, ...] = ("eager_ours", "compiled_ours", "eager_torch", "compiled_torch")
 BASELINE = "compiled_torch"

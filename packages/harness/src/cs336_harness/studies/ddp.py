@@ -1,9 +1,9 @@
 """Data-parallel training steps of the Transformer LM: our four DDP wrappers against torch's DDP.
 
-Every rank builds a ``BasicsTransformerLM`` of a preset size, wraps it (``naive``, ``flat``,
-``overlapped``, ``bucketed`` from :mod:`cs336_comms.ddp`, ``torch_ddp`` =
-``torch.nn.parallel.DistributedDataParallel`` with the same bucket size, or ``nocomm``: the bare model,
-no gradient exchange, the compute-only reference) and trains on a random batch of
+Every rank builds the training step of a ``BasicsTransformerLM`` of a preset size (:func:`train_config`, composed by
+:func:`cs336_harness.training.build_training`) in one wrapper (``naive``, ``flat``, ``overlapped``, ``bucketed`` from
+:mod:`cs336_comms.ddp`, ``torch_ddp`` = ``torch.nn.parallel.DistributedDataParallel`` with the same bucket size, or
+``nocomm``: the bare model, no gradient exchange, the compute-only reference) and trains on a random batch of
 ``global_batch / world_size`` sequences with our AdamW, in fp32 or under bf16 autocast.
 
 What is measured, per (dtype, variant):
@@ -53,18 +53,17 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from cs336_basics.optimizer import AdamW
-from cs336_comms.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlappedDDP
 from cs336_comms.process_group import current_device, run_ranks
 
 from cs336_harness import instrument
 from cs336_harness.analysis import figures, trace
 from cs336_harness.analysis.tables import markdown_table
-from cs336_harness.device import DTYPES, GIB, sync
+from cs336_harness.device import GIB, sync
 from cs336_harness.instrument import STEP_PHASES
 from cs336_harness.progress import progress_bar
 from cs336_harness.studies.distributed import DistributedRunConfig, trace_folder
-from cs336_harness.training import build_model
+from cs336_harness.train_config import OptimizerConfig, Parallelism, TrainConfig
+from cs336_harness.training import Training, build_training
 
 VARIANTS: tuple[str, ...] = ("nocomm", "naive", "flat", "overlapped", "bucketed", "torch_ddp")
 
@@ -82,15 +81,9 @@ class DDPBenchConfig(DistributedRunConfig):
             raise ValueError(f"bucket_size_mb must be positive, got {self.bucket_size_mb}")
 
 
-def _wrap(variant: str, model: nn.Module, device: torch.device, bucket_size_mb: float) -> nn.Module:
-    if variant == "nocomm":
-        return model
-    if variant == "torch_ddp":
-        device_ids = [device.index] if device.type == "cuda" else None
-        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_size_mb)
-    if variant == "bucketed":
-        return BucketedDDP(model, bucket_size_mb=bucket_size_mb)
-    return {"naive": NaiveDDP, "flat": FlatDDP, "overlapped": OverlappedDDP}[variant](model)
+# The wrapper of each variant (cs336_harness.train_config.Parallelism); nocomm is the bare model.
+WRAPPER_OF: dict[str, str] = {"nocomm": "none", "naive": "naive", "flat": "flat", "overlapped": "overlapped",
+                              "bucketed": "bucketed", "torch_ddp": "torch_ddp"}
 
 
 class _Stamp:
@@ -125,33 +118,29 @@ def _last_gradient(step: Callable[[], Any], params: list[nn.Parameter]) -> nn.Pa
     return order[-1]
 
 
-def _make_step(config: DDPBenchConfig, wrapped: nn.Module, optimizer: torch.optim.Optimizer, dtype: str,
-               device: torch.device, rank: int, sync_end: _Stamp) -> Callable[[], dict[str, float]]:
+def _make_step(config: DDPBenchConfig, training: Training, rank: int, device: torch.device,
+               sync_end: _Stamp) -> Callable[[], dict[str, float]]:
     """One training step as a function returning the host (CPU) seconds each phase took to issue; ``sync_end``
     is recorded once the gradients are synchronised (for torch DDP, which waits inside backward: after it)."""
     local_batch = config.global_batch // config.world_size
     g = torch.Generator().manual_seed(1000 + rank)  # each rank its own shard of the global batch
     tokens = torch.randint(0, config.vocab_size, (local_batch, config.context_length + 1), generator=g).to(device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B/n, T)
-    compute = DTYPES[dtype]
-    finish = getattr(wrapped, "finish_gradient_synchronization", lambda: None)
 
     def step() -> dict[str, float]:
         t0 = time.perf_counter()
-        with instrument.annotate("forward"), torch.autocast(device.type, dtype=compute,
-                                                            enabled=compute != torch.float32):
-            loss = wrapped(inputs, targets)
+        with instrument.annotate("forward"):
+            loss = training.forward(inputs, targets)
         t1 = time.perf_counter()
         with instrument.annotate("backward"):
             loss.backward()
         t2 = time.perf_counter()
         with instrument.annotate("grad_sync"):
-            finish()
+            training.finish_sync()
         sync_end.record()
         t3 = time.perf_counter()
         with instrument.annotate("optimizer"):
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            training.optimizer_step()
         t4 = time.perf_counter()
         return {"forward": t1 - t0, "backward": t2 - t1, "grad_sync": t3 - t2, "optimizer": t4 - t3}
 
@@ -160,21 +149,28 @@ def _make_step(config: DDPBenchConfig, wrapped: nn.Module, optimizer: torch.opti
 
 @dataclass
 class _Run:
-    """One variant ready to train: the bare model, a step function, and the stamp it records at the end of
-    gradient synchronisation."""
+    """One variant ready to train: its model (in its wrapper), a step function, and the stamp it records at the end
+    of gradient synchronisation."""
 
     model: nn.Module
     step: Callable[[], dict[str, float]]
     sync_end: _Stamp
 
 
+def train_config(config: DDPBenchConfig, variant: str, dtype: str, rank: int) -> TrainConfig:
+    """The step ``variant`` runs on ``rank``: the model's own PyTorch code, the variant's wrapper, ``dtype`` under
+    autocast, our AdamW; each rank's weights drawn from its own seed (the wrappers must broadcast rank 0's)."""
+    return TrainConfig(
+        config.model_config,
+        parallelism=Parallelism(world_size=config.world_size, backend=config.resolved_backend, compute_dtype=dtype,
+                                wrapper=WRAPPER_OF[variant], bucket_size_mb=config.bucket_size_mb),
+        optimizer=OptimizerConfig("adamw", lr=config.lr), global_batch=config.global_batch, seed=rank)
+
+
 def _build(config: DDPBenchConfig, variant: str, dtype: str, rank: int, device: torch.device) -> _Run:
-    # Different weights per rank: the wrappers must broadcast rank 0's.
-    model = build_model(config.model_config, seed=rank, device=device)
-    wrapped = _wrap(variant, model, device, config.bucket_size_mb)
-    optimizer = AdamW(model.parameters(), lr=config.lr)
+    training = build_training(train_config(config, variant, dtype, rank), device)
     sync_end = _Stamp(device)
-    return _Run(model, _make_step(config, wrapped, optimizer, dtype, device, rank, sync_end), sync_end)
+    return _Run(training.model, _make_step(config, training, rank, device, sync_end), sync_end)
 
 
 def _release(device: torch.device) -> None:

@@ -15,7 +15,7 @@ from cs336_basics.config import DEFAULT_CONTEXT_LENGTH, DEFAULT_VOCAB_SIZE, PRES
 from cs336_comms.process_group import default_backend, launched_by_torchrun
 
 from cs336_harness.device import GIB
-from cs336_harness.training import COMPUTE_DTYPES
+from cs336_harness.train_config import COMPUTE_DTYPES
 
 
 @contextlib.contextmanager

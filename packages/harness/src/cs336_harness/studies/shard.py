@@ -1,7 +1,8 @@
 """Memory and step time of sharded data-parallel training: DDP, ZeRO-1, our FSDP and torch's FSDP2.
 
-Every rank builds the same ``BasicsTransformerLM`` (torch SDPA attention), trains on its
-``global_batch / world_size`` sequences with fused ``torch.optim.AdamW``, and one of:
+Every rank builds the training step of the same ``BasicsTransformerLM`` (torch SDPA attention; :func:`train_config`,
+composed by :func:`cs336_harness.training.build_training`), trains on its ``global_batch / world_size`` sequences with
+fused ``torch.optim.AdamW``, and one of:
 
 - ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` (full parameters, gradients, optimizer state);
 - ``zero1``: the same DDP with :class:`cs336_sharding.optimizer.ShardedOptimizer` (state sharded);
@@ -36,11 +37,10 @@ Run it as ``uv run cs336 shard`` (``--help``).
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -49,17 +49,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from cs336_comms.process_group import current_device, run_ranks
-from cs336_sharding.fsdp import FSDP
-from cs336_sharding.optimizer import ShardedOptimizer
 from torch.distributed.tensor import DTensor
 
 from cs336_harness import instrument, registry
 from cs336_harness.analysis import figures, trace
 from cs336_harness.analysis.tables import markdown_table
-from cs336_harness.device import DTYPES, GIB, sync
+from cs336_harness.device import GIB, sync
 from cs336_harness.progress import progress_bar
 from cs336_harness.studies.distributed import DistributedRunConfig, trace_folder
-from cs336_harness.training import build_model, fully_shard_blocks
+from cs336_harness.train_config import OptimizerConfig, Parallelism, TrainConfig
+from cs336_harness.training import Training, build_training
 
 VARIANTS: tuple[str, ...] = ("ddp", "zero1", "fsdp", "fsdp2")
 PROFILED: tuple[str, ...] = ("fsdp", "fsdp2")
@@ -73,30 +72,23 @@ class ShardBenchConfig(DistributedRunConfig):
     dtypes: tuple[str, ...] = ("fp32", "bf16")
 
 
-@dataclass
-class _Setup:
-    model: nn.Module  # what the step calls
-    optimizer: torch.optim.Optimizer
-    finish: Callable[[], None]  # gradient synchronisation after backward
-    autocast: torch.dtype | None
+# The wrapper of each variant (cs336_harness.train_config.Parallelism).
+WRAPPER_OF: dict[str, str] = {"ddp": "torch_ddp", "zero1": "zero1", "fsdp": "fsdp", "fsdp2": "fsdp2"}
 
 
-def _build(variant: str, dtype: str, config: ShardBenchConfig, device: torch.device) -> _Setup:
-    model = build_model(config.model_config, registry.kernels("sdpa"), device=device)
-    compute = DTYPES[dtype]
-    adamw = {"lr": config.lr, "fused": True}
-    if variant in ("ddp", "zero1"):
-        device_ids = [device.index] if device.type == "cuda" else None
-        wrapped = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
-        optimizer = (torch.optim.AdamW(model.parameters(), **adamw) if variant == "ddp"
-                     else ShardedOptimizer(model.parameters(), torch.optim.AdamW, **adamw))
-        return _Setup(wrapped, optimizer, lambda: None, None if compute == torch.float32 else compute)
-    if variant == "fsdp":
-        fsdp = FSDP(model, compute_dtype=compute)
-        return _Setup(fsdp, torch.optim.AdamW(fsdp.parameters(), **adamw), fsdp.finish_gradient_synchronization,
-                      None)
-    model = fully_shard_blocks(model, device, config.world_size, compute)
-    return _Setup(model, torch.optim.AdamW(model.parameters(), **adamw), lambda: None, None)
+def fused_torch_adamw(params: Iterable[nn.Parameter], lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """``torch.optim.AdamW(fused=True)`` on any device: every variant's optimizer (ZeRO-1 shards its state)."""
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
+
+
+def train_config(config: ShardBenchConfig, variant: str, dtype: str) -> TrainConfig:
+    """The step ``variant`` runs: SDPA attention, the variant's wrapper with ``dtype`` as its compute dtype (autocast
+    for DDP and ZeRO-1), fused torch AdamW."""
+    return TrainConfig(
+        config.model_config, kernels=registry.kernels("sdpa"),
+        parallelism=Parallelism(world_size=config.world_size, backend=config.resolved_backend, compute_dtype=dtype,
+                                wrapper=WRAPPER_OF[variant]),
+        optimizer=OptimizerConfig(fused_torch_adamw, lr=config.lr), global_batch=config.global_batch)
 
 
 def _local_bytes(t: torch.Tensor) -> int:
@@ -104,10 +96,10 @@ def _local_bytes(t: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def _breakdown(setup: _Setup) -> dict[str, float]:
+def _breakdown(training: Training) -> dict[str, float]:
     """This rank's parameter, gradient and optimizer-state bytes, from the tensors themselves."""
-    params = list({id(p): p for p in setup.model.parameters()}.values())
-    state = [v for s in setup.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    params = list({id(p): p for p in training.model.parameters()}.values())
+    state = [v for s in training.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     return {
         "params_gib": sum(_local_bytes(p) for p in params) / GIB,
         "grads_gib": sum(_local_bytes(p.grad) for p in params if p.grad is not None) / GIB,
@@ -139,7 +131,7 @@ def _bench_one(variant: str, dtype: str, config: ShardBenchConfig, rank: int, de
     memory = _Memory(device)
     memory.reset_peak()
     alloc_before = memory.allocated()
-    setup = _build(variant, dtype, config, device)
+    training = build_training(train_config(config, variant, dtype), device)
     sync(device)
     row: dict[str, Any] = {"variant": variant, "dtype": dtype, "alloc_before_gib": alloc_before,
                            "peak_init_gib": memory.peak(), "alloc_init_gib": memory.allocated()}
@@ -148,23 +140,19 @@ def _bench_one(variant: str, dtype: str, config: ShardBenchConfig, rank: int, de
                                                   config.context_length + 1), generator=g).to(device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (B/n, T)
 
-    def autocast() -> contextlib.AbstractContextManager:
-        return torch.autocast(device.type, dtype=setup.autocast or torch.float32, enabled=setup.autocast is not None)
-
     def forward() -> torch.Tensor:
-        with instrument.annotate("forward"), autocast():
-            return setup.model(inputs, targets)
+        with instrument.annotate("forward"):
+            return training.forward(inputs, targets)
 
     def backward(loss: torch.Tensor) -> None:
         with instrument.annotate("backward"):
             loss.backward()
         with instrument.annotate("grad_sync"):
-            setup.finish()
+            training.finish_sync()
 
     def optimizer_step() -> None:
         with instrument.annotate("optimizer"):
-            setup.optimizer.step()
-            setup.optimizer.zero_grad(set_to_none=True)
+            training.optimizer_step()
 
     def step() -> None:
         with instrument.annotate("step"):
@@ -189,7 +177,7 @@ def _bench_one(variant: str, dtype: str, config: ShardBenchConfig, rank: int, de
     backward(loss)
     del loss
     row["peak_before_step_gib"] = memory.peak()
-    row.update(_breakdown(setup))
+    row.update(_breakdown(training))
     row["activations_gib"] = None if after_forward is None else after_forward - before_forward
     memory.reset_peak()
     optimizer_step()

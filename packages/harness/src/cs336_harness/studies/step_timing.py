@@ -1,8 +1,9 @@
 """End-to-end timing of a Transformer LM's forward, backward and optimizer step, with memory and profiles.
 
-:func:`run_bench` builds a ``BasicsTransformerLM`` with random weights, draws one random batch, runs
-``warmup`` untimed steps and then ``steps`` timed ones. The device is synchronised after every phase and
-each phase is timed with ``timeit.default_timer``; a row reports mean, standard deviation and median per
+:func:`run_bench` builds the training step of a ``BasicsTransformerLM`` with random weights
+(:meth:`BenchConfig.train_config`, composed by :func:`cs336_harness.training.build_training`), draws one random
+batch, runs ``warmup`` untimed steps and then ``steps`` timed ones. The device is synchronised after every phase
+and each phase is timed with ``timeit.default_timer``; a row reports mean, standard deviation and median per
 phase (forward includes the loss), the peak memory allocated in each phase, and, on request, a
 torch.profiler trace with its kernel table and timeline figure (``profile_dir``) or a CUDA memory
 snapshot with its active-memory figure (``memory_dir``). Every step is inside an NVTX/record_function
@@ -26,16 +27,16 @@ from typing import Any
 
 import torch
 from cs336_basics.config import DEFAULT_CONTEXT_LENGTH, DEFAULT_VOCAB_SIZE, PRESETS, ModelConfig
-from cs336_basics.model import BasicsTransformerLM
-from cs336_sharding.checkpointing import GROUP_SWEEP, apply_checkpointing, plan_segments
+from cs336_sharding.checkpointing import GROUP_SWEEP, plan_segments
 
 from cs336_harness import instrument, registry
 from cs336_harness.analysis import figures, memory, trace
-from cs336_harness.device import DTYPES, GIB, check_device, default_device, sync
+from cs336_harness.device import GIB, check_device, default_device, sync
 from cs336_harness.instrument import annotate
 from cs336_harness.progress import progress_bar
 from cs336_harness.results import append_rows, portable_path
-from cs336_harness.training import COMPUTE_DTYPES, build_model, saved_ops
+from cs336_harness.train_config import COMPUTE_DTYPES, OptimizerConfig, Parallelism, TrainConfig
+from cs336_harness.training import build_training
 
 MODES = ("forward", "forward-backward", "train")
 DEFAULT_BATCH_SIZE = 4
@@ -128,31 +129,17 @@ class BenchConfig:
             parts.append("ckpt-" + self.checkpoint.replace(":", ""))
         return "_".join(parts)
 
-
-
-
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def build_step(config: BenchConfig) -> tuple[BasicsTransformerLM, LossFn, torch.optim.Optimizer | None]:
-    """The config's model (:func:`cs336_harness.training.build_model`: its attention and its LM head's loss by their
-    registry names; ``fused`` is ``cs336_kernels.fused_linear_cross_entropy``, which never materialises the (tokens,
-    vocab) logits), checkpointed; ``loss(tokens, targets)``, the model's own loss under the config's compile and
-    autocast choices; and its optimizer in ``train`` mode (else None)."""
-    model = build_model(config.model_config, registry.kernels(config.attention, loss_name=config.loss),
-                        seed=config.seed, device=torch.device(config.device))
-    apply_checkpointing(model, config.checkpoint, saved_ops(config.model_config))
-    body = torch.compile(model) if config.compile else model
-    dtype = DTYPES[config.dtype]
-    device_type = torch.device(config.device).type
-
-    def loss_fn(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32):
-            return body(tokens, targets)
-
-    optimizer = (registry.optimizer(config.optimizer)(model.parameters(), 1e-4, 0.01) if config.mode == "train"
-                 else None)
-    return model, loss_fn, optimizer
+    def train_config(self) -> TrainConfig:
+        """The step this config times (:mod:`cs336_harness.training`): the model with its attention and its LM head's
+        loss by their registry names (``fused`` is ``cs336_kernels.fused_linear_cross_entropy``, which never
+        materialises the (tokens, vocab) logits), on one process without a wrapper, checkpointed, the whole model
+        compiled if asked, under autocast for bf16; the optimizer used in ``train`` mode."""
+        return TrainConfig(
+            self.model_config, kernels=registry.kernels(self.attention, loss_name=self.loss),
+            parallelism=Parallelism(compute_dtype=self.dtype, wrapper="none", checkpoint=self.checkpoint,
+                                    compile="model" if self.compile else "none"),
+            optimizer=OptimizerConfig(self.optimizer, lr=1e-4, weight_decay=0.01), global_batch=self.batch_size,
+            seed=self.seed)
 
 
 @dataclass
@@ -202,7 +189,7 @@ def config_fields(config: BenchConfig) -> dict[str, Any]:
 def run_bench(config: BenchConfig, on_step: Callable[[], None] | None = None) -> dict[str, Any]:
     """Run one config and return its row (timings, peaks, parameters; no provenance); ``on_step`` is called after
     every step, warm-up ones included."""
-    model, loss_fn, optimizer = build_step(config)
+    training = build_training(config.train_config(), torch.device(config.device))
     gen = torch.Generator(device=config.device).manual_seed(config.seed)
     shape = (config.batch_size, config.context_length)
     tokens = torch.randint(0, config.vocab_size, shape, device=config.device, generator=gen)
@@ -212,19 +199,19 @@ def run_bench(config: BenchConfig, on_step: Callable[[], None] | None = None) ->
     def one_step() -> None:
         grad_ctx = torch.no_grad() if config.mode == "forward" else contextlib.nullcontext()
         with rec.phase("forward"), grad_ctx:
-            loss = loss_fn(tokens, targets)
+            loss = training.forward(tokens, targets)
         if config.mode == "forward":
             return
         with rec.phase("backward"):
             loss.backward()
-        if optimizer is None:
-            model.zero_grad(set_to_none=True)
+            training.finish_sync()
+        if config.mode != "train":
+            training.model.zero_grad(set_to_none=True)
             return
         with rec.phase("optimizer"):
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            training.optimizer_step()
 
-    row: dict[str, Any] = {**config_fields(config), "params": sum(p.numel() for p in model.parameters())}
+    row: dict[str, Any] = {**config_fields(config), "params": sum(p.numel() for p in training.model.parameters())}
     for _ in range(config.warmup):
         with annotate("warmup"):
             one_step()

@@ -15,7 +15,7 @@ on two GPUs. One job per module:
 - :mod:`~cs336_harness.studies.leaderboard.tables`: the printed and writeup tables.
 
 From Python, a leaderboard config names its pieces as the command line does and gives the step it runs
-(:meth:`LeaderboardConfig.train_config`, a :class:`cs336_harness.training.TrainConfig` whose pieces are callables;
+(:meth:`LeaderboardConfig.train_config`, a :class:`cs336_harness.train_config.TrainConfig` whose pieces are callables;
 the harness README runs this on CPU)::
 
     config = LeaderboardConfig(size="tiny", vocab_size=1000, context_length=32, global_batch=1, world_size=1,

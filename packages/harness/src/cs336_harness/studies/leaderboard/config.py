@@ -3,7 +3,7 @@ the one-GPU proxy of a rank (:data:`PROXY_DEFAULTS`) and the PyTorch-only baseli
 
 A config names its pieces as the command line and the rows do (:mod:`cs336_harness.registry`), and holds the run's
 control (warm-up, steps, profiling, time limit); :meth:`LeaderboardConfig.train_config` is the step it runs, a
-:class:`cs336_harness.training.TrainConfig` of the named callables. Ours is our FSDP with the fused linear +
+:class:`cs336_harness.train_config.TrainConfig` of the named callables. Ours is our FSDP with the fused linear +
 cross-entropy; the baselines (``impl`` of :data:`RECIPES`) are the PyTorch-only steps a user would write: FSDP2
 (``fully_shard`` per block and on the root, fp32 master weights and gradient reduction), SDPA, the model's own glue,
 the chunked loss :func:`cs336_harness.registry.chunked_cross_entropy` and ``torch.optim.AdamW(fused=True)``.
@@ -30,7 +30,7 @@ from cs336_sharding.checkpointing import plan_segments
 
 from cs336_harness import registry
 from cs336_harness.memory_plan import LEADERBOARD_MODEL, LEADERBOARD_WORLD_SIZE
-from cs336_harness.training import COMPUTE_DTYPES, OptimizerConfig, Parallelism, TrainConfig
+from cs336_harness.train_config import COMPUTE_DTYPES, OptimizerConfig, Parallelism, TrainConfig
 
 IMPLS: tuple[str, ...] = ("ours", "torch_native", "torch_native_compiled")
 
@@ -140,8 +140,8 @@ class LeaderboardConfig:
         ours = self.impl == "ours"
         kernels = registry.kernels(self.attention, self.glue, "fused" if ours else "chunked")
         parallelism = Parallelism(world_size=self.world_size, backend=self.backend, compute_dtype=self.compute_dtype,
-                                  fsdp="ours" if ours else "fsdp2", checkpoint=self.checkpoint,
-                                  budget_keeps_attention=ours, compile_blocks=self.compile_blocks,
+                                  wrapper="fsdp" if ours else "fsdp2", checkpoint=self.checkpoint,
+                                  budget_keeps_attention=ours, compile="blocks" if self.compile_blocks else "none",
                                   memory_cap_gib=self.memory_cap_gib)
         return TrainConfig(self.model_config, kernels=kernels, parallelism=parallelism,
                            optimizer=OptimizerConfig(self.optimizer, self.lr, self.weight_decay),

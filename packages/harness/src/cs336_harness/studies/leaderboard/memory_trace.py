@@ -13,9 +13,10 @@ import torch
 from cs336_sharding.checkpointing import parse_policy
 
 from cs336_harness.analysis.live_memory import LiveMemory, fake_tensors
-from cs336_harness.memory_plan import compiled
 from cs336_harness.registry import BUDGET
-from cs336_harness.training import TrainConfig, build_training, rank_batch
+from cs336_harness.step_memory import compiled
+from cs336_harness.train_config import TrainConfig
+from cs336_harness.training import build_training, rank_batch
 
 
 def traceable(config: TrainConfig) -> bool:
@@ -24,7 +25,7 @@ def traceable(config: TrainConfig) -> bool:
     host memory, which the count of device tensors would take for the device's)."""
     par = config.parallelism
     offloads = par.checkpoint != BUDGET and parse_policy(par.checkpoint).kind == "offload"
-    return par.world_size == 1 and par.fsdp == "ours" and not compiled(config) and not offloads
+    return par.world_size == 1 and par.wrapper == "fsdp" and not compiled(config) and not offloads
 
 
 def traced_peak(config: TrainConfig, *, sites: bool = False) -> LiveMemory:
@@ -39,7 +40,7 @@ def traced_peak(config: TrainConfig, *, sites: bool = False) -> LiveMemory:
     par = config.parallelism
     if not traceable(config):
         raise ValueError("traced_peak traces our FSDP on one rank, eager (Inductor decides what compiled code saves), "
-                         f"not offloading; got fsdp {par.fsdp!r}, world_size {par.world_size}, compiled "
+                         f"not offloading; got wrapper {par.wrapper!r}, world_size {par.world_size}, compiled "
                          f"{compiled(config)}, checkpoint {par.checkpoint!r}")
     if par.checkpoint == BUDGET and par.memory_cap_gib is None:
         raise ValueError("traced_peak of checkpoint 'budget' needs memory_cap_gib (no device to take it from)")

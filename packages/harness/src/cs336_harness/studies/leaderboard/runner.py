@@ -28,7 +28,7 @@ from cs336_comms.process_group import current_device, run_ranks
 from cs336_harness import instrument, registry
 from cs336_harness.analysis import kernel_kinds, trace
 from cs336_harness.device import GIB, mfu
-from cs336_harness.memory_plan import memory_plan
+from cs336_harness.memory_plan import device_memory_bytes, memory_plan
 from cs336_harness.progress import progress_bar
 from cs336_harness.studies.leaderboard.config import LeaderboardConfig
 from cs336_harness.studies.leaderboard.flops import step_flops
@@ -159,7 +159,7 @@ def _rank_main(rank: int, world_size: int, config: LeaderboardConfig, show_progr
               "step_s_all_rank0": [round(t, 6) for t in times], "checkpoint": str(plan.policy),
               "memory_cap_gib": None if plan.cap_bytes is None else plan.cap_bytes / GIB,
               "expected_peak_gib": None if plan.expected_peak_bytes is None else plan.expected_peak_bytes / GIB,
-              "block_memory_gib": {k: v / GIB for k, v in asdict(plan.block).items()}, "breakdown": breakdown,
+              "block_memory_gib": {k: v / GIB for k, v in asdict(plan.step.block).items()}, "breakdown": breakdown,
               "handout_do_bench_s": None if handout_ms is None else handout_ms / 1e3}
     if cuda:
         result["peak_init_gib_per_rank"] = [p[0].item() for p in peaks]
@@ -180,7 +180,7 @@ def check_runs_here(config: LeaderboardConfig) -> None:
                          f"{torch.cuda.device_count()} visible")
     if config.checkpoint == registry.BUDGET:
         nccl = config.resolved_backend == "nccl"
-        memory_plan(config.train_config(), torch.cuda.get_device_properties(0).total_memory if nccl else None)
+        memory_plan(config.train_config(), device_memory_bytes(torch.device("cuda" if nccl else "cpu")))
 
 
 def run_leaderboard(config: LeaderboardConfig, progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:

@@ -1,5 +1,6 @@
 """The writeup's tables and figures from the rows, traces and snapshots in ``writeup/results/``: :data:`TABLES`,
-:func:`fill_sections`, :func:`render_figures`.
+:func:`fill_sections`, :func:`render_figures`. The report's machinery, beside the PDF's builder (``build_writeup.py``):
+it reads the harness's rows and tables, and no command of the harness needs it.
 
 Each table goes between ``<!-- table:NAME -->`` markers in a section file (see
 :func:`cs336_harness.analysis.tables.fill_tables`); the prose around them is written by hand. The tables of the
@@ -19,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from cs336_basics.config import ModelConfig
-
 from cs336_harness.analysis import figures, kernel_kinds, memory, trace
 from cs336_harness.analysis.tables import fill_tables, markdown_table
 from cs336_harness.analysis.trace import kernel_class, short_kernel_name
@@ -31,7 +31,7 @@ from cs336_harness.studies.fused.report import latest_run
 from cs336_harness.studies.leaderboard.flops import step_flops
 from cs336_harness.studies.leaderboard.tables import proxy_rows
 
-ROOT = Path(__file__).resolve().parents[4]
+ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "writeup" / "results"
 FIGURES = ROOT / "writeup" / "figures"
 SIZE_ORDER = ["small", "medium", "large", "xl", "10B"]

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The memory plan against the CUDA allocator on one GPU: for each loss (standard, chunked, fused) and each kind of
+# checkpointing, the proxy's step (8B blocks with our attention and glue, bf16, three layers at context 8192), run in
+# a process of its own, must peak within 0.1 GiB of the plan (offload: at most 1.5 GiB under it, a bound), and the
+# plan must be the step's peak counted on fake tensors to the byte (packages/harness/tests/test_live_memory.py).
+# One pytest run per loss, all of them within one call's 10 minutes (the first compiles the kernels); the log in
+# $OUT/log.txt.
+#   run (GPU machine, repo root): bash tools/gpu_memory_plan.sh
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+OUT="${OUT:-$root/gpu_out}"
+mkdir -p "$OUT"
+export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}"
+{
+  for run in standard:240 fused:150 chunked:150; do
+    loss="${run%%:*}"
+    echo "== the plan against the allocator: the $loss loss"
+    timeout "${run##*:}" bash tools/gpu.sh python3 -m pytest -m gpu packages/harness/tests/test_live_memory.py \
+      -k "planned_peak and $loss" -q -p no:cacheprovider || echo "== $loss FAILED or timed out (rc $?)"
+  done
+} 2>&1 | tee "$OUT/log.txt"
