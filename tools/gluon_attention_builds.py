@@ -16,51 +16,19 @@ from __future__ import annotations
 import argparse
 import re
 
-import torch
-import triton
 from cs336_harness.results import append_rows, provenance
-from cs336_kernels.ops.flash_attention import gluon_backward as backward
-from cs336_kernels.ops.flash_attention import gluon_forward as forward
 from cs336_kernels.ops.flash_attention.gluon_common import SUPPORTED_HEAD_DIMS
-from cs336_kernels.ops.flash_attention.params import make_params
-from cs336_kernels.sass import loop_opcodes, loop_spills, read_build
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
-from triton.runtime.jit import mangle_type
+from cs336_kernels.sass import gluon_attention_build, loop_opcodes, loop_spills, read_build
 
 LOOP_OPCODES = ("HGMMA", "WARPGROUP.DEPBAR", "BAR.SYNC", "SYNCS.PHASECHK", "SYNCS.ARRIVE", "MEMBAR", "FMUL", "FFMA",
                 "MUFU.EX2")
 
 
-def _compile(kernel, args: tuple, constants: dict) -> tuple[triton.compiler.CompiledKernel, str]:
-    names = kernel.arg_names
-    runtime = [name for name in names if name not in constants]
-    signature = {name: "constexpr" if name in constants else mangle_type(arg)
-                 for name, arg in zip(names, [*args, *constants.values()], strict=True)}
-    # The launcher's pointers come from fresh allocations, 16-byte aligned.
-    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in runtime if signature[name].startswith("*")}
-    source = GluonASTSource(kernel, signature, constants, attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4, "maxnreg": forward.MAX_REGISTERS})
-    sass = read_build(compiled).sass
-    return compiled, sass
-
-
 def build_row(name: str, head_dim: int, is_causal: bool, deterministic: bool = False) -> dict:
     """Compile the ``name`` (fwd or bwd, the latter in its default or deterministic mode) kernel at ``head_dim``
     and count what its SASS holds."""
-    q = torch.zeros(1, 4, 1024, head_dim, dtype=torch.bfloat16)
-    k = torch.zeros(1, 2, 1024, head_dim, dtype=torch.bfloat16)
-    lse = torch.zeros(1, 4, 1024)
-    params = make_params(head_dim, is_causal, None, (-1, -1), 0.0)
-    if name == "fwd":
-        kernel = forward._attn_fwd_kernel
-        args, constants = forward.forward_args(q, k, k, q, lse, torch.zeros(1, dtype=torch.int32), params)
-    else:
-        kernel = backward._attn_bwd_kernel
-        locks = torch.zeros(backward.dq_lock_count(q), dtype=torch.int32) if deterministic else None
-        args, constants = backward.backward_args(q, k, k, q, lse, lse, q.float(), k, k, locks, params)
-    compiled, sass = _compile(kernel, args, constants)
+    compiled, constants = gluon_attention_build(name, head_dim, is_causal, deterministic)
+    sass = read_build(compiled).sass
     return {"bench": "gluon_build", "kernel": name, "d": head_dim, "dtype": "bf16", "causal": is_causal,
             "deterministic": deterministic,
             "config": [constants["BLOCK_M"], constants["BLOCK_N"], constants["STAGES"]], "target": "sm_90",

@@ -8,7 +8,8 @@
 # Rows: $OUT/attention_anchors.jsonl (the tree's) and $OUT/attention_anchors_base.jsonl (the base's, which name its
 # commit); both go to writeup/results/attention_anchors.jsonl, the rows of a change that is not kept with a
 # `variant` saying so (the writeup's tables leave those out). Every step has its own timeout and none starts past the
-# deadline ($AB_DEADLINE_S seconds, default 520). Log: $OUT/log.txt.
+# deadline ($AB_DEADLINE_S seconds, default 520; a test run may take $AB_TEST_S seconds, default 150, more when
+# new kernels compile). Log: $OUT/log.txt.
 #   run (GPU machine, repo root): bash tools/gpu_attention_ab.sh
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -21,12 +22,13 @@ export CS336_CALL_ID="${CS336_CALL_ID:-$(date -u +%Y%m%dT%H%M%SZ)-ab-$$}"  # one
 export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}"
 read -r -a shapes <<< "${AB_SHAPES:-1,32,32768,128 4,32,4096,128 1,16,16384,64 1,32,16384,128}"
 [ -f .base/.commit ] || { echo "no .base: run 'bash tools/stage_base.sh REVISION' here and carry .base"; exit 2; }
-anchors=(-m cs336_harness.cli attention --part anchors --quiet --anchor-impls ours,ours_deterministic,sdpa
+anchors=(-m cs336_harness.cli attention --part anchors --quiet --anchor-impls "${AB_IMPLS:-ours,ours_deterministic,sdpa}"
          --anchor-shapes "${shapes[@]}")
 
 tests() {  # tests RUN: the attention GPU tests of the tree
-  step "attention GPU tests, run $1" 60 150 bash tools/gpu.sh python3 -m pytest -m gpu \
-    packages/kernels/tests/test_flash_attention.py packages/kernels/tests/test_gluon_attention.py -q \
+  step "attention GPU tests, run $1" 60 "${AB_TEST_S:-150}" bash tools/gpu.sh python3 -m pytest -m gpu \
+    packages/kernels/tests/test_flash_attention.py packages/kernels/tests/test_gluon_attention.py \
+    packages/kernels/tests/test_attention_knobs.py -q \
     -p no:cacheprovider -n 8
 }
 {

@@ -28,9 +28,7 @@ deadline=$(($(date +%s) + ${FA4_DEADLINE_S:-470}))
 source tools/gpu_steps.sh
 export CS336_CALL_ID="${CS336_CALL_ID:-$(date -u +%Y%m%dT%H%M%SZ)-fa4-$$}"  # one id for every row of this call
 export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}"
-PEERS="${PEERS:-/tmp/peers}"
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PEERS:$PEERS/nvidia_cutlass_dsl/dsl_packages"
-export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR="$work/fa4_cache"
+use_fa4 "$work/fa4_cache"
 py=(bash tools/gpu.sh python3)
 shapes=(1,32,32768,128 4,32,4096,128 1,16,16384,64 1,32,16384,128)
 
@@ -72,8 +70,7 @@ pack() {  # pack DEST FILE...: a gzipped tar of the files that exist, named with
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.limit --format=csv
   echo "call id $CS336_CALL_ID commit $(cat .commit 2>/dev/null || echo unknown)"
   "${py[@]}" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  timeout 120 "${py[@]}" -c "import importlib.metadata as m, flash_attn.cute; print('FA4', m.version('flash-attn-4'), \
-'cutlass-dsl', m.version('nvidia-cutlass-dsl'))" 2>&1 | tail -2
+  fa4_versions
   ncu --version | tail -1
 
   step "1. anchors: ours, cuDNN, FA4 at four shapes" 120 330 "${py[@]}" -m cs336_harness.cli attention --part anchors \

@@ -1,12 +1,14 @@
 """Compile the RMSNorm (alone, with the residual add folded in, with Hugging Face's rounding, and its weight-gradient
-reduction), RoPE (interleaved, and half-rotated at Llama-3.2-1B's heads) and SiLU-mul kernels for sm_90 without a GPU
-and print what ptxas made of them.
+reduction), RoPE (interleaved, and half-rotated at Llama-3.2-1B's heads) and SiLU-mul kernels and the Gluon attention
+kernels for sm_90 without a GPU and print what ptxas made of them.
 
-Each kernel is specialised as its launcher specialises it (default launches) at the leaderboard shapes (bf16,
+Each glue kernel is specialised as its launcher specialises it (default launches) at the leaderboard shapes (bf16,
 d_model 4096, head_dim 128 with 32 heads; the SiLU-mul kernels do not specialise on d_ff; unit strides as constants,
-16-divisible pointers and sizes) and built by ``triton.compile`` for ``GPUTarget("cuda", 90, 32)``; cuobjdump
-then reads registers per thread and the local-memory spill stores and loads in the SASS. One JSON row per build
-on stdout::
+16-divisible pointers and sizes) and built by ``triton.compile`` for ``GPUTarget("cuda", 90, 32)``; the Gluon
+attention kernels (forward and backward, causal, at each head dim they take) as
+:func:`cs336_kernels.sass.gluon_attention_build` builds them, which is how a Triton whose Gluon API changed is caught
+without an H100. cuobjdump then reads registers per thread, the local-memory spill stores and loads, and the wgmma
+and TMA load instructions in the SASS. One JSON row per build on stdout::
 
     uv run python packages/kernels/tests/sm90_builds.py
 
@@ -22,13 +24,23 @@ from typing import Any
 import triton
 import triton.backends.nvidia
 from cs336_kernels.ops import rms_norm, rope, swiglu
-from cs336_kernels.sass import read_build
+from cs336_kernels.ops.flash_attention.gluon_common import SUPPORTED_HEAD_DIMS
+from cs336_kernels.sass import gluon_attention_build, read_build
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 TARGET = GPUTarget("cuda", 90, 32)
 
 
+def resources(name: str, compiled: Any) -> dict:
+    """What ptxas made of one build: registers, stack, shared memory, spills, wgmma and TMA loads."""
+    build = read_build(compiled)
+    sass = build.sass
+    return {"kernel": name, "target": "sm_90", "num_warps": compiled.metadata.num_warps,
+            "registers": build.registers, "stack_bytes": build.stack_bytes,
+            "shared_bytes": compiled.metadata.shared, "spill_stores": sass.count("STL"),
+            "spill_loads": sass.count("LDL"), "wgmma": sass.count("HGMMA"), "tma_loads": sass.count("UTMALDG"),
+            "sass_lines": sass.count("\n")}
 
 
 def build(name: str, kernel: Any, types: dict[str, str], constants: dict[str, Any], num_warps: int) -> dict:
@@ -40,12 +52,7 @@ def build(name: str, kernel: Any, types: dict[str, str], constants: dict[str, An
              if signature[arg].startswith("*") or signature[arg] == "i32"}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
     compiled = triton.compile(source, target=TARGET, options={"num_warps": num_warps})
-    build = read_build(compiled)
-    sass = build.sass
-    return {"kernel": name, "target": "sm_90", "num_warps": num_warps,
-            "registers": build.registers, "stack_bytes": build.stack_bytes,
-            "shared_bytes": compiled.metadata.shared, "spill_stores": sass.count("STL"),
-            "spill_loads": sass.count("LDL"), "sass_lines": sass.count("\n")}
+    return resources(name, compiled)
 
 
 def rows() -> list[dict]:
@@ -108,6 +115,10 @@ def rows() -> list[dict]:
                       "stride_a": "i32", "stride_b": "i32", "N": "i32",
                       "numel": "i32"},
                      {"BLOCK": swiglu._BLOCK, "ROW_STRIDED": False}, swiglu._NUM_WARPS))
+    for direction in ("fwd", "bwd"):
+        for head_dim in SUPPORTED_HEAD_DIMS:
+            compiled, _ = gluon_attention_build(direction, head_dim, is_causal=True)
+            out.append(resources(f"gluon_{direction} (d {head_dim}, causal)", compiled))
     return out
 
 

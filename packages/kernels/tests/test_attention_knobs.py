@@ -213,19 +213,27 @@ def _fa_rule(ours, ref64, ref_low):
         assert err <= 2 * err_low + 1e-4, f"{name}: {err:.3e} against PyTorch's bf16 {err_low:.3e}"
 
 
+# Both kernels on the GPU: "auto" (the Gluon ones on an H100/H200 at head dims 64 and 128, else Triton) and Triton.
+GPU_PATHS = [{}, {"forward": "triton", "backward": "triton"}]
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", GPU_PATHS, ids=["auto", "triton"])
 @pytest.mark.parametrize("knobs", [
     {"causal": True, "window_size": (255, -1)},
     {"window_size": (100, 37)},
     {"causal": True, "softcap": 30.0, "softmax_scale": 0.09},
-], ids=["sliding-causal", "window", "softcap-scale"])
+    {"causal": True, "tq": 700},
+], ids=["sliding-causal", "window", "softcap-scale", "bottom-right"])
 @pytest.mark.parametrize("head_dim", [64, 128, 96])
-def test_gpu_knobs_bf16(knobs, head_dim):
-    shape_q, shape_kv = (2, 8, 1000, head_dim), (2, 2, 1000, head_dim)
+def test_gpu_knobs_bf16(knobs, head_dim, path):
+    knobs = dict(knobs)
+    shape_q, shape_kv = (2, 8, knobs.pop("tq", 1000), head_dim), (2, 2, 1000, head_dim)
     q, k, v = (_randn(*s, dtype=torch.bfloat16, seed=i) for i, s in enumerate((shape_q, shape_kv, shape_kv)))
     do, dlse = _randn(*shape_q, dtype=torch.bfloat16, seed=3), _randn(*shape_q[:-1], dtype=torch.float32, seed=4)
     causal = knobs.pop("causal", False)
-    ours = _grads(lambda q, k, v: flash_attention(q, k, v, causal, return_lse=True, **knobs), (q, k, v), do, dlse)
+    ours = _grads(lambda q, k, v: flash_attention(q, k, v, causal, return_lse=True, **knobs, **path), (q, k, v), do,
+                  dlse)
     ref = _grads(lambda q, k, v: attention_reference(q, k, v, causal, **knobs), (t.float() for t in (q, k, v)),
                  do, dlse)
     low = _grads(lambda q, k, v: attention_reference(q, k, v, causal, **knobs), (q, k, v), do, dlse)
@@ -233,20 +241,24 @@ def test_gpu_knobs_bf16(knobs, head_dim):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", GPU_PATHS, ids=["auto", "triton"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("knobs", [{"causal": True}, {"causal": True, "window_size": (200, -1)}, {}],
-                         ids=["causal", "sliding", "full"])
-def test_gpu_varlen_bf16(head_dim, knobs):
+@pytest.mark.parametrize("knobs", [{"causal": True}, {"causal": True, "window_size": (200, -1)}, {},
+                                   {"causal": True, "softcap": 20.0}],
+                         ids=["causal", "sliding", "full", "softcap"])
+def test_gpu_varlen_bf16(head_dim, knobs, path):
+    knobs = dict(knobs) | path
     gen = torch.Generator().manual_seed(head_dim)
     lengths = [int(n) for n in torch.randint(1, 700, (9,), generator=gen)] + [0, 1, 1024]
     q, k, v, do, dlse, cu_q, cu_k = _packed(lengths, lengths, 8, 2, head_dim, torch.bfloat16, seed=head_dim)
     causal = knobs.pop("causal", False)
     ours = _grads(lambda q, k, v: flash_attention_varlen(q, k, v, cu_q, cu_k, max(lengths), max(lengths),
                                                          causal=causal, return_lse=True, **knobs), (q, k, v), do, dlse)
-    ref = _grads(lambda q, k, v: attention_reference_varlen(q, k, v, cu_q, cu_k, causal, **knobs),
+    ref_knobs = {name: value for name, value in knobs.items() if name not in path}
+    ref = _grads(lambda q, k, v: attention_reference_varlen(q, k, v, cu_q, cu_k, causal, **ref_knobs),
                  (t.float() for t in (q, k, v)), do, dlse)
-    low = _grads(lambda q, k, v: attention_reference_varlen(q, k, v, cu_q, cu_k, causal, **knobs), (q, k, v), do,
-                 dlse)
+    low = _grads(lambda q, k, v: attention_reference_varlen(q, k, v, cu_q, cu_k, causal, **ref_knobs), (q, k, v),
+                 do, dlse)
     _fa_rule(ours, ref, low)
     again = _grads(lambda q, k, v: flash_attention_varlen(q, k, v, cu_q, cu_k, max(lengths), max(lengths),
                                                           causal=causal, return_lse=True, deterministic=True,

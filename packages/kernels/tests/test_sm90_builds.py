@@ -1,5 +1,6 @@
-"""Offline sm_90 builds of the RMSNorm (alone, with the residual add folded in, with HF's rounding), RoPE (both
-layouts) and SiLU-mul kernels (no GPU): they lower, spill nothing, and keep the resources their launchers assume."""
+"""Offline sm_90 builds (no GPU): the RMSNorm (alone, with the residual add folded in, with HF's rounding), RoPE (both
+layouts) and SiLU-mul kernels lower, spill nothing, and keep the resources their launchers assume; the Gluon attention
+kernels build under the installed Triton, with wgmma and TMA."""
 
 from __future__ import annotations
 
@@ -18,15 +19,22 @@ _PTXAS = shutil.which("ptxas") or (Path(triton.backends.nvidia.__file__).parent 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _PTXAS, reason="needs ptxas (on PATH or bundled with Triton)")
-def test_kernels_build_for_sm90_without_spills():
+def test_kernels_build_for_sm90():
     # The test session runs Triton's interpreter, which cannot compile; the builds run in a fresh process.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("sm90_builds.py")
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, check=True)
     rows = {row["kernel"]: row for row in map(json.loads, done.stdout.strip().splitlines())}
-    assert len(rows) == 17
+    assert len(rows) == 21
+    gluon = {name: row for name, row in rows.items() if name.startswith("gluon_")}
+    assert len(gluon) == 4
     for name, row in rows.items():
-        assert row["spill_stores"] == row["spill_loads"] == row["stack_bytes"] == 0, (name, row)
+        if name in gluon:
+            # Spills in these depend on the Triton release (writeup/results/gluon_attention.jsonl has the builds
+            # under the workspace's); what must hold under every one is that the Hopper paths are there.
+            assert row["wgmma"] > 0 and row["tma_loads"] > 0, (name, row)
+        else:
+            assert row["spill_stores"] == row["spill_loads"] == row["stack_bytes"] == 0, (name, row)
     # The RMSNorm kernels' default launches put programs_per_sm programs on each SM at once: their registers (allocated
     # in units of 8 per thread) and shared memory (the pipeline's buffers, plus 1 KiB the SM reserves per program)
     # fit an SM of sm_90 (65,536 registers, 228 KiB) that many times.

@@ -1,7 +1,8 @@
 """Reading what ptxas built for a GPU, offline: the cuobjdump that ships with Triton, and spills per main loop.
 
 Offline sm_90 builds (``triton.compile`` for ``GPUTarget("cuda", 90, 32)``, no GPU needed) are how the kernels'
-register pressure is checked before a GPU run; :func:`cuobjdump` prints their resource usage and SASS,
+register pressure is checked before a GPU run, and how the Gluon attention kernels are checked to build under each
+Triton the package supports (:func:`gluon_attention_build`); :func:`cuobjdump` prints their resource usage and SASS,
 :func:`loop_spills` counts the local-memory traffic inside the loops that run once per tile and :func:`loop_opcodes`
 chosen instructions (barriers, multiplies) there.
 """
@@ -79,6 +80,45 @@ class Build:
     registers: int | None
     stack_bytes: int | None
     sass: str
+
+
+def gluon_attention_build(direction: str, head_dim: int, is_causal: bool,
+                          deterministic: bool = False) -> tuple[Any, dict[str, Any]]:
+    """The Gluon attention kernel of ``direction`` (``"fwd"``, or ``"bwd"`` in its default or ``deterministic``
+    mode) compiled for sm_90 as its launcher calls it (bf16, 4 query heads on 2 key/value heads, 1,024 rows, its
+    own argument list and launch options), and the constexprs it was compiled with. Needs no GPU."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from cs336_kernels.ops.flash_attention import gluon_backward, gluon_forward
+    from cs336_kernels.ops.flash_attention.gluon_common import MAX_REGISTERS
+    from cs336_kernels.ops.flash_attention.params import make_params
+
+    if direction not in ("fwd", "bwd"):
+        raise ValueError(f"direction must be 'fwd' or 'bwd', got {direction!r}")
+    q = torch.zeros(1, 4, 1024, head_dim, dtype=torch.bfloat16)
+    k = torch.zeros(1, 2, 1024, head_dim, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 4, 1024)
+    params = make_params(head_dim, is_causal, None, (-1, -1), 0.0)
+    if direction == "fwd":
+        kernel = gluon_forward._attn_fwd_kernel
+        args, constants = gluon_forward.forward_args(q, k, k, q, lse, torch.zeros(1, dtype=torch.int32), params)
+    else:
+        kernel = gluon_backward._attn_bwd_kernel
+        locks = torch.zeros(1, dtype=torch.int32) if deterministic else None
+        args, constants = gluon_backward.backward_args(q, k, k, q, lse, lse, q.float(), k, k, locks, params)
+    names = kernel.arg_names
+    signature = {name: "constexpr" if name in constants else mangle_type(arg)
+                 for name, arg in zip(names, [*args, *constants.values()], strict=True)}
+    # The launcher's pointers come from fresh allocations, 16-byte aligned.
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in names if signature[name].startswith("*")}
+    source = GluonASTSource(kernel, signature, constants, attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4, "maxnreg": MAX_REGISTERS})
+    return compiled, constants
 
 
 def read_build(compiled: Any) -> Build:

@@ -25,6 +25,9 @@ Parts (handout section 4):
   ``anchor_shapes`` and ``anchor_impls`` narrow the part to some shapes and implementations. A row whose
   implementation raised has ``status = "error"`` and the exception in ``error``; the other rows still run.
 
+Packed documents and sliding windows (``--part varlen``, ``--part window``) are
+:mod:`cs336_harness.studies.attention_varlen`, which times with :func:`measure_ms` and :func:`timed_row`.
+
 FLOPs of causal attention (two matmuls of 2*s*s*d FLOPs per head, half of the score matrix kept by the mask;
 the backward pass has five such matmuls, so 2.5x the forward)::
 
@@ -111,10 +114,17 @@ class AttentionBenchConfig:
             raise ValueError(f"anchor impls must be a non-empty subset of {ANCHOR_IMPLS}, got {self.anchor_impls}")
 
 
-def causal_attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> dict[str, float]:
-    """FLOPs of causal attention: fwd = 4*b*h*s^2*d/2, bwd = 2.5x fwd, fwd+bwd = 3.5x fwd."""
-    fwd = 4 * batch * heads * seq**2 * head_dim / 2
+def attention_flops(heads: int, head_dim: int, pairs: float) -> dict[str, float]:
+    """FLOPs of attention over ``pairs`` (query, key) pairs per head: fwd = 4*h*pairs*d, bwd = 2.5x fwd,
+    fwd+bwd = 3.5x fwd."""
+    fwd = 4 * heads * pairs * head_dim
     return {"fwd": fwd, "bwd": 2.5 * fwd, "fwd_bwd": 3.5 * fwd}
+
+
+def causal_attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> dict[str, float]:
+    """FLOPs of causal attention: fwd = 4*b*h*s^2*d/2 (s^2/2 pairs per sequence), bwd = 2.5x fwd, fwd+bwd = 3.5x
+    fwd."""
+    return attention_flops(heads, head_dim, batch * seq**2 / 2)
 
 
 # ---------------------------------------------------------------------------- attention implementations
@@ -133,31 +143,43 @@ def _sdpa_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def _flex(seq: int, device: torch.device) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+def causal_mask_mod(b: Any, h: Any, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+    """FlexAttention's causal ``mask_mod``: query ``q_idx`` sees the keys up to itself."""
+    return q_idx >= kv_idx
+
+
+def flex_attention_impl(mask_mod: Callable[..., torch.Tensor], seq: int, device: torch.device,
+                        ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """FlexAttention over (b, h, s, d) tensors of ``seq`` queries and keys under ``torch.compile``, as a user runs it:
+    the block mask of ``mask_mod`` built once here, outside any timing; grouped-query heads where k has fewer."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, seq, seq, device=device)
+    block_mask = create_block_mask(mask_mod, None, None, seq, seq, device=device)
     compiled = torch.compile(flex_attention, dynamic=False)  # one static build per shape, as the first shape gets
-    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
+    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def fa4_attention() -> tuple[Callable[..., Any] | None, str | None]:
-    """FlashAttention-4's ``flash_attn_func`` (package ``flash-attn-4``), or None and why it cannot be used."""
+def fa4_attention(name: str = "flash_attn_func") -> tuple[Callable[..., Any] | None, str | None]:
+    """FlashAttention-4's function ``name`` of ``flash_attn.cute`` (package ``flash-attn-4``: ``flash_attn_func``,
+    ``flash_attn_varlen_func``), or None and why it cannot be used."""
     try:
-        from flash_attn.cute import flash_attn_func
+        return getattr(importlib.import_module("flash_attn.cute"), name), None
     except Exception as e:  # noqa: BLE001 (any import failure means: no FA4 rows)
         return None, f"flash_attn.cute is not importable: {type(e).__name__}: {e}"
-    return flash_attn_func, None
 
 
-def _fa4_version() -> str | None:
+def fa4_version() -> str | None:
+    """The installed ``flash-attn-4`` package's version, None where it is not installed as a package."""
     try:
         return importlib.metadata.version("flash-attn-4")
     except importlib.metadata.PackageNotFoundError:
         return None
 
 
-def _fa4(deterministic: bool) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+def fa4_dense(deterministic: bool = False, **knobs: Any) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
+                                                                   torch.Tensor]:
+    """Causal FlashAttention-4 (``flash_attn_func``, given ``knobs`` such as ``window_size``) over (b, h, s, d)
+    tensors."""
     fa4, why_not = fa4_attention()
     if fa4 is None:
         raise RuntimeError(why_not)
@@ -165,7 +187,7 @@ def _fa4(deterministic: bool) -> Callable[[torch.Tensor, torch.Tensor, torch.Ten
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # FA4 takes (batch, seq, heads, d) and returns (out, lse): the same memory, seen through transposes.
         out, _ = fa4(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
-                     deterministic=deterministic)
+                     deterministic=deterministic, **knobs)
         return out.transpose(1, 2)
 
     return attention
@@ -177,12 +199,12 @@ def anchor_impl(name: str, seq: int, device: torch.device) -> Callable[[torch.Te
     ``pytorch``); the ``*_deterministic`` ones of ours need ``torch.use_deterministic_algorithms(True)`` around the
     call, as :data:`DETERMINISTIC_IMPLS` says."""
     if name in FA4_IMPLS:
-        return _fa4(deterministic=name == "fa4_deterministic")
+        return fa4_dense(deterministic=name == "fa4_deterministic")
     if name == "pytorch":
         mask = _causal_mask(seq, device)
         return lambda q, k, v: _plain(q, k, v, mask)
     if name == "flex":
-        return _flex(seq, device)
+        return flex_attention_impl(causal_mask_mod, seq, device)
     return {
         "ours": lambda q, k, v: flash_attention(q, k, v, is_causal=True),
         "ours_deterministic": lambda q, k, v: flash_attention(q, k, v, is_causal=True),
@@ -256,27 +278,28 @@ def _bench_ms(fn: Callable[[], Any], warmup_ms: int, rep_ms: int, grad_to_none: 
 
 # The backward is timed on one retained graph, which a compiled backward that donates buffers refuses.
 @functorch_config.patch(donated_buffer=False)
-def _measure(impl: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rep_ms: int,
-             cfg: AttentionBenchConfig) -> dict[str, Any]:
-    """Forward, backward (on one retained graph) and forward+backward medians in ms; None where out of memory."""
-    do = torch.randn_like(q)
-    inputs = (q, k, v)
+def measure_ms(forward: Callable[[], torch.Tensor | Sequence[torch.Tensor]],
+               grads: torch.Tensor | Sequence[torch.Tensor], leaves: Sequence[torch.Tensor], warmup_ms: int,
+               rep_ms: int) -> dict[str, Any]:
+    """``fwd_ms``, ``bwd_ms`` and ``fwd_bwd_ms``: do_bench medians of ``forward()``, of the backward of its outputs
+    from ``grads`` (on one retained graph) and of both, the gradients of ``leaves`` cleared before each repetition;
+    None where out of memory."""
 
     def backward_only() -> float:
-        out = impl(q, k, v)
-        return _bench_ms(lambda: out.backward(do, retain_graph=True), cfg.warmup_ms, rep_ms, inputs)
+        out = forward()
+        return _bench_ms(lambda: torch.autograd.backward(out, grads, retain_graph=True), warmup_ms, rep_ms, leaves)
 
     result: dict[str, Any] = {}
     for mode, bench in (
-        ("fwd", lambda: _bench_ms(lambda: impl(q, k, v), cfg.warmup_ms, rep_ms, inputs)),
+        ("fwd", lambda: _bench_ms(forward, warmup_ms, rep_ms, leaves)),
         ("bwd", backward_only),
-        ("fwd_bwd", lambda: _bench_ms(lambda: impl(q, k, v).backward(do), cfg.warmup_ms, rep_ms, inputs)),
+        ("fwd_bwd", lambda: _bench_ms(lambda: torch.autograd.backward(forward(), grads), warmup_ms, rep_ms, leaves)),
     ):
         try:
             result[f"{mode}_ms"] = bench()
         except torch.OutOfMemoryError:
             result[f"{mode}_ms"] = None
-        for t in inputs:
+        for t in leaves:
             t.grad = None
         torch.cuda.empty_cache()
     return result
@@ -301,31 +324,45 @@ def flash_rows(
             if fa4_missing is not None:
                 yield row | {"status": "skipped", "note": fa4_missing}
                 continue
-            row["fa4_version"] = _fa4_version()
+            row["fa4_version"] = fa4_version()
         if not inputs:  # allocated once, for the first implementation that runs
             gen = torch.Generator(device=device).manual_seed(seq * 1000 + head_dim)
             inputs = tuple(torch.randn(shape, device=device, dtype=DTYPES[dtype_name], generator=gen).requires_grad_()
                            for _ in range(3))
+
+        def measure(name: str = name, inputs: tuple[torch.Tensor, ...] = inputs) -> dict[str, Any]:
+            impl = anchor_impl(name, seq, device)
+            return measure_ms(lambda: impl(*inputs), torch.randn_like(inputs[0]), inputs, cfg.warmup_ms, rep_ms)
+
         before = torch.are_deterministic_algorithms_enabled()
         torch.use_deterministic_algorithms(name in DETERMINISTIC_IMPLS)
         try:
-            row |= _measure(anchor_impl(name, seq, device), *inputs, rep_ms, cfg)
-        except Exception as e:  # noqa: BLE001 (one failing implementation must not lose the other rows)
-            row |= {"status": "error", "error": f"{type(e).__name__}: {e}"}
+            row = timed_row(row, measure, flops, inputs, f"{name} at {shape}")
         finally:
             torch.use_deterministic_algorithms(before)
-        if row.get("status") == "error":
-            print(f"cs336 attention: {name} at {shape} failed: {row['error']}", file=sys.stderr)
-            for t in inputs:
-                t.grad = None
-            torch.cuda.empty_cache()
-            yield row
-            continue
-        for mode in ("fwd", "bwd", "fwd_bwd"):
-            ms = row[f"{mode}_ms"]
-            row[f"{mode}_tflops"] = None if ms is None else flops[mode] / (ms * 1e-3) / 1e12
-        row["status"] = "ok" if all(row[f"{m}_ms"] is not None for m in ("fwd", "bwd", "fwd_bwd")) else "oom"
         yield row
+
+
+def timed_row(row: dict[str, Any], measure: Callable[[], dict[str, Any]], flops: dict[str, float],
+              leaves: Sequence[torch.Tensor], what: str) -> dict[str, Any]:
+    """``row`` with the medians of ``measure()`` (:func:`measure_ms`), their TFLOP/s (``flops`` by mode) and a
+    ``status``: ``ok``, ``oom`` where a mode ran out of memory, or ``error`` with the exception in ``error`` (also
+    printed, naming ``what``; the gradients of ``leaves`` cleared), so that one failing implementation does not lose
+    the other rows."""
+    try:
+        row = row | measure()
+    except Exception as e:  # noqa: BLE001 (one failing implementation must not lose the other rows)
+        row = row | {"status": "error", "error": f"{type(e).__name__}: {e}"}
+        print(f"cs336 attention: {what} failed: {row['error']}", file=sys.stderr)
+        for t in leaves:
+            t.grad = None
+        torch.cuda.empty_cache()
+        return row
+    for mode in ("fwd", "bwd", "fwd_bwd"):
+        ms = row[f"{mode}_ms"]
+        row[f"{mode}_tflops"] = None if ms is None else flops[mode] / (ms * 1e-3) / 1e12
+    row["status"] = "ok" if all(row[f"{m}_ms"] is not None for m in ("fwd", "bwd", "fwd_bwd")) else "oom"
+    return row
 
 
 def warm_kernels(shape: tuple[int, int, int, int], dtype_name: str) -> None:

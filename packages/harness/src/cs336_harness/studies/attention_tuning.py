@@ -140,8 +140,8 @@ _UNIT_STRIDES = {"stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_dod
 
 
 def build_row(name: str, head_dim: int, entry: Entry, tma: bool = False) -> dict[str, Any]:
-    """Compile one kernel for sm_90 as the launcher would specialise it (bf16, causal, unit d stride,
-    16-divisible sizes) and read its resources; ``name`` is fwd, dkdv or dq; ``tma`` sets the kernel's TMA
+    """Compile one kernel for sm_90 as the launcher would specialise it (bf16, a dense batch, no softcap, unit d
+    stride, 16-divisible sizes) and read its resources; ``name`` is fwd, dkdv or dq; ``tma`` sets the kernel's TMA
     flag (``TMA_FLAGS``: K and V by TMA in the forward and dQ kernels, Q and dO in the dK/dV kernel)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -149,7 +149,8 @@ def build_row(name: str, head_dim: int, entry: Entry, tma: bool = False) -> dict
 
     fn = autotuned_kernel(name).fn
     block_m, block_n, num_warps, num_stages = entry
-    constants: dict[str, Any] = {"HEAD_DIM": head_dim, "BLOCK_D": head_dim, "EVEN_D": True, "IS_CAUSAL": True,
+    constants: dict[str, Any] = {"HEAD_DIM": head_dim, "BLOCK_D": head_dim, "EVEN_D": True, "SOFTCAP": False,
+                                 "WINDOW": False, "VARLEN": False, "CU_Q": None, "CU_K": None,
                                  "DOT_PRECISION": "tf32", "BLOCK_M": block_m, "BLOCK_N": block_n,
                                  TMA_FLAGS[name]: tma}
     constants |= {arg: 1 for arg in _UNIT_STRIDES & set(fn.arg_names)}
@@ -162,7 +163,7 @@ def build_row(name: str, head_dim: int, entry: Entry, tma: bool = False) -> dict
         elif arg in ("L", "DELTA"):
             signature[arg] = "*fp32"
         else:
-            signature[arg] = "fp32" if arg in ("qk_scale", "sm_scale") else "i32"
+            signature[arg] = "fp32" if arg in ("qk_scale", "sm_scale", "softcap_in", "softcap_out") else "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
              if signature[arg] in ("*bf16", "*fp32", "i32")}
     source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)

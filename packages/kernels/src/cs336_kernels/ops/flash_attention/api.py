@@ -56,29 +56,25 @@ FORWARD_IMPLS: tuple[str, ...] = ("auto", *_FORWARDS)
 BACKWARD_IMPLS: tuple[str, ...] = ("auto", *_BACKWARDS)
 
 
-def forward_impl(q: torch.Tensor, forward: ForwardImpl, k: torch.Tensor | None = None,
-                 params: Params | None = None) -> str:
-    """The forward that runs for queries like ``q`` (keys like ``k``, parameters ``params``; default: like ``q``,
-    plain): ``forward`` itself unless it is ``"auto"``, which picks ``"gluon"`` where the Gluon kernels apply, else
-    ``"triton"``."""
+def forward_impl(q: torch.Tensor, forward: ForwardImpl) -> str:
+    """The forward that runs for queries like ``q``: ``forward`` itself unless it is ``"auto"``, which picks
+    ``"gluon"`` where the Gluon kernels apply, else ``"triton"``."""
     if forward not in FORWARD_IMPLS:
         raise ValueError(f"forward must be one of {', '.join(FORWARD_IMPLS)}, got {forward!r}")
     if forward != "auto":
         return forward
-    return "gluon" if gluon_applies(q, k, params) else "triton"
+    return "gluon" if gluon_applies(q) else "triton"
 
 
-def backward_impl(q: torch.Tensor, backward: BackwardImpl, k: torch.Tensor | None = None,
-                  params: Params | None = None) -> str:
-    """The backward that runs for queries like ``q`` (keys like ``k``, parameters ``params``): ``backward`` itself
-    unless it is ``"auto"``, which picks ``"gluon"`` where the Gluon kernels apply, else ``"triton"``; also in
-    deterministic mode, where both are bitwise reproducible and the Gluon one's deterministic mode is the faster
-    at head dims 64 and 128."""
+def backward_impl(q: torch.Tensor, backward: BackwardImpl) -> str:
+    """The backward that runs for queries like ``q``: ``backward`` itself unless it is ``"auto"``, which picks
+    ``"gluon"`` where the Gluon kernels apply, else ``"triton"``; also in deterministic mode, where both are bitwise
+    reproducible and the Gluon one's deterministic mode is the faster at head dims 64 and 128."""
     if backward not in BACKWARD_IMPLS:
         raise ValueError(f"backward must be one of {', '.join(BACKWARD_IMPLS)}, got {backward!r}")
     if backward != "auto":
         return backward
-    return "gluon" if gluon_applies(q, k, params) else "triton"
+    return "gluon" if gluon_applies(q) else "triton"
 
 
 def _params(cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
@@ -112,7 +108,7 @@ def flash_attention_op(
     params = _params(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window_left,
                      window_right, bottom_right, softcap)
     q4, k4, v4 = (_as_dense(unit_stride(t)) for t in (q, k, v))
-    o, lse = _FORWARDS[forward_impl(q4, forward, k4, params)](q4, k4, v4, params)
+    o, lse = _FORWARDS[forward_impl(q4, forward)](q4, k4, v4, params)
     return _from_dense(o, q), _from_dense(lse, q)
 
 
@@ -137,7 +133,12 @@ def flash_attention_backward_op(
                      window_right, bottom_right, softcap)
     q4, k4, v4, o4, do4 = (_as_dense(unit_stride(t)) for t in (q, k, v, o, do))
     lse4, dlse4 = (None if t is None else t.unsqueeze(0) if q.dim() == 3 else t for t in (lse, dlse))
-    impl = _BACKWARDS[backward_impl(q4, backward, k4, params)]
+    name = backward_impl(q4, backward)
+    if params.varlen and name == "gluon":
+        # The Gluon backward of a packed batch stops on an illegal instruction on the GPU (found in call s24a, not
+        # yet located): packed batches take the Triton backward, and a named Gluon one is refused before the call.
+        name = "triton"
+    impl = _BACKWARDS[name]
     with _deterministic(deterministic):
         grads = impl(q4, k4, v4, o4, do4, lse4, dlse4, params)
     return tuple(_from_dense(g, t) for g, t in zip(grads, (q, k, v), strict=True))
@@ -207,10 +208,8 @@ def _check_runs_here(q: torch.Tensor, caller: str) -> None:
 
 def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: Params, forward: str, backward: str,
           deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    forced = forward == "gluon" or backward == "gluon"
-    if forced:
-        # A named Gluon kernel that cannot run names why, before any launch.
-        check_gluon(_as_dense(q), _as_dense(k), params)
+    if forward == "gluon" or backward == "gluon":
+        check_gluon(_as_dense(q))  # a named Gluon kernel that cannot run says why, before any launch
     return flash_attention_op(
         q, k, v, params.cu_seqlens_q, params.cu_seqlens_k, params.max_seqlen_q, params.max_seqlen_k,
         params.softmax_scale, params.window_left, params.window_right, params.bottom_right, params.softcap, forward,
@@ -289,8 +288,8 @@ def flash_attention_varlen(
     """
     check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _check_impls(backward, forward)
-    if backward == "pytorch":
-        raise ValueError("backward='pytorch' runs dense batches only; use 'triton' or 'auto' for packed sequences")
+    if backward in ("pytorch", "gluon"):
+        raise ValueError(f"backward={backward!r} runs dense batches only; use 'triton' or 'auto' for packed sequences")
     params = make_params(q.shape[-1], causal, softmax_scale, window_size, softcap, True, cu_seqlens_q, cu_seqlens_k,
                          max_seqlen_q, max_seqlen_k)
     _check_runs_here(q, "flash_attention_varlen")

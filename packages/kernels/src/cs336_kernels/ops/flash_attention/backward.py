@@ -17,6 +17,7 @@ from cs336_kernels.interpreter import INTERPRET
 from cs336_kernels.ops._common import LOG2E, output_like
 from cs336_kernels.ops.flash_attention.params import Params
 from cs336_kernels.ops.flash_attention.tiles import (
+    advance_tile,
     kernel_constants,
     key_tile_ranges,
     launch_geometry,
@@ -24,6 +25,7 @@ from cs336_kernels.ops.flash_attention.tiles import (
     load_tiles,
     query_tile_ranges,
     sequence,
+    store_tile,
     tanh,
     tile_ptr,
     tma_descriptors,
@@ -67,14 +69,17 @@ def _dkdv_inner(
     stride_qt, stride_qd, stride_dot, stride_dod,
     offs_n, lo, hi, n_q, n_k, diag, WIN_L, WIN_R, qk_scale, softcap_in, softcap_out,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, QDO_TMA: tl.constexpr,
+    CHECK_ROWS: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, QDO_TMA: tl.constexpr,
 ):
+    # CHECK_ROWS: tiles that may reach past the last query (bounds-checked loads, L = +inf there); MASKED: tiles
+    # with a (query, key) pair outside the window.
     Q_BLOCK = tile_ptr(Q_BASE, n_q, stride_qt, stride_qd, lo, HEAD_DIM, BLOCK_M, BLOCK_D)
     DO_BLOCK = tile_ptr(DO_BASE, n_q, stride_dot, stride_dod, lo, HEAD_DIM, BLOCK_M, BLOCK_D)
     for start in range(lo, hi, BLOCK_M):
         offs_m = start + tl.arange(0, BLOCK_M)
-        q, do = load_tiles(Q_BLOCK, DO_BLOCK, Q_DESC, DO_DESC, start, MASKED, EVEN_D, QDO_TMA)
-        if MASKED:
+        q, do = load_tiles(Q_BLOCK, DO_BLOCK, Q_DESC, DO_DESC, start, CHECK_ROWS, EVEN_D, QDO_TMA)
+        if CHECK_ROWS:
             lse2 = tl.load(L_BASE + offs_m, mask=offs_m < n_q, other=float("inf"))
             delta = tl.load(DELTA_BASE + offs_m, mask=offs_m < n_q, other=0.0)
         else:
@@ -88,15 +93,15 @@ def _dkdv_inner(
         else:
             p_t = tl.exp2(s_t * qk_scale - lse2[None, :])
         if MASKED:
-            p_t = tl.where(visible(offs_m, offs_n, n_q, n_k, diag, WIN_L, WIN_R, True), p_t, 0.0)
+            p_t = tl.where(visible(offs_m, offs_n, n_k, diag, WIN_L, WIN_R, True, False, WINDOW), p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, acc=dv, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
         ds_t = p_t * (dp_t - delta[None, :])
         if SOFTCAP:
             ds_t = ds_t * (1.0 - t_t * t_t)  # d(softcap * tanh(x / softcap)) / dx
         dk = tl.dot(ds_t.to(q.dtype), q, acc=dk, input_precision=DOT_PRECISION)
-        Q_BLOCK = tl.advance(Q_BLOCK, (BLOCK_M, 0))
-        DO_BLOCK = tl.advance(DO_BLOCK, (BLOCK_M, 0))
+        Q_BLOCK = advance_tile(Q_BLOCK, BLOCK_M)
+        DO_BLOCK = advance_tile(DO_BLOCK, BLOCK_M)
     return dk, dv
 
 
@@ -113,7 +118,7 @@ def _attn_bwd_dkdv_kernel(
     stride_lb, stride_lh,
     H_KV, GROUP, N_QUERIES, N_KEYS, DIAG, WIN_L, WIN_R, qk_scale, softcap_in, softcap_out, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-    SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QDO_TMA: tl.constexpr = False,
 ):
     # Grid: (key tiles of the longest sequence, sequences * key/value heads). Each program owns its dK, dV tile:
@@ -142,7 +147,9 @@ def _attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    # Keys past the end of the sequence read as zeros and are dropped at the store: no mask needed for them.
+    # Keys past the end of the sequence read as zeros and are dropped at the store: no mask needed for them. The
+    # tiles past full_hi hold queries the key tile's window has left (a WINDOW) or the partial last tile (rows past
+    # the end have P = 0): masked only for a window.
     lo, full_lo, full_hi, hi = query_tile_ranges(k0, n_q, diag, WIN_L, WIN_R, BLOCK_M, BLOCK_N)
     for g in range(GROUP):
         h = h_kv * GROUP + g
@@ -159,19 +166,19 @@ def _attn_bwd_dkdv_kernel(
             dk, dv, k, v, Q_BASE, DO_BASE, Q_DESC, DO_DESC, L_BASE, DELTA_BASE,
             stride_qt, stride_qd, stride_dot, stride_dod,
             offs_n, lo, full_lo, n_q, n_k, diag, WIN_L, WIN_R, qk_scale, softcap_in, softcap_out,
-            HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_M, True, SOFTCAP, DOT_PRECISION, QDO_TMA,
+            HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_M, True, True, SOFTCAP, WINDOW, DOT_PRECISION, QDO_TMA,
         )
         dk, dv = _dkdv_inner(
             dk, dv, k, v, Q_BASE, DO_BASE, Q_DESC, DO_DESC, L_BASE, DELTA_BASE,
             stride_qt, stride_qd, stride_dot, stride_dod,
             offs_n, full_lo, full_hi, n_q, n_k, diag, WIN_L, WIN_R, qk_scale, softcap_in, softcap_out,
-            HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_M, False, SOFTCAP, DOT_PRECISION, QDO_TMA,
+            HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_M, False, False, SOFTCAP, WINDOW, DOT_PRECISION, QDO_TMA,
         )
         dk, dv = _dkdv_inner(
             dk, dv, k, v, Q_BASE, DO_BASE, Q_DESC, DO_DESC, L_BASE, DELTA_BASE,
             stride_qt, stride_qd, stride_dot, stride_dod,
             offs_n, full_hi, hi, n_q, n_k, diag, WIN_L, WIN_R, qk_scale, softcap_in, softcap_out,
-            HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_M, True, SOFTCAP, DOT_PRECISION, QDO_TMA,
+            HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_M, True, WINDOW, SOFTCAP, WINDOW, DOT_PRECISION, QDO_TMA,
         )
 
     dk = dk * sm_scale
@@ -183,8 +190,8 @@ def _attn_bwd_dkdv_kernel(
         DV + b * stride_dvb + h_kv * stride_dvh + k_start * stride_dvt, n_k, stride_dvt, stride_dvd, k0, HEAD_DIM,
         BLOCK_N, BLOCK_D,
     )
-    tl.store(DK_BLOCK, dk.to(DK.dtype.element_ty), boundary_check=(0, 1))
-    tl.store(DV_BLOCK, dv.to(DV.dtype.element_ty), boundary_check=(0, 1))
+    store_tile(DK_BLOCK, dk.to(DK.dtype.element_ty))
+    store_tile(DV_BLOCK, dv.to(DV.dtype.element_ty))
 
 
 @triton.jit
@@ -193,7 +200,8 @@ def _dq_inner(
     stride_kt, stride_kd, stride_vt, stride_vd,
     offs_m, lo, hi, n_q, n_k, diag, WIN_L, WIN_R, qk_scale, softcap_in, softcap_out,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_TMA: tl.constexpr,
+    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_TMA: tl.constexpr,
 ):
     K_BLOCK = tile_ptr(K_BASE, n_k, stride_kt, stride_kd, lo, HEAD_DIM, BLOCK_N, BLOCK_D)
     V_BLOCK = tile_ptr(V_BASE, n_k, stride_vt, stride_vd, lo, HEAD_DIM, BLOCK_N, BLOCK_D)
@@ -206,15 +214,15 @@ def _dq_inner(
         else:
             p = tl.exp2(s * qk_scale - lse2[:, None])
         if MASKED:
-            keep = visible(offs_m, start + tl.arange(0, BLOCK_N), n_q, n_k, diag, WIN_L, WIN_R)
+            keep = visible(offs_m, start + tl.arange(0, BLOCK_N), n_k, diag, WIN_L, WIN_R, False, False, WINDOW)
             p = tl.where(keep, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
             ds = ds * (1.0 - t * t)
         dq = tl.dot(ds.to(k.dtype), k, acc=dq, input_precision=DOT_PRECISION)
-        K_BLOCK = tl.advance(K_BLOCK, (BLOCK_N, 0))
-        V_BLOCK = tl.advance(V_BLOCK, (BLOCK_N, 0))
+        K_BLOCK = advance_tile(K_BLOCK, BLOCK_N)
+        V_BLOCK = advance_tile(V_BLOCK, BLOCK_N)
     return dq
 
 
@@ -230,7 +238,7 @@ def _attn_bwd_dq_kernel(
     stride_lb, stride_lh,
     H_Q, GROUP, N_QUERIES, N_KEYS, DIAG, WIN_L, WIN_R, qk_scale, softcap_in, softcap_out, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-    SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_TMA: tl.constexpr = False,
 ):
     # Grid: (query tiles of the longest sequence, sequences * query heads); the same tile walk as the forward.
@@ -267,27 +275,28 @@ def _attn_bwd_dq_kernel(
         K_DESC, V_DESC = tma_descriptors(K_BASE, V_BASE, stride_kt, stride_vt, n_k, HEAD_DIM, BLOCK_N, BLOCK_D)
     else:
         K_DESC, V_DESC = None, None
-    dq = _dq_inner(
-        dq, q, do, lse2, delta, K_BASE, V_BASE, K_DESC, V_DESC, stride_kt, stride_kd, stride_vt, stride_vd,
-        offs_m, lo, full_lo, n_q, n_k, diag, WIN_L, WIN_R, qk_scale, softcap_in, softcap_out,
-        HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_N, True, SOFTCAP, DOT_PRECISION, KV_TMA,
-    )
+    if WINDOW:  # key tiles before full_lo: those the window's left edge crosses (none without a window)
+        dq = _dq_inner(
+            dq, q, do, lse2, delta, K_BASE, V_BASE, K_DESC, V_DESC, stride_kt, stride_kd, stride_vt, stride_vd,
+            offs_m, lo, full_lo, n_q, n_k, diag, WIN_L, WIN_R, qk_scale, softcap_in, softcap_out,
+            HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_N, True, SOFTCAP, WINDOW, DOT_PRECISION, KV_TMA,
+        )
     dq = _dq_inner(
         dq, q, do, lse2, delta, K_BASE, V_BASE, K_DESC, V_DESC, stride_kt, stride_kd, stride_vt, stride_vd,
         offs_m, full_lo, full_hi, n_q, n_k, diag, WIN_L, WIN_R, qk_scale, softcap_in, softcap_out,
-        HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_N, False, SOFTCAP, DOT_PRECISION, KV_TMA,
+        HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_N, False, SOFTCAP, WINDOW, DOT_PRECISION, KV_TMA,
     )
     dq = _dq_inner(
         dq, q, do, lse2, delta, K_BASE, V_BASE, K_DESC, V_DESC, stride_kt, stride_kd, stride_vt, stride_vd,
         offs_m, full_hi, hi, n_q, n_k, diag, WIN_L, WIN_R, qk_scale, softcap_in, softcap_out,
-        HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_N, True, SOFTCAP, DOT_PRECISION, KV_TMA,
+        HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_N, True, SOFTCAP, WINDOW, DOT_PRECISION, KV_TMA,
     )
     dq = dq * sm_scale
     DQ_BLOCK = tile_ptr(
         DQ + b * stride_dqb + h * stride_dqh + q_start * stride_dqt, n_q, stride_dqt, stride_dqd, q0, HEAD_DIM,
         BLOCK_M, BLOCK_D,
     )
-    tl.store(DQ_BLOCK, dq.to(DQ.dtype.element_ty), boundary_check=(0, 1))
+    store_tile(DQ_BLOCK, dq.to(DQ.dtype.element_ty))
 
 
 def backward_rows(lse: torch.Tensor, delta: torch.Tensor, dlse: torch.Tensor | None) -> torch.Tensor:

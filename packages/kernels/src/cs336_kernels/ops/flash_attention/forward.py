@@ -20,12 +20,14 @@ import triton.language as tl
 from cs336_kernels.ops._common import output_like
 from cs336_kernels.ops.flash_attention.params import Params
 from cs336_kernels.ops.flash_attention.tiles import (
+    advance_tile,
     kernel_constants,
     key_tile_ranges,
     launch_geometry,
     load_tile,
     load_tiles,
     sequence,
+    store_tile,
     tanh,
     tile_ptr,
     tma_descriptors,
@@ -41,7 +43,8 @@ def _fwd_inner(
     stride_kt, stride_kd, stride_vt, stride_vd,
     offs_m, lo, hi, n_q, n_k, diag, WIN_L, WIN_R, qk_scale, softcap_in, softcap_out,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_TMA: tl.constexpr,
+    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_TMA: tl.constexpr,
 ):
     K_BLOCK = tile_ptr(K_BASE, n_k, stride_kt, stride_kd, lo, HEAD_DIM, BLOCK_N, BLOCK_D)
     V_BLOCK = tile_ptr(V_BASE, n_k, stride_vt, stride_vd, lo, HEAD_DIM, BLOCK_N, BLOCK_D)
@@ -55,7 +58,7 @@ def _fwd_inner(
         if SOFTCAP:
             s = tanh(s * softcap_in) * softcap_out
         if MASKED:
-            keep = visible(offs_m, start + tl.arange(0, BLOCK_N), n_q, n_k, diag, WIN_L, WIN_R)
+            keep = visible(offs_m, start + tl.arange(0, BLOCK_N), n_k, diag, WIN_L, WIN_R, False, True, WINDOW)
             s = tl.where(keep, s * qk_scale, float("-inf"))
             # A row may have seen no key yet (a window's first tile, Tq > Tk): exponentiate against 0, not -inf.
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -70,8 +73,8 @@ def _fwd_inner(
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc=acc, input_precision=DOT_PRECISION)
         m_i = m_new
-        K_BLOCK = tl.advance(K_BLOCK, (BLOCK_N, 0))
-        V_BLOCK = tl.advance(V_BLOCK, (BLOCK_N, 0))
+        K_BLOCK = advance_tile(K_BLOCK, BLOCK_N)
+        V_BLOCK = advance_tile(V_BLOCK, BLOCK_N)
     return acc, l_i, m_i
 
 
@@ -86,7 +89,7 @@ def _attn_fwd_kernel(
     stride_lb, stride_lh,
     H_Q, GROUP, N_QUERIES, N_KEYS, DIAG, WIN_L, WIN_R, qk_scale, softcap_in, softcap_out,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-    SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_TMA: tl.constexpr = False,
 ):
     # Grid: (query tiles of the longest sequence, sequences * query heads). Under a causal mask the tiles near
@@ -119,20 +122,21 @@ def _attn_fwd_kernel(
         K_DESC, V_DESC = tma_descriptors(K_BASE, V_BASE, stride_kt, stride_vt, n_k, HEAD_DIM, BLOCK_N, BLOCK_D)
     else:
         K_DESC, V_DESC = None, None
-    acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, K_BASE, V_BASE, K_DESC, V_DESC, stride_kt, stride_kd, stride_vt, stride_vd,
-        offs_m, lo, full_lo, n_q, n_k, diag, WIN_L, WIN_R, qk_scale, softcap_in, softcap_out,
-        HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_N, True, SOFTCAP, DOT_PRECISION, KV_TMA,
-    )
+    if WINDOW:  # key tiles before full_lo: those the window's left edge crosses (none without a window)
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, K_BASE, V_BASE, K_DESC, V_DESC, stride_kt, stride_kd, stride_vt, stride_vd,
+            offs_m, lo, full_lo, n_q, n_k, diag, WIN_L, WIN_R, qk_scale, softcap_in, softcap_out,
+            HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_N, True, SOFTCAP, WINDOW, DOT_PRECISION, KV_TMA,
+        )
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, K_BASE, V_BASE, K_DESC, V_DESC, stride_kt, stride_kd, stride_vt, stride_vd,
         offs_m, full_lo, full_hi, n_q, n_k, diag, WIN_L, WIN_R, qk_scale, softcap_in, softcap_out,
-        HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_N, False, SOFTCAP, DOT_PRECISION, KV_TMA,
+        HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_N, False, SOFTCAP, WINDOW, DOT_PRECISION, KV_TMA,
     )
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, K_BASE, V_BASE, K_DESC, V_DESC, stride_kt, stride_kd, stride_vt, stride_vd,
         offs_m, full_hi, hi, n_q, n_k, diag, WIN_L, WIN_R, qk_scale, softcap_in, softcap_out,
-        HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_N, True, SOFTCAP, DOT_PRECISION, KV_TMA,
+        HEAD_DIM, BLOCK_D, EVEN_D, BLOCK_N, True, SOFTCAP, WINDOW, DOT_PRECISION, KV_TMA,
     )
 
     # A row that saw no key: output 0, logsumexp -inf.
@@ -143,7 +147,7 @@ def _attn_fwd_kernel(
         O + b * stride_ob + h * stride_oh + q_start * stride_ot, n_q, stride_ot, stride_od, q0, HEAD_DIM, BLOCK_M,
         BLOCK_D,
     )
-    tl.store(O_BLOCK, acc.to(O.dtype.element_ty), boundary_check=(0, 1))
+    store_tile(O_BLOCK, acc.to(O.dtype.element_ty))
     tl.store(L + b * stride_lb + h * stride_lh + q_start + offs_m, lse, mask=offs_m < n_q)
 
 

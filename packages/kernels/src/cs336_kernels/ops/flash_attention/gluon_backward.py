@@ -59,7 +59,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from cs336_kernels.ops._common import LOG2E, output_like
+from cs336_kernels.ops._common import output_like
 from cs336_kernels.ops.flash_attention.backward import backward_rows, bwd_preprocess_kernel
 from cs336_kernels.ops.flash_attention.gluon_common import (
     CONSUMER_REGISTERS,
@@ -68,6 +68,11 @@ from cs336_kernels.ops.flash_attention.gluon_common import (
     check_inputs,
     descriptor,
     mma_layout,
+    sequence,
+    tanh,
+    thread_barrier,
+    tile_ranges,
+    tma_load,
     tma_ready,
 )
 from cs336_kernels.ops.flash_attention.params import Params
@@ -125,8 +130,8 @@ def _consumers_barrier():
 
 @gluon.jit
 def _bwd_dq_writer(
-    dq_desc, DQ_LOCKS, dq_bufs, dq_full, dq_free, b, h_kv, H_KV, pid_n, q_first, n_q, n_tiles_q, GROUP,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr,
+    dq_desc, DQ_LOCKS, dq_bufs, dq_full, dq_free, b_row, h_kv, H_Q, pid_n, q_first, n_q, lock_tiles, dq_row0, n_k,
+    diag, WIN_L, WIN_R, GROUP, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     DETERMINISTIC: gl.constexpr,
 ):
     # Adds the consumers' staged dQ tiles into the accumulator in the consumers' tile order and frees each
@@ -136,17 +141,14 @@ def _bwd_dq_writer(
     SPLIT_DQ: gl.constexpr = HEAD_DIM == 128
     DQ_ROWS: gl.constexpr = dq_part(BLOCK_M, HEAD_DIM)[0]
     DQ_COLS: gl.constexpr = dq_part(BLOCK_M, HEAD_DIM)[1]
-    n_key_blocks = gl.num_programs(0)
     for t in range(GROUP * n_q):
         h = h_kv * GROUP + t // n_q
         i = q_first + t % n_q
+        row = dq_row0 + i * BLOCK_M  # the tile's first row in the accumulator
         if DETERMINISTIC:
-            lock = DQ_LOCKS + (b * H_KV * GROUP + h).to(gl.int64) * n_tiles_q + i
-            # The key blocks that add before this one: those after it that see tile i.
-            if IS_CAUSAL:
-                last = gl.minimum(n_key_blocks - 1, (i * BLOCK_M + BLOCK_M - 1) // BLOCK_N)
-            else:
-                last = n_key_blocks - 1
+            lock = DQ_LOCKS + (b_row * H_Q + h).to(gl.int64) * lock_tiles + row // BLOCK_M
+            # The key blocks that add before this one: those after it that see tile i (a band of blocks).
+            last = tile_ranges(i * BLOCK_M + diag, BLOCK_M, n_k, WIN_L, WIN_R, BLOCK_N)[3] - 1
             landed = _load_acquire(lock)
             while landed < last - pid_n:
                 landed = _load_acquire(lock)
@@ -155,9 +157,9 @@ def _bwd_dq_writer(
         for half in gl.static_range(2):
             mbarrier.wait(dq_full.index(half), t & 1)
             if SPLIT_DQ:
-                _tma_reduce_add(dq_desc, [b, h, i * BLOCK_M, half * DQ_COLS], dq_bufs.index(half))
+                _tma_reduce_add(dq_desc, [b_row, h, row, half * DQ_COLS], dq_bufs.index(half))
             else:
-                _tma_reduce_add(dq_desc, [b, h, i * BLOCK_M + half * DQ_ROWS, 0], dq_bufs.index(half))
+                _tma_reduce_add(dq_desc, [b_row, h, row + half * DQ_ROWS, 0], dq_bufs.index(half))
             tma.store_wait(0)
             mbarrier.arrive(dq_free.index(half))
         if DETERMINISTIC:
@@ -165,47 +167,51 @@ def _bwd_dq_writer(
             # thread that issued them has seen them complete.
             _wait_reduce_adds()
             _fence_async_global()
-            gl.thread_barrier()
+            thread_barrier()
             gl.atomic_add(lock, 1, sem="release", scope="gpu")
 
 
 @gluon.jit
 def _bwd_producer(
-    q_desc, k_desc, v_desc, do_desc, l_desc, d_desc, bufs, b, h_kv, k0, q_first, n_q, GROUP,
+    q_desc, k_desc, v_desc, do_desc, l_desc, d_desc, bufs, b_row, h_kv, k0, q_first, n_q, q_start, GROUP,
     BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
 ):
+    # k0 and q_start are rows of the (batch, head, row, d) tensors: a packed batch's sequence starts at its first row.
     k_buf, v_buf, q_bufs, do_bufs, l_bufs, d_bufs, ds_bufs, kv_ready, qdo_ready, qdo_empty = bufs
     mbarrier.expect(kv_ready.index(0), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [b, h_kv, k0, 0], kv_ready.index(0), k_buf)
-    tma.async_copy_global_to_shared(v_desc, [b, h_kv, k0, 0], kv_ready.index(0), v_buf)
+    tma_load(k_desc, [b_row, h_kv, k0, 0], kv_ready.index(0), k_buf)
+    tma_load(v_desc, [b_row, h_kv, k0, 0], kv_ready.index(0), v_buf)
     for t in range(GROUP * n_q):
         h = h_kv * GROUP + t // n_q
-        row = (q_first + t % n_q) * BLOCK_M
+        row = q_start + (q_first + t % n_q) * BLOCK_M
         stage = t % STAGES
         # A fresh mbarrier counts as having completed the phase before phase 0: the first pass does not wait.
         mbarrier.wait(qdo_empty.index(stage), ((t // STAGES) & 1) ^ 1)
         ready = qdo_ready.index(stage)
         mbarrier.expect(ready, q_desc.block_type.nbytes + do_desc.block_type.nbytes + l_desc.block_type.nbytes
                         + d_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, h, row, 0], ready, q_bufs.index(stage))
-        tma.async_copy_global_to_shared(do_desc, [b, h, row, 0], ready, do_bufs.index(stage))
-        tma.async_copy_global_to_shared(l_desc, [b, h, row], ready, l_bufs.index(stage))
-        tma.async_copy_global_to_shared(d_desc, [b, h, row], ready, d_bufs.index(stage))
+        tma_load(q_desc, [b_row, h, row, 0], ready, q_bufs.index(stage))
+        tma_load(do_desc, [b_row, h, row, 0], ready, do_bufs.index(stage))
+        tma_load(l_desc, [b_row, h, row], ready, l_bufs.index(stage))
+        tma_load(d_desc, [b_row, h, row], ready, d_bufs.index(stage))
 
 
 @gluon.jit
-def _store_rows(OUT, strides, x, b, h, rows, cols, N_ROWS):
-    # x's rows `rows` (those before N_ROWS) into head (b, h) of OUT, whose (batch, head, row) strides are `strides`.
-    base = b.to(gl.int64) * strides[0] + h.to(gl.int64) * strides[1]
-    gl.store(OUT + base + rows[:, None].to(gl.int64) * strides[2] + cols[None, :], x, mask=rows[:, None] < N_ROWS)
+def _store_rows(OUT, strides, x, b_row, h, start, rows, cols, N_ROWS):
+    # x's rows `rows` (those before N_ROWS) into rows start + rows of head (b_row, h) of OUT, whose (batch, head,
+    # row) strides are `strides`.
+    base = b_row.to(gl.int64) * strides[0] + h.to(gl.int64) * strides[1]
+    rows_at = (start + rows)[:, None].to(gl.int64) * strides[2]
+    gl.store(OUT + base + rows_at + cols[None, :], x, mask=rows[:, None] < N_ROWS)
 
 
 @gluon.jit
 def _bwd_consumer(
-    DK, DV, dk_strides, dv_strides, bufs, dq_bufs, dq_full, dq_free, b, h_kv, pid_n, q_first, n_q, masked_until,
-    GROUP, N_KEYS, qk_scale, sm_scale, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+    args, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+    STAGES: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr,
 ):
+    (DK, DV, dk_strides, dv_strides, bufs, dq_bufs, dq_full, dq_free, b_row, h_kv, pid_n, q_first, n_q, full_lo,
+     full_hi, k_start, n_k, n_queries, diag, WIN_L, WIN_R, GROUP, qk_scale, softcap_in, softcap_out, sm_scale) = args
     k_buf, v_buf, q_bufs, do_bufs, l_bufs, d_bufs, ds_bufs, kv_ready, qdo_ready, qdo_empty = bufs
     dtype: gl.constexpr = k_buf.dtype
     KEYS: gl.constexpr = BLOCK_N // 2
@@ -231,6 +237,11 @@ def _bwd_consumer(
     # not live beside dV's product in flight (d = 128's 64-query tiles leave room for it).
     LATE_DV: gl.constexpr = HEAD_DIM == 64
     offs_k = k0 + CONSUMER * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
+    # Key j is seen by queries j - diag - WIN_R .. j - diag + WIN_L: one comparison a score against a per-key bound
+    # (a second one only for a bounded left side).
+    first_q = offs_k - diag - WIN_R
+    last_q = offs_k - diag + WIN_L
+    inv_cap = 1.0 / softcap_out  # unused without a softcap
     s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout)
     dq_zero = gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, layout=dq_layout)
     dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=kv_layout)
@@ -248,11 +259,22 @@ def _bwd_consumer(
         s_t = warpgroup_mma(k_own, q_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dp_t = warpgroup_mma(v_own, do_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s_t = warpgroup_mma_wait(1, deps=(s_t,))
-        # Query rows past the end read L = D = 0 (TMA fills them with zeros); their Q and dO rows are zeros
-        # too, so they add nothing.
-        lse2 = l_bufs.index(stage).reshape([BLOCK_M]).load(col_s)  # L * log2(e)
-        if i < masked_until:  # never without the causal mask: masked_until is 0 then
-            s_t = gl.where(offs_q[None, :] >= offs_k[:, None], s_t, float("-inf"))
+        # A dense batch's query rows past the end read L = D = 0 (TMA fills them with zeros); their Q and dO rows
+        # are zeros too, so they add nothing. A packed batch's rows past its sequence's end (and keys past it) are
+        # its neighbour's: masked, in the tiles that hold them.
+        lse2 = l_bufs.index(stage).reshape([BLOCK_M]).load(col_s)  # L * log2(e), +inf for a row that sees no key
+        if SOFTCAP:
+            s_t = tanh(s_t * softcap_in) * softcap_out  # log2 units: qk_scale is 1
+        # Without a window a dense batch's tile past full_hi (its last, partial one) needs no mask: its rows see
+        # every key of this tile that the full tiles' rows before them see, and its rows past the end add nothing.
+        masked = (i < full_lo) | (i >= full_hi) if WINDOW or VARLEN else i < full_lo
+        if masked:
+            keep = offs_q[None, :] >= first_q[:, None]
+            if WINDOW:
+                keep = keep & (offs_q[None, :] <= last_q[:, None])
+            if VARLEN:
+                keep = keep & (offs_q[None, :] < n_queries) & (offs_k[:, None] < n_k)
+            s_t = gl.where(keep, s_t, float("-inf"))
         p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
         if not LATE_DV:
             p16 = gl.convert_layout(p_t.to(dtype), a_layout)
@@ -261,7 +283,14 @@ def _bwd_consumer(
         else:
             dp_t = warpgroup_mma_wait(0, deps=(dp_t,))
         delta = d_bufs.index(stage).reshape([BLOCK_M]).load(col_s)
-        ds16 = (p_t * (dp_t - delta[None, :])).to(dtype)
+        if SOFTCAP:
+            # dS = P * (dP - D) * (1 - t^2) with t = tanh(x / cap) read back from P (t = (log2 P + L log2(e)) /
+            # (cap log2(e))) rather than kept in registers beside dP; a P of 0 (masked) gives any finite t.
+            lse2 = l_bufs.index(stage).reshape([BLOCK_M]).load(col_s)
+            t_t = (gl.log2(gl.maximum(p_t, 1.1754944e-38)) + lse2[None, :]) * inv_cap
+            ds16 = (p_t * (dp_t - delta[None, :]) * (1.0 - t_t * t_t)).to(dtype)
+        else:
+            ds16 = (p_t * (dp_t - delta[None, :])).to(dtype)
         ds_bufs.index(slot).slice(CONSUMER * KEYS, KEYS, dim=0).store(ds16)
         fence_async_shared()
         if LATE_DV:
@@ -298,37 +327,44 @@ def _bwd_consumer(
     # dK, dV rows past the end of the keys are dropped by the mask.
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
     rows = k0 + CONSUMER * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kv_layout))
-    _store_rows(DK, dk_strides, (dk * sm_scale).to(dtype), b, h_kv, rows, offs_d, N_KEYS)
-    _store_rows(DV, dv_strides, dv.to(dtype), b, h_kv, rows, offs_d, N_KEYS)
+    _store_rows(DK, dk_strides, (dk * sm_scale).to(dtype), b_row, h_kv, k_start, rows, offs_d, n_k)
+    _store_rows(DV, dv_strides, dv.to(dtype), b_row, h_kv, k_start, rows, offs_d, n_k)
 
 
 # Lengths and head counts only enter comparisons and offsets: one build serves them all.
-@gluon.jit(do_not_specialize=["H_KV", "GROUP", "N_QUERIES", "N_KEYS"])
+@gluon.jit(do_not_specialize=["H_KV", "GROUP", "N_QUERIES", "N_KEYS", "DIAG", "WIN_L", "WIN_R", "LOCK_TILES"])
 def _attn_bwd_kernel(
-    q_desc, k_desc, v_desc, do_desc, dq_desc, l_desc, d_desc, DK, DV, DQ_LOCKS,
+    q_desc, k_desc, v_desc, do_desc, dq_desc, l_desc, d_desc, DK, DV, DQ_LOCKS, CU_Q, CU_K, PAD_Q,
     stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
-    H_KV, GROUP, N_QUERIES, N_KEYS, qk_scale, sm_scale,
+    H_KV, GROUP, N_QUERIES, N_KEYS, DIAG, WIN_L, WIN_R, LOCK_TILES, qk_scale, softcap_in, softcap_out, sm_scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr,
+    SOFTCAP: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr, DETERMINISTIC: gl.constexpr,
 ):
-    # Grid: (key tiles, batch * key/value heads). Causal programs with the first keys see the most queries
-    # and start first, except in deterministic mode: there the key blocks of a head start last first, the order
-    # in which they add into dQ, so that a program only ever waits for programs launched before it.
+    # Grid: (key tiles of the longest sequence, sequences * key/value heads). Under a causal mask programs with the
+    # first keys see the most queries and start first, except in deterministic mode: there the key blocks of a head
+    # start last first, the order in which they add into dQ, so that a program only ever waits for programs launched
+    # before it.
     pid_bh = gl.program_id(1)
     b = pid_bh // H_KV
     h_kv = pid_bh % H_KV
     pid_n = gl.num_programs(0) - 1 - gl.program_id(0) if DETERMINISTIC else gl.program_id(0)
+    q_start, n_queries, k_start, n_k, diag = sequence(CU_Q, CU_K, b, N_QUERIES, N_KEYS, DIAG, VARLEN)
     k0 = pid_n * BLOCK_N
-    n_tiles_q = gl.cdiv(N_QUERIES, BLOCK_M)
-    # Query tiles [q_first, q_first + n_q) see at least one of the keys; those below masked_until straddle
-    # the diagonal.
-    if IS_CAUSAL:
-        q_first = gl.minimum(k0 // BLOCK_M, n_tiles_q)
-        masked_until = gl.cdiv(k0 + BLOCK_N, BLOCK_M)
+    # Query tiles [q_first, q_first + n_q) see at least one of the keys; those outside [full_lo, full_hi) hold a
+    # (query, key) pair that is not seen, and a packed batch's key tile past its sequence's end is masked whole.
+    q_first, full_lo, full_hi, q_end = tile_ranges(k0 - diag, BLOCK_N, n_queries, WIN_R, WIN_L, BLOCK_M)
+    n_q = q_end - q_first
+    if VARLEN:
+        # A shorter sequence has fewer key tiles than the grid: its programs past them run no query tile (and store
+        # nothing). They go through the partitions all the same: a warp-specialised program must not return early.
+        n_q = gl.where(k0 < n_k, n_q, 0)
+        if k0 + BLOCK_N > n_k:
+            full_hi = full_lo
+        b_row = 0  # a packed batch's tensors are (1, heads, total, d) views: a sequence is told by its first row
+        dq_row0 = gl.load(PAD_Q + b)  # its dQ tiles start at a whole tile of the accumulator
     else:
-        q_first = 0
-        masked_until = 0
-    n_q = n_tiles_q - q_first
+        b_row = b
+        dq_row0 = 0
 
     dtype: gl.constexpr = q_desc.dtype
     k_buf = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
@@ -358,18 +394,18 @@ def _attn_bwd_kernel(
     bufs = (k_buf, v_buf, q_bufs, do_bufs, l_bufs, d_bufs, ds_bufs, kv_ready, qdo_ready, qdo_empty)
     dk_strides = (stride_dkb, stride_dkh, stride_dkt)
     dv_strides = (stride_dvb, stride_dvh, stride_dvt)
+    consumer_args = (DK, DV, dk_strides, dv_strides, bufs, dq_bufs, dq_full, dq_free, b_row, h_kv, pid_n, q_first,
+                     n_q, full_lo, full_hi, k_start, n_k, n_queries, diag, WIN_L, WIN_R, GROUP, qk_scale, softcap_in,
+                     softcap_out, sm_scale)
     gl.warp_specialize(
         [
-            (_bwd_consumer, (DK, DV, dk_strides, dv_strides, bufs, dq_bufs, dq_full, dq_free, b, h_kv, pid_n,
-                             q_first, n_q, masked_until, GROUP, N_KEYS, qk_scale, sm_scale, 0, BLOCK_M, BLOCK_N,
-                             HEAD_DIM, STAGES)),
-            (_bwd_consumer, (DK, DV, dk_strides, dv_strides, bufs, dq_bufs, dq_full, dq_free, b, h_kv, pid_n,
-                             q_first, n_q, masked_until, GROUP, N_KEYS, qk_scale, sm_scale, 1, BLOCK_M, BLOCK_N,
-                             HEAD_DIM, STAGES)),
-            (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, l_desc, d_desc, bufs, b, h_kv, k0, q_first, n_q,
-                             GROUP, BLOCK_M, STAGES)),
-            (_bwd_dq_writer, (dq_desc, DQ_LOCKS, dq_bufs, dq_full, dq_free, b, h_kv, H_KV, pid_n, q_first, n_q,
-                              n_tiles_q, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, IS_CAUSAL, DETERMINISTIC)),
+            (_bwd_consumer, (consumer_args, 0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, SOFTCAP, WINDOW, VARLEN)),
+            (_bwd_consumer, (consumer_args, 1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, SOFTCAP, WINDOW, VARLEN)),
+            (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, l_desc, d_desc, bufs, b_row, h_kv, k_start + k0,
+                             q_first, n_q, q_start, GROUP, BLOCK_M, STAGES)),
+            (_bwd_dq_writer, (dq_desc, DQ_LOCKS, dq_bufs, dq_full, dq_free, b_row, h_kv, H_KV * GROUP, pid_n,
+                              q_first, n_q, LOCK_TILES, dq_row0, n_k, diag, WIN_L, WIN_R, GROUP, BLOCK_M, BLOCK_N,
+                              HEAD_DIM, DETERMINISTIC)),
         ],
         [4, 1, 1],
         [CONSUMER_REGISTERS, PRODUCER_REGISTERS, PRODUCER_REGISTERS],
@@ -383,25 +419,42 @@ def staged_row(r):
 
 
 @triton.jit
-def _dq_unstage_kernel(ACC, DQ, scale, stride_b, stride_h, stride_t, HEADS, N_QUERIES, ROWS,
-                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    # ACC: (batch * heads, ROWS, HEAD_DIM) fp32 whose BLOCK_M-row tiles hold their rows in staged order; DQ:
-    # (batch, heads, N_QUERIES, HEAD_DIM) with these strides, in row order, times scale. Each program moves one
-    # tile of one head.
-    bh = tl.program_id(1).to(tl.int64)
+def _dq_unstage_kernel(ACC, DQ, CU_Q, PAD_Q, scale, stride_b, stride_h, stride_t, HEADS, N_QUERIES, ROWS,
+                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, VARLEN: tl.constexpr):
+    # ACC: (batch * heads, ROWS, HEAD_DIM) fp32 whose BLOCK_M-row tiles hold their rows in staged order (a packed
+    # batch: (heads, ROWS, HEAD_DIM), sequence b's tiles from row PAD_Q[b]); DQ: (batch, heads, N_QUERIES, HEAD_DIM)
+    # with these strides (packed: its rows CU_Q[b]..CU_Q[b + 1] are sequence b's), in row order, times scale. Each
+    # program moves one tile of one (sequence, head).
+    pid = tl.program_id(1).to(tl.int64)
+    b = pid // HEADS
+    h = pid % HEADS
     r = tl.arange(0, BLOCK_M)
     row0 = tl.program_id(0) * BLOCK_M
+    if VARLEN:
+        q_start = tl.load(CU_Q + b)
+        n_q = tl.load(CU_Q + b + 1) - q_start
+        acc_row0 = h * ROWS + tl.load(PAD_Q + b) + row0
+        b = 0
+    else:
+        q_start = 0
+        n_q = N_QUERIES
+        acc_row0 = pid * ROWS + row0
+    if row0 >= n_q:
+        return
     cols = tl.arange(0, HEAD_DIM)
-    acc = tl.load(ACC + (bh * ROWS + row0 + staged_row(r))[:, None] * HEAD_DIM + cols[None, :])
+    acc = tl.load(ACC + (acc_row0 + staged_row(r))[:, None] * HEAD_DIM + cols[None, :])
     rows = row0 + r
-    out = DQ + (bh // HEADS) * stride_b + (bh % HEADS) * stride_h + rows[:, None].to(tl.int64) * stride_t
-    tl.store(out + cols[None, :], (acc * scale).to(DQ.dtype.element_ty), mask=(rows < N_QUERIES)[:, None])
+    out = DQ + b * stride_b + h * stride_h + (q_start + rows)[:, None].to(tl.int64) * stride_t
+    tl.store(out + cols[None, :], (acc * scale).to(DQ.dtype.element_ty), mask=(rows < n_q)[:, None])
 
 
-def unstage_dq(acc: torch.Tensor, dq: torch.Tensor, scale: float) -> torch.Tensor:
+def unstage_dq(acc: torch.Tensor, dq: torch.Tensor, scale: float, params: Params | None = None,
+               pad_q: torch.Tensor | None = None) -> torch.Tensor:
     """Writes into ``dq`` (batch, heads, n_queries, d), any strides with a unit one on d, ``scale`` times the
     backward's fp32 accumulator ``acc`` (batch, heads, rows, d; rows a multiple of the query tile and at least
-    n_queries, each tile's rows in :func:`staged_row` order), in row order and ``dq``'s dtype; returns ``dq``."""
+    n_queries, each tile's rows in :func:`staged_row` order), in row order and ``dq``'s dtype; returns ``dq``. A
+    packed batch (``params`` with its sequences, ``dq`` its (1, heads, total, d) view) has sequence b's tiles from
+    accumulator row ``pad_q[b]`` (:func:`padded_starts`)."""
     batch, heads, rows, head_dim = acc.shape
     block_m = CONFIGS[head_dim][0]
     n_queries = dq.shape[2]
@@ -411,9 +464,23 @@ def unstage_dq(acc: torch.Tensor, dq: torch.Tensor, scale: float) -> torch.Tenso
     if dq.shape != (batch, heads, n_queries, head_dim) or dq.stride(-1) != 1:
         raise ValueError(f"dq must be ({batch}, {heads}, n_queries, {head_dim}) with a unit stride on d; got "
                          f"{tuple(dq.shape)} with strides {dq.stride()}")
-    _dq_unstage_kernel[(rows // block_m, batch * heads)](acc, dq, scale, *dq.stride()[:3], heads, n_queries, rows,
-                                                         HEAD_DIM=head_dim, BLOCK_M=block_m)
+    varlen = params is not None and params.varlen
+    if varlen:
+        grid = (triton.cdiv(params.max_seqlen_q, block_m), (params.cu_seqlens_q.numel() - 1) * heads)
+    else:
+        grid = (rows // block_m, batch * heads)
+    _dq_unstage_kernel[grid](acc, dq, params.cu_seqlens_q if varlen else None, pad_q, scale, *dq.stride()[:3], heads,
+                             n_queries, rows, HEAD_DIM=head_dim, BLOCK_M=block_m, VARLEN=varlen)
     return dq
+
+
+def padded_starts(params: Params, head_dim: int) -> tuple[torch.Tensor, int]:
+    """Where each sequence of a packed batch starts in the dQ accumulator, each at a whole query tile (int32, batch +
+    1 entries, computed on the GPU), and the accumulator's rows (enough for any lengths of that total)."""
+    block_m = CONFIGS[head_dim][0]
+    tiles = (params.cu_seqlens_q.diff() + block_m - 1) // block_m * block_m
+    n_seqs = params.cu_seqlens_q.numel() - 1
+    return torch.nn.functional.pad(tiles.cumsum(0, dtype=torch.int32), (1, 0)), n_seqs * block_m
 
 
 def _row_descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
@@ -430,32 +497,32 @@ def _padded_rows(shape: torch.Size, device: torch.device) -> torch.Tensor:
 def backward_args(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse2: torch.Tensor, delta: torch.Tensor,
     dq_acc: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, dq_locks: torch.Tensor | None, params: Params,
+    pad_q: torch.Tensor | None = None,
 ) -> tuple[tuple, dict]:
-    """The backward kernel's arguments and constexprs for these tensors (for the launcher and offline builds);
-    ``lse2`` (the forward's logsumexp times log2(e)) and ``delta`` (batch, heads_q, seq_q) fp32 with 16-byte-aligned
-    strides, ``dq_acc`` the zeroed fp32 accumulator (batch, heads_q, seq_q rounded up to whole query tiles, d) that
-    :func:`unstage_dq` reads and scales, dK and dV with a unit stride on d, and ``dq_locks`` the zeroed int32 locks
-    of the deterministic mode (:func:`dq_lock_count` of them) or None for the default one."""
+    """The backward kernel's arguments and constexprs for these (B, H, T, d) tensors (a packed batch's (1, H, total,
+    d) views, with ``pad_q`` from :func:`padded_starts`), for the launcher and offline builds; ``lse2`` (the
+    forward's logsumexp times log2(e), +inf for a row that sees no key) and ``delta`` (batch, heads_q, seq_q) fp32
+    with 16-byte-aligned strides, ``dq_acc`` the zeroed fp32 accumulator (batch, heads_q, rows, d: seq_q rounded up
+    to whole query tiles, or a packed batch's padded rows) that :func:`unstage_dq` reads and scales, dK and dV with
+    a unit stride on d, and ``dq_locks`` the zeroed int32 locks of the deterministic mode (one per query tile of
+    the accumulator) or None for the default one."""
     heads_q, n_queries, head_dim = q.shape[1:]
     heads_kv, n_keys = k.shape[1], k.shape[2]
     block_m, block_n, stages = CONFIGS[head_dim]
-    sm_scale = params.softmax_scale
+    scalars = params.kernel_args(n_queries, n_keys)
     dq_block = [1, 1, *dq_part(block_m, head_dim)]
     dq_desc = TensorDescriptor.from_tensor(dq_acc, dq_block, gl.NVMMASharedLayout.get_default_for(dq_block, gl.float32))
     args = (
         descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(do, block_m), dq_desc,
-        _row_descriptor(lse2, block_m), _row_descriptor(delta, block_m), dk, dv, dq_locks,
-        *dk.stride()[:3], *dv.stride()[:3],
-        heads_kv, heads_q // heads_kv, n_queries, n_keys, sm_scale * LOG2E, sm_scale,
+        _row_descriptor(lse2, block_m), _row_descriptor(delta, block_m), dk, dv, dq_locks, params.cu_seqlens_q,
+        params.cu_seqlens_k, pad_q, *dk.stride()[:3], *dv.stride()[:3],
+        heads_kv, heads_q // heads_kv, n_queries, n_keys, scalars["DIAG"], scalars["WIN_L"], scalars["WIN_R"],
+        dq_acc.shape[2] // block_m, scalars["qk_scale"], scalars["softcap_in"], scalars["softcap_out"],
+        params.softmax_scale,
     )
     return args, {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages,
-                  "IS_CAUSAL": params.window_right == 0, "DETERMINISTIC": dq_locks is not None}
-
-
-def dq_lock_count(q: torch.Tensor) -> int:
-    """The deterministic mode's locks for queries like ``q``: one per (batch, query head, query tile)."""
-    batch, heads_q, n_queries, head_dim = q.shape
-    return batch * heads_q * triton.cdiv(n_queries, CONFIGS[head_dim][0])
+                  "SOFTCAP": params.softcap > 0, "WINDOW": params.window_left >= 0, "VARLEN": params.varlen,
+                  "DETERMINISTIC": dq_locks is not None}
 
 
 def gluon_attention_backward(
@@ -495,14 +562,20 @@ def gluon_attention_backward(
     )
     # The kernel's exponent is in base 2; TMA wants the rows' head stride 16-byte aligned.
     lse2 = _padded_rows(lse.shape, q.device).copy_(backward_rows(lse, delta, dlse))
-    # Whole query tiles, so that every tile's staged rows land inside the accumulator.
+    # Whole query tiles, so that every tile's staged rows land inside the accumulator; a packed batch's sequences
+    # each from a whole tile.
     block_m = CONFIGS[head_dim][0]
-    dq_acc = torch.zeros((batch, heads_q, triton.cdiv(n_queries, block_m) * block_m, head_dim), device=q.device,
-                         dtype=torch.float32)
+    pad_q = None
+    rows = triton.cdiv(n_queries, block_m) * block_m
+    if params.varlen:
+        pad_q, extra = padded_starts(params, head_dim)
+        rows += extra
+    dq_acc = torch.zeros((batch, heads_q, rows, head_dim), device=q.device, dtype=torch.float32)
     dq_locks = None
     if torch.are_deterministic_algorithms_enabled():
-        dq_locks = torch.zeros(dq_lock_count(q), device=q.device, dtype=torch.int32)
-    args, constants = backward_args(q, k, v, do, lse2, delta, dq_acc, dk, dv, dq_locks, params)
-    grid = (triton.cdiv(k.shape[2], constants["BLOCK_N"]), batch * k.shape[1])
+        dq_locks = torch.zeros(batch * heads_q * (rows // block_m), device=q.device, dtype=torch.int32)
+    args, constants = backward_args(q, k, v, do, lse2, delta, dq_acc, dk, dv, dq_locks, params, pad_q)
+    n_seqs, rows_k = (params.cu_seqlens_q.numel() - 1, params.max_seqlen_k) if params.varlen else (batch, k.shape[2])
+    grid = (triton.cdiv(rows_k, constants["BLOCK_N"]), n_seqs * k.shape[1])
     _attn_bwd_kernel[grid](*args, **constants, num_warps=4, maxnreg=MAX_REGISTERS)
-    return unstage_dq(dq_acc, dq, params.softmax_scale), dk, dv
+    return unstage_dq(dq_acc, dq, params.softmax_scale, params, pad_q), dk, dv

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from cs336_kernels.ops.flash_attention.checks import check_inputs as check_portable_inputs
@@ -21,6 +22,51 @@ MAX_REGISTERS = 168
 CONSUMER_REGISTERS = gl.constexpr(240)
 PRODUCER_REGISTERS = gl.constexpr(24)
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+# Gluon builtins that Triton renamed within the supported range (3.6-3.9), under one name each: the barrier of a
+# CTA's threads (gl.thread_barrier through 3.6, gl.barrier from 3.7) and the TMA tile copies between global and shared
+# memory (tma.async_copy_global_to_shared and async_copy_shared_to_global through 3.7, async_load and async_store
+# from 3.8).
+thread_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
+
+
+@gluon.jit
+def sequence(CU_Q, CU_K, b, N_QUERIES, N_KEYS, DIAG, VARLEN: gl.constexpr):
+    # (first query row, queries, first key row, keys, diagonal) of sequence b, as tiles.sequence has them for the
+    # Triton kernels: a packed batch's from cu_seqlens (diagonal bottom-right), a dense batch's from the arguments.
+    if VARLEN:
+        q_start = gl.load(CU_Q + b)
+        n_q = gl.load(CU_Q + b + 1) - q_start
+        k_start = gl.load(CU_K + b)
+        n_k = gl.load(CU_K + b + 1) - k_start
+        diag = n_k - n_q
+    else:
+        q_start = 0
+        n_q = N_QUERIES
+        k_start = 0
+        n_k = N_KEYS
+        diag = DIAG
+    return q_start, n_q, k_start, n_k, diag
+
+
+@gluon.jit
+def tanh(x):
+    # The hardware's tanh (one MUFU op, relative error below 2^-10.9), as the Triton kernels' tiles.tanh on a GPU.
+    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def tile_ranges(first, SPAN: gl.constexpr, n, BELOW, ABOVE, TILE: gl.constexpr):
+    # tiles._tile_ranges in Gluon: the TILE-wide tiles of a sequence of n rows that rows first - BELOW .. first +
+    # SPAN - 1 + ABOVE reach (row r of the other side reaching r - BELOW .. r + ABOVE), as tile indices lo <= full_lo
+    # <= full_hi <= hi, [full_lo, full_hi) complete and reached by every one of the SPAN rows.
+    last = first + SPAN - 1
+    lo = gl.maximum(first - BELOW, 0) // TILE
+    hi = gl.maximum(gl.cdiv(gl.maximum(gl.minimum(last + ABOVE + 1, n), 0), TILE), lo)
+    full_lo = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(last - BELOW, 0), TILE), lo), hi)
+    full_hi = gl.minimum(gl.maximum(gl.maximum(gl.minimum(first + ABOVE + 1, n), 0) // TILE, full_lo), hi)
+    return lo, full_lo, full_hi, hi
 
 
 @gluon.constexpr_function
@@ -29,34 +75,29 @@ def mma_layout(n):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
 
 
-def gluon_unsupported(q: torch.Tensor, k: torch.Tensor | None = None, params: Params | None = None) -> str | None:
-    """Why the Gluon kernels cannot run for (B, H, T, d) queries like ``q``, keys like ``k`` (default: like ``q``)
-    and the scores' parameters ``params`` (default: plain), or None where they can: they need CUDA tensors on an
-    sm_90 GPU (H100/H200), fp16 or bf16, head dim 64 or 128, and run any softmax scale, full attention or the causal
-    mask with its diagonal through key i for query i (seq_q == seq_k, or the course's top-left alignment)."""
+def gluon_unsupported(q: torch.Tensor) -> str | None:
+    """Why the Gluon kernels cannot run for (B, H, T, d) queries like ``q`` (a packed batch's (1, H, total, d)
+    view), or None where they can: they need CUDA tensors on an sm_90 GPU (H100/H200), fp16 or bf16 and head dim 64
+    or 128, and run every one of the scores' parameters (scale, softcap, window, alignment, packed sequences)."""
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
         return f"the Gluon kernels need CUDA tensors on an sm_90 GPU (H100/H200); got device {q.device}"
     if q.dtype not in SUPPORTED_DTYPES:
         return f"the Gluon kernels take {SUPPORTED_DTYPES}; got {q.dtype}"
     if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
         return f"the Gluon kernels take head dims {SUPPORTED_HEAD_DIMS}; got {q.shape[-1]}"
-    if params is None:
-        return None
-    if params.varlen or params.softcap or params.window_left >= 0 or params.window_right > 0:
-        return "the Gluon kernels run neither packed sequences, nor windows, nor softcaps; the Triton ones do"
-    if params.window_right == 0 and params.bottom_right and k is not None and k.shape[-2] != q.shape[-2]:
-        return "the Gluon kernels align the causal diagonal top-left; seq_q != seq_k bottom-right runs on Triton"
     return None
 
 
-def gluon_applies(q: torch.Tensor, k: torch.Tensor | None = None, params: Params | None = None) -> bool:
-    """The ``auto`` rule of both directions: whether the Gluon kernels run here (:func:`gluon_unsupported`)."""
-    return gluon_unsupported(q, k, params) is None
+def gluon_applies(q: torch.Tensor) -> bool:
+    """The ``auto`` rule of both directions: whether the Gluon kernels run for queries like ``q``
+    (:func:`gluon_unsupported`)."""
+    return gluon_unsupported(q) is None
 
 
-def check_gluon(q: torch.Tensor, k: torch.Tensor, params: Params) -> None:
-    """Raise ValueError naming why, where the Gluon kernels cannot run (:func:`gluon_unsupported`)."""
-    reason = gluon_unsupported(q, k, params)
+def check_gluon(q: torch.Tensor) -> None:
+    """Raise ValueError naming why, where the Gluon kernels cannot run for queries like ``q``
+    (:func:`gluon_unsupported`)."""
+    reason = gluon_unsupported(q)
     if reason is not None:
         raise ValueError(reason)
 
@@ -66,7 +107,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: Para
     check_portable_inputs(q, k, v, params.window_right == 0)
     if q.dim() != 4:
         raise ValueError(f"q, k, v must be (batch, heads, seq, d); got shapes {tuple(q.shape)}, {tuple(k.shape)}")
-    check_gluon(q, k, params)
+    check_gluon(q)
 
 
 def tma_ready(x: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,10 @@ import triton
 
 from cs336_kernels.ops._common import LOG2E
 
+UNBOUNDED = 1 << 30
+"""An unbounded window side as the kernels take it: more keys than any sequence (or tile past its end) has, and far
+enough from int32's end that a position plus it stays an int32."""
+
 
 @dataclass(frozen=True)
 class Params:
@@ -53,19 +57,17 @@ class Params:
     def kernel_args(self, n_queries: int, n_keys: int) -> dict:
         """The kernels' scalar arguments for a dense batch's Tq, Tk: the lengths (a packed batch's: its longest
         sequences' rounded up to a power of two, which only the autotuner reads), the diagonal's offset, both window
-        sides (an unbounded side as a length no query can reach), the scale in log2 units and the softcap's two
-        factors."""
+        sides (an unbounded side as :data:`UNBOUNDED`), the scale in log2 units and the softcap's two factors."""
         if self.varlen:
             # Powers of two: an autotuner keyed on these tunes once per size class, not once per batch.
             n_queries, n_keys = (triton.next_power_of_2(max(n, 1)) for n in (self.max_seqlen_q, self.max_seqlen_k))
-        unbounded = n_queries + n_keys
         cap = self.softcap
         return {
             "N_QUERIES": n_queries,
             "N_KEYS": n_keys,
             "DIAG": n_keys - n_queries if self.bottom_right else 0,
-            "WIN_L": self.window_left if self.window_left >= 0 else unbounded,
-            "WIN_R": self.window_right if self.window_right >= 0 else unbounded,
+            "WIN_L": self.window_left if self.window_left >= 0 else UNBOUNDED,
+            "WIN_R": self.window_right if self.window_right >= 0 else UNBOUNDED,
             # With a softcap the scores reach the softmax already in log2 units: softcap_out folds log2(e) in.
             "qk_scale": 1.0 if cap else self.softmax_scale * LOG2E,
             "softcap_in": self.softmax_scale / cap if cap else 0.0,

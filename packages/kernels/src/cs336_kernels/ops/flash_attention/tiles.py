@@ -1,8 +1,8 @@
 """What the forward and backward FlashAttention-2 kernels share: tile loads and tile ranges in Triton,
 and the compile-time constants and TMA scratch memory of their launches.
 
-A main loop re-reads two (rows, d) tiles per step, either through block pointers (with bounds checks only
-where a tile can be partial) or through TMA tensor descriptors. A program finds its sequence's rows
+A main loop re-reads two (rows, d) tiles per step, either through pointer tiles (:func:`tile_ptr`, with bounds
+checks only where a tile can be partial) or through TMA tensor descriptors. A program finds its sequence's rows
 (:func:`sequence`: a dense batch's, or a packed one's from cu_seqlens); the forward and dQ kernels walk the key
 tiles of one query tile (:func:`key_tile_ranges`), the dK/dV kernel the query tiles of one key tile
 (:func:`query_tile_ranges`), each in three ranges: the tiles of the window's two edges masked by
@@ -19,30 +19,52 @@ import torch
 import triton
 import triton.language as tl
 
+from cs336_kernels.interpreter import INTERPRET
 from cs336_kernels.ops.flash_attention.params import Params
+
+_INTERPRET = tl.constexpr(INTERPRET)
 
 
 @triton.jit
 def tile_ptr(BASE, N_ROWS, stride_t, stride_d, start, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
              BLOCK_D: tl.constexpr):
-    # Block pointer to the (BLOCK_ROWS, BLOCK_D) tile at row `start` of one head's (N_ROWS, HEAD_DIM) tensor.
-    return tl.make_block_ptr(
-        BASE, shape=(N_ROWS, HEAD_DIM), strides=(stride_t, stride_d),
-        offsets=(start, 0), block_shape=(BLOCK_ROWS, BLOCK_D), order=(1, 0),
-    )
+    # The (BLOCK_ROWS, BLOCK_D) tile at row `start` of one head's (N_ROWS, HEAD_DIM) tensor as a tuple: its
+    # pointers, row indices, row count, row stride and which of its columns exist, what load_tile, store_tile and
+    # advance_tile need. Plain pointers, not tl.make_block_ptr, which Triton 3.9 removed; offsets in 64 bits, as a
+    # block pointer's.
+    rows = start + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    ptrs = BASE + rows.to(tl.int64)[:, None] * stride_t + cols[None, :] * stride_d
+    return ptrs, rows, N_ROWS, stride_t.to(tl.int64), cols < HEAD_DIM
 
 
 @triton.jit
-def load_tile(block_ptr, CHECK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
-    # Bounds checks cost address arithmetic in the hot loop, so only partial tiles pay for them.
+def advance_tile(tile, ROWS: tl.constexpr):
+    # The tile ROWS rows further down.
+    ptrs, rows, n_rows, stride_t, cols_ok = tile
+    return ptrs + ROWS * stride_t, rows + ROWS, n_rows, stride_t, cols_ok
+
+
+@triton.jit
+def load_tile(tile, CHECK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
+    # Bounds checks cost address arithmetic in the hot loop, so only partial tiles pay for them; what lies outside
+    # the tensor reads as zero.
+    ptrs, rows, n_rows, stride_t, cols_ok = tile
     if CHECK_ROWS:
         if EVEN_D:
-            x = tl.load(block_ptr, boundary_check=(0,), padding_option="zero")
+            x = tl.load(ptrs, mask=(rows < n_rows)[:, None], other=0.0)
         else:
-            x = tl.load(block_ptr, boundary_check=(0, 1), padding_option="zero")
+            x = tl.load(ptrs, mask=(rows < n_rows)[:, None] & cols_ok[None, :], other=0.0)
     else:
-        x = tl.load(block_ptr) if EVEN_D else tl.load(block_ptr, boundary_check=(1,), padding_option="zero")
+        x = tl.load(ptrs) if EVEN_D else tl.load(ptrs, mask=cols_ok[None, :], other=0.0)
     return x
+
+
+@triton.jit
+def store_tile(tile, x):
+    # Writes the rows and columns of x that lie inside the tensor.
+    ptrs, rows, n_rows, stride_t, cols_ok = tile
+    tl.store(ptrs, x, mask=(rows < n_rows)[:, None] & cols_ok[None, :])
 
 
 @triton.jit
@@ -65,7 +87,7 @@ def tma_descriptors(
 @triton.jit
 def load_tiles(A_BLOCK, B_BLOCK, A_DESC, B_DESC, start, CHECK_ROWS: tl.constexpr, EVEN_D: tl.constexpr,
                USE_TMA: tl.constexpr):
-    # The two tiles a main loop reads at row `start`: by TMA (no bounds checks needed), or by block pointers.
+    # The two tiles a main loop reads at row `start`: by TMA (no bounds checks needed), or by pointer tiles.
     if USE_TMA:
         a = A_DESC.load([start, 0])
         b = B_DESC.load([start, 0])
@@ -128,25 +150,35 @@ def query_tile_ranges(k0, n_q, diag, WIN_L, WIN_R, BLOCK_M: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def visible(offs_m, offs_n, n_q, n_k, diag, WIN_L, WIN_R, KEYS_FIRST: tl.constexpr = False):
-    # (queries, keys), or (keys, queries) with KEYS_FIRST, True where query offs_m may see key offs_n: both inside
-    # the sequence and the key inside the query's window around its diagonal.
+def visible(offs_m, offs_n, n_k, diag, WIN_L, WIN_R, KEYS_FIRST: tl.constexpr, CHECK_KEYS: tl.constexpr,
+            WINDOW: tl.constexpr):
+    # (queries, keys), or (keys, queries) with KEYS_FIRST, True where query offs_m may see key offs_n: the key
+    # inside the query's window around its diagonal (its left side checked only for a WINDOW) and, with CHECK_KEYS,
+    # before the sequence's end (a key past it reads as zeros: the forward must not count it, the backward's
+    # products drop it by themselves; a query past the end has L = +inf, so P = 0 there). Each side is one
+    # comparison a score against a bound per row, not a (rows, columns) matrix of offsets.
     if KEYS_FIRST:
-        rows, cols = offs_n[:, None], offs_m[None, :]
-        rel = rows - cols - diag
-        inside = (cols < n_q) & (rows < n_k)
+        keep = offs_m[None, :] >= (offs_n - diag - WIN_R)[:, None]
+        if WINDOW:
+            keep = keep & (offs_m[None, :] <= (offs_n - diag + WIN_L)[:, None])
     else:
-        rows, cols = offs_m[:, None], offs_n[None, :]
-        rel = cols - rows - diag
-        inside = (rows < n_q) & (cols < n_k)
-    return inside & (rel >= -WIN_L) & (rel <= WIN_R)
+        end = offs_m + diag + WIN_R + 1
+        if CHECK_KEYS:
+            end = tl.minimum(end, n_k)
+        keep = offs_n[None, :] < end[:, None]
+        if WINDOW:
+            keep = keep & (offs_n[None, :] >= (offs_m + diag - WIN_L)[:, None])
+    return keep
 
 
 @triton.jit
 def tanh(x):
-    # tanh from one exp2, exact at both ends (exp2 overflowing to inf gives 1, underflowing to 0 gives -1) and in
-    # the interpreter, where libdevice is not available.
-    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)  # 2 * log2(e)
+    # On a GPU the hardware's tanh (one MUFU op, relative error below 2^-10.9), as the Gluon kernels use it, so
+    # that a forward and a backward of either kind agree; in the interpreter (no inline PTX) from one exp2, exact
+    # at both ends.
+    if _INTERPRET:
+        return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)  # 2 * log2(e)
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
 
 
 def kernel_constants(q: torch.Tensor, params: Params) -> dict:
@@ -158,6 +190,7 @@ def kernel_constants(q: torch.Tensor, params: Params) -> dict:
         "BLOCK_D": block_d,
         "EVEN_D": head_dim == block_d,
         "SOFTCAP": params.softcap > 0,
+        "WINDOW": params.window_left >= 0,
         "VARLEN": params.varlen,
         "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
     }

@@ -94,7 +94,7 @@ TMA_FLAGS: dict[str, str] = {"fwd": "KV_TMA", "dkdv": "QDO_TMA", "dq": "KV_TMA"}
 """Per kernel, the constexpr that switches its main-loop loads to TMA."""
 # Per kernel, the tensors its TMA loads read, with their stride prefixes.
 _TMA_TENSORS = {"fwd": {"K": "k", "V": "v"}, "dkdv": {"Q": "q", "DO": "do"}, "dq": {"K": "k", "V": "v"}}
-_AUTOTUNE_KEY = ["N_QUERIES", "N_KEYS", "HEAD_DIM", "IS_CAUSAL"]
+_AUTOTUNE_KEY = ["N_QUERIES", "N_KEYS", "HEAD_DIM", "WIN_L", "WIN_R", "SOFTCAP", "VARLEN"]
 _AUTOTUNED: dict[str, triton.runtime.Autotuner] = {}
 
 
