@@ -91,9 +91,9 @@ def patched_copy(model: torch.nn.Module, attn_implementation: str = "cs336") -> 
     return patched
 
 
-# The quick run (-m "not slow") keeps Llama and Qwen3 (the family with the most sites: its q/k norms).
-@pytest.mark.parametrize("family", [f if f in ("llama", "qwen3") else pytest.param(f, marks=pytest.mark.slow)
-                                    for f in FAMILIES])
+# The quick run (-m "not slow") keeps one case of each kind of check, each a model forward and backward in the
+# interpreter (seconds): Qwen3 here (the family with the most sites: its q/k norms), Llama packed.
+@pytest.mark.parametrize("family", [f if f == "qwen3" else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES])
 def test_patched_model_matches_unpatched_fp32(family):
     reference = build(family)
     patched = patched_copy(reference)
@@ -114,6 +114,7 @@ def test_patched_model_matches_unpatched_fp32(family):
     assert _rel_err(eval_loss, want_loss) < FP32_REL_TOL
 
 
+@pytest.mark.slow
 def test_patch_works_with_any_attention():
     # The patch leaves the attention function to the config: here HF's SDPA after our RoPE.
     reference = build("qwen2")
@@ -124,6 +125,7 @@ def test_patch_works_with_any_attention():
     assert all(_rel_err(grads[n], g) < FP32_REL_TOL for n, g in want_grads.items())
 
 
+@pytest.mark.slow
 def test_under_autocast_as_trainer_runs_it():
     # fp32 weights under autocast (Trainer's bf16=True; fp16 here, which the interpreter computes right): the head's
     # matmul and the attention run in autocast's dtype, as HF's own forward has them.
@@ -153,6 +155,7 @@ def test_patch_replaces_every_kernel_site_and_keeps_the_state_dict():
     assert all(torch.equal(model.state_dict()[k], v) for k, v in names.items())
 
 
+@pytest.mark.slow
 def test_loss_follows_hf_kwargs():
     # num_items_in_batch (gradient accumulation: the sum over that many tokens) and shift_labels as HF's loss takes.
     reference = build("llama")
@@ -166,6 +169,7 @@ def test_loss_follows_hf_kwargs():
         assert all(_rel_err(grads[n], g) < FP32_REL_TOL for n, g in want_grads.items()), kwargs
 
 
+@pytest.mark.slow
 def test_return_dict_false_and_generation_with_a_cache():
     reference = build("mistral").eval()
     patched = patched_copy(reference)
@@ -237,7 +241,8 @@ def _alone(model: torch.nn.Module, documents: list[list[int]]) -> tuple[torch.Te
 
 
 @pytest.mark.parametrize(("family", "kwargs"), [
-    ("llama", "position_ids"), ("mistral", "flash_attn_kwargs"),  # Mistral: the window within each document
+    ("llama", "position_ids"),
+    pytest.param("mistral", "flash_attn_kwargs", marks=pytest.mark.slow),  # the window within each document
     pytest.param("qwen3", "position_ids", marks=pytest.mark.slow),
     pytest.param("qwen2", "flash_attn_kwargs", marks=pytest.mark.slow),
 ])
@@ -259,7 +264,7 @@ def test_packed_batch_equals_its_documents_alone(family, kwargs):
     assert _rel_err(grad, want_grad) < FP32_REL_TOL
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral"])
+@pytest.mark.parametrize("family", ["llama", pytest.param("mistral", marks=pytest.mark.slow)])
 def test_padded_batch_equals_its_documents_alone(family):
     # Right and left padding in one batch: the padding mask reaches the attention, which unpads, runs the packed
     # batch and pads again.
