@@ -11,7 +11,8 @@ it) of ``flash_attention`` by default, then in deterministic mode four ways, in 
 - ``gradients_accumulate``: ``global`` without resetting the gradients between repetitions, as a loop that calls
   ``loss.backward()`` on leaves that keep their ``.grad`` does.
 
-Each row has the median ms, the ratio to the default measured just before it, and provenance::
+Each pass times the modes starting one later than the pass before; each row has the median ms, the ratio to the
+default of its pass, the pass's order, and provenance::
 
     bash tools/gpu.sh python3 tools/deterministic_attention.py --out $OUT/deterministic_attention.jsonl
 """
@@ -58,7 +59,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON-lines file the rows are appended to")
     parser.add_argument("--shape", default="1,32,32768,128", help="batch,heads,seq,head_dim")
-    parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument("--passes", type=int, default=len(MODES))
     parser.add_argument("--rep-ms", type=int, default=1000)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -70,13 +71,16 @@ def main() -> None:
         t.requires_grad_()
     meta = provenance()
     for run in range(args.passes):
-        default = None
-        for mode in MODES:
-            ms = backward_ms(mode, q, k, v, do, args.rep_ms)
-            default = ms if mode == "default" else default
-            row = {"bench": "deterministic_backward", "mode": mode, "pass": run, "shape": list(shape), "dtype": "bf16",
-                   "causal": True, "bwd_ms": ms, "ratio_vs_default": ms / default}
-            print(f"{mode:>22}  {ms:8.3f} ms  {ms / default:.3f}x", flush=True)
+        # Each pass starts one mode later, so that no mode is always timed on the hottest (slowest-clocked) GPU;
+        # the ratios are to the default of the same pass.
+        order = MODES[run % len(MODES):] + MODES[:run % len(MODES)]
+        times = {mode: backward_ms(mode, q, k, v, do, args.rep_ms) for mode in order}
+        for mode in order:
+            ms = times[mode]
+            row = {"bench": "deterministic_backward", "mode": mode, "pass": run, "order": list(order),
+                   "shape": list(shape), "dtype": "bf16", "causal": True, "bwd_ms": ms,
+                   "ratio_vs_default": ms / times["default"]}
+            print(f"{mode:>22}  {ms:8.3f} ms  {ms / times['default']:.3f}x", flush=True)
             append_rows(args.out, [row], meta)
 
 
