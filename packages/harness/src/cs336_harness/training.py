@@ -47,12 +47,21 @@ class Training:
     """What :func:`build_training` composed; :meth:`step` is one training step on this rank's batch."""
 
     model: nn.Module  # what the step calls: the model inside its wrapper (compiled, for compile "model")
-    optimizer: torch.optim.Optimizer
+    make_optimizer: Callable[[], torch.optim.Optimizer]
     finish_sync: Callable[[], None]  # after backward: every .grad the averaged local gradient
     policy: CheckpointPolicySpec  # the checkpointing that runs (budget resolved)
     config: TrainConfig
     device: torch.device
     _plan: MemoryPlan | None = None
+    _optimizer: torch.optim.Optimizer | None = None
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer, made when first asked for: a run that only times forward (and backward) passes never
+        builds one (torch.optim's constructor alone imports torch._dynamo, about 90 MB of host memory)."""
+        if self._optimizer is None:
+            self._optimizer = self.make_optimizer()
+        return self._optimizer
 
     @property
     def plan(self) -> MemoryPlan:
@@ -186,11 +195,14 @@ def build_training(config: TrainConfig, device: torch.device) -> Training:
     params = list(wrapped.parameters())  # this rank's: an FSDP's are its shards
     if par.wrapper == "zero1":
         make = config.optimizer.make
-        optimizer = ShardedOptimizer(params, lambda groups, lr, weight_decay: make(groups, lr, weight_decay),
-                                     lr=config.optimizer.lr, weight_decay=config.optimizer.weight_decay)
+
+        def make_optimizer() -> torch.optim.Optimizer:
+            return ShardedOptimizer(params, lambda groups, lr, weight_decay: make(groups, lr, weight_decay),
+                                    lr=config.optimizer.lr, weight_decay=config.optimizer.weight_decay)
     else:
-        optimizer = config.optimizer.build(params)
-    return Training(wrapped, optimizer, finish_sync, policy, config, device, plan)
+        def make_optimizer() -> torch.optim.Optimizer:
+            return config.optimizer.build(params)
+    return Training(wrapped, make_optimizer, finish_sync, policy, config, device, plan)
 
 
 def make_batch(config: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
