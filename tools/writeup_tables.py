@@ -384,6 +384,24 @@ def table_proxy_latest() -> str:
     return markdown_table(shown, _proxy_columns(shown), floatfmt=".4g")
 
 
+def table_prediction() -> str:
+    """The latest prediction row (``tools/predict_leaderboard.py``): the proxy scaled by layers against each two-GPU
+    step it is checked on, then the predicted step."""
+    (*_, row) = (r for r in rows("leaderboard") if r.get("kind") == "prediction" and "calibration" in r)
+    scaled = f"{row['predicted_step_s']:.3f} (predicted)"
+    checks = [{"impl": "ours", **p, "two_gpu": p["two_gpu_step_s"]} for p in row["calibration"]]
+    checks.append({"impl": "torch_native", "attention": "sdpa", "glue": "model", "checkpoint": "all",
+                   **row["plain_check"], "two_gpu": f"{row['plain_check']['two_gpu_reference_s']} (not a row)"})
+    out = [{**_shown(c), "error": f"{c['error']:+.1%}"} for c in checks]
+    out.append({**_shown({"impl": "ours", "attention": "triton", "glue": "triton"}),
+                "checkpoint": row["proxy_checkpoint"], "proxy_step_s": row["proxy_step_s"],
+                "scaled_step_s": row["predicted_step_s_layers"], "two_gpu": scaled})
+    return markdown_table(out, [("impl", "impl"), ("attention", "attention"), ("glue", "glue"),
+                                ("checkpoint", "checkpointing"), ("proxy_step_s", "proxy (s)"),
+                                ("scaled_step_s", "proxy × 34/14 (s)"), ("two_gpu", "two GPUs (s)"),
+                                ("error", "scaling's error")], floatfmt=".4g")
+
+
 # ------------------------------------------------------------------------------------------- appendix
 
 def _anchor_shape(r: dict[str, Any]) -> tuple[int, int, int, int]:
@@ -505,7 +523,7 @@ TABLES: dict[str, dict[str, Callable[[], str]]] = {
            "flash_fp32": _flash("fp32")},
     "05": {"all_reduce": _collectives("all_reduce"), "reduce_scatter": _collectives("reduce_scatter"),
            "all_gather": _collectives("all_gather"), "ddp": table_ddp},
-    "09": {"two_gpu": table_two_gpu, "proxy_latest": table_proxy_latest},
+    "09": {"two_gpu": table_two_gpu, "proxy_latest": table_proxy_latest, "prediction": table_prediction},
     "10": {"anchors": table_anchors, "anchors_fa4": table_anchors_fa4, "proxy_breakdown": table_proxy_breakdown,
            "adamw": table_adamw, "lm_head": table_lm_head, "glue": table_glue},
 }
