@@ -358,11 +358,6 @@ def _proxy() -> list[dict[str, Any]]:
     return proxy_rows(_measured(rows("leaderboard_proxy")))
 
 
-def _run_label(call_rows: list[dict[str, Any]]) -> str:
-    """A run by its start (UTC)."""
-    return min(r["date"] for r in call_rows)[:16].replace("T", " ")
-
-
 PROXY_SHOWN = [("impl", "impl"), ("attention", "attention"), ("glue", "glue"), ("checkpoint", "checkpointing"),
                ("step_s", "step (s)"), ("vs_strong", "vs strong"), ("vs_plain", "vs plain"),
                ("peak_step_gib", "peak (GiB)")]
@@ -457,7 +452,7 @@ def table_anchors_fa4() -> str:
 
 def table_proxy_breakdown() -> str:
     """GPU kernel time by kind in each implementation's latest profiled run, its fastest profiled row there (ours
-    against the strong baseline), each column named by its checkpointing policy and run."""
+    against the strong baseline), each column named by its checkpointing policy."""
     profiled = sorted((r for r in _proxy() if r.get("breakdown")), key=lambda r: str(r.get("call_id")))
     latest: dict[str, str] = {}
     for r in profiled:
@@ -467,7 +462,7 @@ def table_proxy_breakdown() -> str:
         if str(r.get("call_id")) == latest[_shown(r)["impl"]]:
             fastest.setdefault(_shown(r)["impl"], r)
     picked = list(fastest.values())
-    labels = [f"{_shown(r)['impl']}, {r['checkpoint']} ({_run_label([r])})" for r in picked]
+    labels = [f"{_shown(r)['impl']}, {r['checkpoint']}" for r in picked]
     return kernel_kinds.breakdown_markdown(picked, labels)
 
 
