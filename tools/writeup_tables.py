@@ -358,11 +358,6 @@ def _proxy() -> list[dict[str, Any]]:
     return proxy_rows(_measured(rows("leaderboard_proxy")))
 
 
-def _run_label(call_rows: list[dict[str, Any]]) -> str:
-    """A run by its start (UTC)."""
-    return min(r["date"] for r in call_rows)[:16].replace("T", " ")
-
-
 PROXY_SHOWN = [("impl", "impl"), ("attention", "attention"), ("glue", "glue"), ("checkpoint", "checkpointing"),
                ("step_s", "step (s)"), ("vs_strong", "vs strong"), ("vs_plain", "vs plain"),
                ("peak_step_gib", "peak (GiB)")]
@@ -382,6 +377,24 @@ def table_proxy_latest() -> str:
     latest = max(call for call, found in impls.items() if {"ours", "torch_native", "torch_native_compiled"} <= found)
     shown = [_shown(r) for r in proxy if str(r.get("call_id")) == latest]
     return markdown_table(shown, _proxy_columns(shown), floatfmt=".4g")
+
+
+def table_prediction() -> str:
+    """The latest prediction row (``tools/predict_leaderboard.py``): the proxy scaled by layers against each two-GPU
+    step it is checked on, then the predicted step."""
+    (*_, row) = (r for r in rows("leaderboard") if r.get("kind") == "prediction" and "calibration" in r)
+    scaled = f"{row['predicted_step_s']:.3f} (predicted)"
+    checks = [{"impl": "ours", **p, "two_gpu": p["two_gpu_step_s"]} for p in row["calibration"]]
+    checks.append({"impl": "torch_native", "attention": "sdpa", "glue": "model", "checkpoint": "all",
+                   **row["plain_check"], "two_gpu": f"{row['plain_check']['two_gpu_reference_s']} (not a row)"})
+    out = [{**_shown(c), "error": f"{c['error']:+.1%}"} for c in checks]
+    out.append({**_shown({"impl": "ours", "attention": "triton", "glue": "triton"}),
+                "checkpoint": row["proxy_checkpoint"], "proxy_step_s": row["proxy_step_s"],
+                "scaled_step_s": row["predicted_step_s_layers"], "two_gpu": scaled})
+    return markdown_table(out, [("impl", "impl"), ("attention", "attention"), ("glue", "glue"),
+                                ("checkpoint", "checkpointing"), ("proxy_step_s", "proxy (s)"),
+                                ("scaled_step_s", "proxy × 34/14 (s)"), ("two_gpu", "two GPUs (s)"),
+                                ("error", "scaling's error")], floatfmt=".4g")
 
 
 # ------------------------------------------------------------------------------------------- appendix
@@ -439,7 +452,7 @@ def table_anchors_fa4() -> str:
 
 def table_proxy_breakdown() -> str:
     """GPU kernel time by kind in each implementation's latest profiled run, its fastest profiled row there (ours
-    against the strong baseline), each column named by its checkpointing policy and run."""
+    against the strong baseline), each column named by its checkpointing policy."""
     profiled = sorted((r for r in _proxy() if r.get("breakdown")), key=lambda r: str(r.get("call_id")))
     latest: dict[str, str] = {}
     for r in profiled:
@@ -449,7 +462,7 @@ def table_proxy_breakdown() -> str:
         if str(r.get("call_id")) == latest[_shown(r)["impl"]]:
             fastest.setdefault(_shown(r)["impl"], r)
     picked = list(fastest.values())
-    labels = [f"{_shown(r)['impl']}, {r['checkpoint']} ({_run_label([r])})" for r in picked]
+    labels = [f"{_shown(r)['impl']}, {r['checkpoint']}" for r in picked]
     return kernel_kinds.breakdown_markdown(picked, labels)
 
 
@@ -505,7 +518,7 @@ TABLES: dict[str, dict[str, Callable[[], str]]] = {
            "flash_fp32": _flash("fp32")},
     "05": {"all_reduce": _collectives("all_reduce"), "reduce_scatter": _collectives("reduce_scatter"),
            "all_gather": _collectives("all_gather"), "ddp": table_ddp},
-    "09": {"two_gpu": table_two_gpu, "proxy_latest": table_proxy_latest},
+    "09": {"two_gpu": table_two_gpu, "proxy_latest": table_proxy_latest, "prediction": table_prediction},
     "10": {"anchors": table_anchors, "anchors_fa4": table_anchors_fa4, "proxy_breakdown": table_proxy_breakdown,
            "adamw": table_adamw, "lm_head": table_lm_head, "glue": table_glue},
 }

@@ -23,25 +23,22 @@ def drawn(monkeypatch: pytest.MonkeyPatch) -> list[matplotlib.figure.Figure]:
         close(fig)
 
 
-def _long_unit_names(events: list[dict]) -> list[dict]:
-    """The hand-made trace with units named like the model's blocks (the names are drawn rotated, so long ones
-    reach higher)."""
-    rename = {"a": "token_embeddings", "b": "layers.11"}
-    unit = lambda name: name.rsplit(".", 1)[0] + "." + rename[name.rsplit(".", 1)[1]]  # noqa: E731
-    return [{**e, "name": unit(e["name"]) if e["name"].startswith("fsdp.") else e["name"]} for e in events]
-
-
-def test_fsdp_zoom_title_clears_the_unit_names(drawn, tmp_path) -> None:
-    figures.plot_fsdp_timeline(_long_unit_names(_gpu_trace()), tmp_path / "t.png")
+def test_fsdp_timeline_draws_no_text_over_a_panel(drawn, tmp_path) -> None:
+    """The legend stands above the whole-step panel, the titles clear both panels, and nothing is written inside
+    them; the text is as large as the axis labels."""
+    figures.plot_fsdp_timeline(_gpu_trace(), tmp_path / "t.png", title="a step")
     (fig,) = drawn
     renderer = fig.canvas.get_renderer()
-    zoom = fig.axes[1]
-    text = zoom.get_title(loc="left")
-    title = next(t for t in zoom.get_children() if isinstance(t, Text) and t.get_text() == text)
-    title = title.get_window_extent(renderer)
-    names = [t for t in zoom.texts if t.get_text()]
-    assert [t.get_text() for t in names] == ["token_embeddings", "layers.11"]
-    assert all(not title.overlaps(t.get_window_extent(renderer)) for t in names)
+    top, zoom = fig.axes
+    panels = [ax.get_window_extent(renderer) for ax in (top, zoom)]
+    zoom_title = next(t for t in zoom.get_children() if isinstance(t, Text) and t.get_text() == zoom.get_title("left"))
+    legend, (suptitle,) = top.get_legend(), fig.texts
+    over = [legend.get_window_extent(renderer), suptitle.get_window_extent(renderer),
+            zoom_title.get_window_extent(renderer)]
+    assert zoom_title.get_text().endswith("1 waited")
+    assert not any(box.overlaps(panel) for box in over for panel in panels)
+    assert not top.texts and not zoom.texts
+    assert all(t.get_fontsize() >= figures.LABEL_SIZE for t in [*legend.get_texts(), zoom_title, suptitle])
 
 
 def test_collectives_legend_is_as_large_as_the_axis_labels(drawn, tmp_path) -> None:

@@ -35,7 +35,7 @@ def test_forward_gathers_measure_the_margin_per_layer(tmp_path) -> None:
     assert trace.gather_summary(_gpu_trace()) == pytest.approx(
         {"fwd_gathers": 2, "fwd_gathers_in_time": 1, "fwd_gather_wait_ms": 0.1})
     fig = read_figure(figures.plot_fsdp_timeline(_gpu_trace(), tmp_path / "t.png"))
-    assert (fig.width, fig.height) == (1430, 605) and fig.ink > 0.02
+    assert (fig.width, fig.height) == (1100, 660) and fig.ink > 0.02
     assert fig.shows("tab:blue", "tab:purple")  # forward compute and the all-gathers
 
 

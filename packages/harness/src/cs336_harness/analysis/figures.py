@@ -171,14 +171,18 @@ def plot_fsdp_timeline(events: Sequence[dict[str, Any]], path: str | Path, title
     colors = {"forward": "tab:blue", "backward": "tab:orange", "optimizer": "tab:green",
               "all-gather": "tab:purple", "reduce-scatter / all-reduce": "tab:red"}
     lanes = {"forward": 0, "backward": 0, "optimizer": 0, "all-gather": 1, "reduce-scatter / all-reduce": 2}
-    fig, (top, zoom) = plt.subplots(2, 1, figsize=(13, 5.5))
+    # Shown at page width: 10 inches keep LABEL_SIZE text legible there, and the constrained layout keeps the legend,
+    # set above the panel it explains, clear of the bars and of the title.
+    fig, (top, zoom) = plt.subplots(2, 1, figsize=(10, 6), layout="constrained")
     for name, spans in bars.items():
         top.broken_barh([((s - t0) / 1e3, d / 1e3) for s, d in spans], (lanes[name] - 0.4, 0.8),
                         color=colors[name], label=name)
     top.set_yticks([0, 1, 2], ["compute" if gpu else "CPU ranges", "all-gather", "other collectives"])
     top.invert_yaxis()
-    top.legend(loc="upper right", fontsize=8, ncol=5)
-    top.set_xlabel("ms since the step's first event")
+    top.legend(loc="lower left", bbox_to_anchor=(0, 1), ncol=5, fontsize=LABEL_SIZE, frameon=False,
+               handlelength=1, columnspacing=1)
+    top.set_xlabel("ms since the step's first event", fontsize=LABEL_SIZE)
+    top.tick_params(labelsize=LABEL_SIZE)
     top.grid(True, axis="x", alpha=0.3)
 
     gathers = forward_gathers(events)[:zoom_layers]
@@ -192,25 +196,20 @@ def plot_fsdp_timeline(events: Sequence[dict[str, Any]], path: str | Path, title
                              color=c)
             start, end = layer_spans[g["param"]]
             zoom.broken_barh([((start - z0) / 1e3, (end - start) / 1e3)], (-0.4, 0.8), color=c)
-            zoom.text((start - z0) / 1e3, -0.55, g["param"].replace(".weight", ""), fontsize=6, rotation=30)
         waited = sum(g["margin_ms"] < 0 for g in gathers)
         zoom.set_yticks([0, 1], ["unit compute", "its all-gather"])
         zoom.invert_yaxis()
-        # The unit names stand above the compute row, rotated: the title goes above the tallest of them.
-        renderer = fig.canvas.get_renderer()
-        rise = max(t.get_window_extent(renderer).y1 for t in zoom.texts) - zoom.get_window_extent(renderer).y1
-        zoom.set_title(f"first {len(gathers)} forward units: gather (row 2) and the unit's compute (row 1) in "
-                       f"one colour; {waited} of them had to wait", fontsize=9, loc="left",
-                       pad=6 + max(rise, 0) * 72 / fig.dpi)
-        zoom.set_xlabel("ms since the first of these gathers started")
+        zoom.set_title(f"first {len(gathers)} forward units in order, gather and compute in one colour; "
+                       f"{waited} waited", fontsize=LABEL_SIZE, loc="left")
+        zoom.set_xlabel("ms since the first of these gathers started", fontsize=LABEL_SIZE)
+        zoom.tick_params(labelsize=LABEL_SIZE)
         zoom.grid(True, axis="x", alpha=0.3)
     else:
         zoom.set_axis_off()
         zoom.text(0.01, 0.5, "no GPU kernels in this trace (CPU run): per-layer gather timing needs a GPU",
                   fontsize=9)
     if title:
-        fig.suptitle(title, x=0.01, ha="left", fontsize=10)
-    fig.tight_layout()
+        fig.suptitle(title, x=0.01, ha="left", fontsize=LABEL_SIZE)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
