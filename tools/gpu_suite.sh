@@ -2,7 +2,8 @@
 # The whole GPU suite (every package's tests and tests/ marked gpu) under pytest-xdist, several runs in a row: the
 # workers share the GPU through packages/kernels/tests/gpu_share.py (tests marked gpu_exclusive run alone), so every
 # run must pass. Arguments: the workers (default 8; `auto` is one per core) and the runs (default 5). No run starts
-# after $SUITE_DEADLINE_S seconds (default 570). Log: $OUT/gpu_suite_log.txt, one summary line per run at its end.
+# after $SUITE_DEADLINE_S seconds (default 570). Log: $OUT/gpu_suite_log.txt, its failures and one summary line per
+# run; each run's whole output (every test's outcome as it ends, the slowest tests) in $OUT/gpu_suite_runN.txt.
 #   run (GPU machine, repo root): bash tools/gpu_suite.sh 8 5; bash tools/gpu_suite.sh auto 1
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -22,8 +23,14 @@ py=(bash tools/gpu.sh python3)
     if [ "$(left)" -lt 60 ]; then summary+=("run $run: skipped (deadline)"); continue; fi
     echo "== gpu suite run $run of $runs, -n $workers"
     start=$(date +%s)
-    timeout "$(left)" "${py[@]}" -m pytest -m gpu -n "$workers" -q -p no:cacheprovider
-    summary+=("run $run, -n $workers: rc $? in $(($(date +%s) - start)) s")
+    # Every test's outcome as it ends (-v), so that a run the deadline stops still says what ran and failed; the
+    # slowest tests at the end of a run that finishes.
+    timeout "$(left)" "${py[@]}" -m pytest -m gpu -n "$workers" -v -rfE --durations=25 -p no:cacheprovider \
+      > "$OUT/gpu_suite_run$run.txt" 2>&1
+    rc=$?
+    grep -E "(FAILED|ERROR)( |$)|^=+ .*(passed|failed|error)" "$OUT/gpu_suite_run$run.txt" | tail -20
+    summary+=("run $run, -n $workers: rc $rc in $(($(date +%s) - start)) s, $(grep -c " PASSED " \
+      "$OUT/gpu_suite_run$run.txt") passed ($OUT/gpu_suite_run$run.txt)")
   done
   printf '%s\n' "${summary[@]}"
 } 2>&1 | tee "$OUT/gpu_suite_log.txt"
