@@ -9,7 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 from attention_tolerances import LSE_TOL, REL_TOL
-from cs336_kernels.ops.flash_attention import attention_reference, backward_impl, flash_attention
+from cs336_kernels.ops.flash_attention import (
+    attention_reference,
+    attention_reference_varlen,
+    backward_impl,
+    flash_attention,
+)
 from cs336_kernels.ops.flash_attention.gluon_backward import gluon_attention_backward as _backward
 from cs336_kernels.ops.flash_attention.gluon_common import gluon_applies
 from cs336_kernels.ops.flash_attention.gluon_forward import gluon_attention_forward as _forward
@@ -217,3 +222,26 @@ def test_gpu_auto_backward_is_gluon_deterministic_or_not(head_dim):
     finally:
         torch.use_deterministic_algorithms(False)
     assert all(torch.equal(a, b) for a, b in zip(deterministic, again, strict=True))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("lengths", [[300, 1, 0, 700, 129], [1, 300], [300, 65, 212], [128, 128, 128]],
+                         ids=["mixed", "one-then-long", "unaligned-middle", "aligned"])
+def test_gpu_packed_backward_takes_sequences_that_start_at_any_token(lengths, head_dim):
+    # The Gluon backward of a packed batch directly (the public functions give packed batches the Triton one).
+    # Its TMA reads L and D along their rows, where a box must start 16-byte aligned: with a sequence starting at
+    # a token that is not a multiple of four it stopped on an illegal instruction; it now reads them laid out as
+    # the dQ accumulator is, each sequence from a whole tile.
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    total = sum(lengths)
+    q, k, v, do = _inputs((total, 4, head_dim), (total, 2, head_dim), torch.bfloat16, seed=head_dim)
+    params = make_params(head_dim, True, None, (-1, -1), 0.0, True, cu, cu, max(lengths), max(lengths))
+    dense = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, do)]  # the kernels' (1, heads, total, d) views
+    o, lse = _forward(*dense[:3], params)
+    grads = _backward(*dense[:3], o, dense[3], lse, None, params)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    o_ref, _ = attention_reference_varlen(q64, k64, v64, cu, cu, True)
+    ref_grads = torch.autograd.grad(o_ref, (q64, k64, v64), do.double())
+    assert _rel_err(o[0].transpose(0, 1), o_ref) < REL_TOL[torch.bfloat16]
+    for name, got, ref in zip(("dQ", "dK", "dV"), grads, ref_grads, strict=True):
+        assert _rel_err(got[0].transpose(0, 1), ref) < REL_TOL[torch.bfloat16], name

@@ -173,27 +173,29 @@ def _bwd_dq_writer(
 
 @gluon.jit
 def _bwd_producer(
-    q_desc, k_desc, v_desc, do_desc, l_desc, d_desc, bufs, b_row, h_kv, k0, q_first, n_q, q_start, GROUP,
+    q_desc, k_desc, v_desc, do_desc, l_desc, d_desc, bufs, b_row, h_kv, k0, q_first, n_q, q_start, l_start, GROUP,
     BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
 ):
     # k0 and q_start are rows of the (batch, head, row, d) tensors: a packed batch's sequence starts at its first row.
+    # L and D are read along their rows, where a TMA box must start 16-byte aligned: a packed batch's are laid out
+    # as the dQ accumulator is, its sequence's rows from l_start, a whole tile.
     k_buf, v_buf, q_bufs, do_bufs, l_bufs, d_bufs, ds_bufs, kv_ready, qdo_ready, qdo_empty = bufs
     mbarrier.expect(kv_ready.index(0), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma_load(k_desc, [b_row, h_kv, k0, 0], kv_ready.index(0), k_buf)
     tma_load(v_desc, [b_row, h_kv, k0, 0], kv_ready.index(0), v_buf)
     for t in range(GROUP * n_q):
         h = h_kv * GROUP + t // n_q
-        row = q_start + (q_first + t % n_q) * BLOCK_M
+        tile = (q_first + t % n_q) * BLOCK_M
         stage = t % STAGES
         # A fresh mbarrier counts as having completed the phase before phase 0: the first pass does not wait.
         mbarrier.wait(qdo_empty.index(stage), ((t // STAGES) & 1) ^ 1)
         ready = qdo_ready.index(stage)
         mbarrier.expect(ready, q_desc.block_type.nbytes + do_desc.block_type.nbytes + l_desc.block_type.nbytes
                         + d_desc.block_type.nbytes)
-        tma_load(q_desc, [b_row, h, row, 0], ready, q_bufs.index(stage))
-        tma_load(do_desc, [b_row, h, row, 0], ready, do_bufs.index(stage))
-        tma_load(l_desc, [b_row, h, row], ready, l_bufs.index(stage))
-        tma_load(d_desc, [b_row, h, row], ready, d_bufs.index(stage))
+        tma_load(q_desc, [b_row, h, q_start + tile, 0], ready, q_bufs.index(stage))
+        tma_load(do_desc, [b_row, h, q_start + tile, 0], ready, do_bufs.index(stage))
+        tma_load(l_desc, [b_row, h, l_start + tile], ready, l_bufs.index(stage))
+        tma_load(d_desc, [b_row, h, l_start + tile], ready, d_bufs.index(stage))
 
 
 @gluon.jit
@@ -361,7 +363,7 @@ def _attn_bwd_kernel(
         if k0 + BLOCK_N > n_k:
             full_hi = full_lo
         b_row = 0  # a packed batch's tensors are (1, heads, total, d) views: a sequence is told by its first row
-        dq_row0 = gl.load(PAD_Q + b)  # its dQ tiles start at a whole tile of the accumulator
+        dq_row0 = gl.load(PAD_Q + b)  # its dQ, L and D tiles start at a whole tile of the accumulator's rows
     else:
         b_row = b
         dq_row0 = 0
@@ -402,7 +404,7 @@ def _attn_bwd_kernel(
             (_bwd_consumer, (consumer_args, 0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, SOFTCAP, WINDOW, VARLEN)),
             (_bwd_consumer, (consumer_args, 1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, SOFTCAP, WINDOW, VARLEN)),
             (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, l_desc, d_desc, bufs, b_row, h_kv, k_start + k0,
-                             q_first, n_q, q_start, GROUP, BLOCK_M, STAGES)),
+                             q_first, n_q, q_start, dq_row0, GROUP, BLOCK_M, STAGES)),
             (_bwd_dq_writer, (dq_desc, DQ_LOCKS, dq_bufs, dq_full, dq_free, b_row, h_kv, H_KV * GROUP, pid_n,
                               q_first, n_q, LOCK_TILES, dq_row0, n_k, diag, WIN_L, WIN_R, GROUP, BLOCK_M, BLOCK_N,
                               HEAD_DIM, DETERMINISTIC)),
@@ -483,6 +485,17 @@ def padded_starts(params: Params, head_dim: int) -> tuple[torch.Tensor, int]:
     return torch.nn.functional.pad(tiles.cumsum(0, dtype=torch.int32), (1, 0)), n_seqs * block_m
 
 
+def _rows_like_accumulator(x: torch.Tensor, cu_seqlens: torch.Tensor, pad: torch.Tensor, rows: int) -> torch.Tensor:
+    # A packed batch's (1, heads, total) rows laid out as its dQ accumulator's, (1, heads, rows) with sequence b's
+    # from row pad[b] (zeros between): a TMA box must start 16-byte aligned along its innermost dimension, and the
+    # backward reads these along theirs (a sequence may start at any token; a tile start is aligned).
+    token = torch.arange(x.shape[-1], device=x.device)
+    seq = torch.searchsorted(cu_seqlens[1:], token, right=True)  # an empty sequence owns no token
+    out = x.new_zeros(x.shape[:-1] + (rows,))
+    out[..., pad[seq] + token - cu_seqlens[seq]] = x
+    return out
+
+
 def _row_descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
     # (1, 1, rows) boxes of a (batch, heads, seq) fp32 tensor; a 256-byte row of one box takes no swizzle.
     return TensorDescriptor.from_tensor(x, [1, 1, block_rows], gl.NVMMASharedLayout(0, 32, rank=3))
@@ -502,10 +515,10 @@ def backward_args(
     """The backward kernel's arguments and constexprs for these (B, H, T, d) tensors (a packed batch's (1, H, total,
     d) views, with ``pad_q`` from :func:`padded_starts`), for the launcher and offline builds; ``lse2`` (the
     forward's logsumexp times log2(e), +inf for a row that sees no key) and ``delta`` (batch, heads_q, seq_q) fp32
-    with 16-byte-aligned strides, ``dq_acc`` the zeroed fp32 accumulator (batch, heads_q, rows, d: seq_q rounded up
-    to whole query tiles, or a packed batch's padded rows) that :func:`unstage_dq` reads and scales, dK and dV with
-    a unit stride on d, and ``dq_locks`` the zeroed int32 locks of the deterministic mode (one per query tile of
-    the accumulator) or None for the default one."""
+    with 16-byte-aligned strides (a packed batch's (1, heads_q, rows) laid out as ``dq_acc``), ``dq_acc`` the zeroed
+    fp32 accumulator (batch, heads_q, rows, d: seq_q rounded up to whole query tiles, or a packed batch's padded
+    rows) that :func:`unstage_dq` reads and scales, dK and dV with a unit stride on d, and ``dq_locks`` the zeroed
+    int32 locks of the deterministic mode (one per query tile of the accumulator) or None for the default one."""
     heads_q, n_queries, head_dim = q.shape[1:]
     heads_kv, n_keys = k.shape[1], k.shape[2]
     block_m, block_n, stages = CONFIGS[head_dim]
@@ -570,6 +583,7 @@ def gluon_attention_backward(
     if params.varlen:
         pad_q, extra = padded_starts(params, head_dim)
         rows += extra
+        lse2, delta = (_rows_like_accumulator(t, params.cu_seqlens_q, pad_q, rows) for t in (lse2, delta))
     dq_acc = torch.zeros((batch, heads_q, rows, head_dim), device=q.device, dtype=torch.float32)
     dq_locks = None
     if torch.are_deterministic_algorithms_enabled():
