@@ -450,6 +450,37 @@ def table_anchors_fa4() -> str:
                           floatfmt=".3g")
 
 
+_VARLEN_IMPLS = {"ours": "ours", "ours_per_document": "ours, each document alone", "flex": "FlexAttention",
+                 "sdpa_varlen": "torch varlen", "fa4": "FA4"}
+
+
+def table_varlen_window() -> str:
+    """Packed documents and a sliding window (``cs336 attention --part varlen`` and ``--part window``), each from its
+    latest call: forward, backward and both per implementation, and ours over each in that call."""
+    out = []
+    for bench, case in (("varlen", "packed"), ("window", "window")):
+        timed = [r for r in rows("attention_varlen") if r["bench"] == bench and r.get("status") == "ok"]
+        latest = max(r["call_id"] for r in timed)
+        in_call = {r["impl"]: r for r in timed if r["call_id"] == latest}
+        ours = in_call["ours"]["fwd_bwd_ms"]
+        out += [{"case": case, "impl": _VARLEN_IMPLS[impl], "fwd": r["fwd_ms"], "bwd": r["bwd_ms"],
+                 "fb": r["fwd_bwd_ms"], "ratio": ours / r["fwd_bwd_ms"]} for impl, r in in_call.items()]
+    return markdown_table(out, [("case", "case"), ("impl", "impl"), ("fwd", "fwd (ms)"), ("bwd", "bwd (ms)"),
+                                ("fb", "fwd+bwd (ms)"), ("ratio", "ours / its time")], floatfmt=".3g")
+
+
+def table_hf() -> str:
+    """The Hugging Face training step (``cs336 hf``) of each model from its latest call: HF as it comes (SDPA),
+    with Liger-Kernel's patch and with ours; "OOM" where a step ran out of memory."""
+    hf = rows("hf_step")
+    latest = max(r["call_id"] for r in hf)
+    out = [{"model": r["model"], "impl": r["impl"],
+            **({"ms": r["step_ms"], "tps": round(r["tokens_per_s"]), "peak": r["peak_gib"]} if r["status"] == "ok"
+               else {"ms": "OOM"})} for r in hf if r["call_id"] == latest]
+    return markdown_table(out, [("model", "model"), ("impl", "impl"), ("ms", "step (ms)"), ("tps", "tokens/s"),
+                                ("peak", "peak (GiB)")], floatfmt=".4g")
+
+
 def table_proxy_breakdown() -> str:
     """GPU kernel time by kind in each implementation's latest profiled run, its fastest profiled row there (ours
     against the strong baseline), each column named by its checkpointing policy."""
@@ -519,7 +550,8 @@ TABLES: dict[str, dict[str, Callable[[], str]]] = {
     "05": {"all_reduce": _collectives("all_reduce"), "reduce_scatter": _collectives("reduce_scatter"),
            "all_gather": _collectives("all_gather"), "ddp": table_ddp},
     "09": {"two_gpu": table_two_gpu, "proxy_latest": table_proxy_latest, "prediction": table_prediction},
-    "10": {"anchors": table_anchors, "anchors_fa4": table_anchors_fa4, "proxy_breakdown": table_proxy_breakdown,
+    "10": {"anchors": table_anchors, "anchors_fa4": table_anchors_fa4, "varlen_window": table_varlen_window,
+           "hf": table_hf, "proxy_breakdown": table_proxy_breakdown,
            "adamw": table_adamw, "lm_head": table_lm_head, "glue": table_glue},
 }
 
