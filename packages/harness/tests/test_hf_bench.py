@@ -74,7 +74,9 @@ def test_bad_flags_give_one_line(argv, message):
         main(["hf", *argv])
 
 
+# The 1B and 1.7B models with their gradients and optimizer state hold far more than a test sharing the GPU may.
 @pytest.mark.gpu
+@pytest.mark.gpu_exclusive
 def test_gpu_rows_at_the_real_shapes():
     config = HFStepConfig(impls=("sdpa", "ours"), seq_len=2048, warmup=1, steps=2)
     rows = run_hf_step(config)
