@@ -3,9 +3,10 @@
 Without CUDA, Triton kernels run through the Triton interpreter on CPU tensors; the variable must be set
 before any kernel module is imported, which is why it lives here. Tests marked ``gpu`` are skipped.
 
-With CUDA, every test of the workspace shares the GPU under pytest-xdist (``uv run pytest -m gpu -n 8``, ``-n auto``)
-through the kernels tests' plugin ``packages/kernels/tests/gpu_share.py`` (kept there so that the kernels package's
-tests run alone): a test marked ``gpu_exclusive`` runs alone, the others within a memory budget.
+With CUDA, every test of the workspace shares the GPU under pytest-xdist (the quick GPU run: ``uv run pytest -m
+"gpu and not slow" -n 8``; ``-n auto``) through the kernels tests' plugin ``packages/kernels/tests/gpu_share.py``
+(kept there so that the kernels package's tests run alone): a test marked ``gpu_exclusive`` runs alone, the others
+within a memory budget.
 """
 
 import os

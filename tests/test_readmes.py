@@ -6,7 +6,8 @@ bare expression whose comment is a number (``memory_plan(...) / 2**30   # 89.04`
 
 Each command line of a bash block is of one kind in :data:`COMMANDS` (a line of no kind fails the test, so a new
 example must say how it is checked): ``cpu`` runs it on this machine (``uv run X`` as this interpreter's X);
-``gpu`` runs it in the GPU tests (``long`` ones also marked slow, ``2gpus`` ones skipped with fewer GPUs); ``suite``
+``gpu`` runs it in the GPU tests (each alone on the GPU, in a process of its own; ``long`` ones, more than a few
+seconds of work, also marked slow, out of the quick GPU run; ``2gpus`` ones skipped with fewer GPUs); ``suite``
 is a pytest run of this repo's tests (its paths and markers are checked; CI and the GPU calls run the suites);
 ``ci`` is a line that ``.ci/run`` runs; ``gpu-call`` is one of the lent machine's scripts (``tools/gpu*.sh``: it
 must exist and parse, and the command it wraps must parse); ``nsys`` is a Nsight command (our GPU machine has no
@@ -41,13 +42,15 @@ COMMANDS: dict[str, str] = {
     "uv run cs336 bench": "cpu",
     'uv run pytest -m "not slow" -n 2': "suite",
     "uv run pytest -n 2": "suite",
+    'uv run pytest -m "gpu and not slow" -n 8': "suite",
     "uv run pytest -m gpu -n 8": "suite",
-    "uv run cs336 bench --size xl --compute-dtype fp32,bf16 --out rows.jsonl": "gpu",
-    "uv run cs336 ddp --world-size 2 --out ddp.jsonl": "gpu 2gpus",
-    "uv run cs336 attention --quick --part flash": "gpu",
+    "uv run cs336 bench --size xl --compute-dtype fp32,bf16 --out rows.jsonl": "gpu long",
+    "uv run cs336 ddp --world-size 2 --out ddp.jsonl": "gpu long 2gpus",
+    "uv run cs336 attention --quick --part flash": "gpu long",
     "uv run --isolated --package cs336-sharding --all-extras python -m pytest packages/sharding/tests -n 2": "suite",
     "uv run cs336 collectives": "cpu",
-    "uv run cs336 collectives --backends nccl --world-sizes 1,2 --sizes-mb 1,10,100,1024 --plot c.png": "gpu 2gpus",
+    "uv run cs336 collectives --backends nccl --world-sizes 1,2 --sizes-mb 1,10,100,1024 --plot c.png":
+        "gpu long 2gpus",
     "uv run cs336 ddp": "cpu",
     "torchrun --nproc-per-node 2 -m cs336_harness.cli ddp --size xl --world-size 2": "gpu long 2gpus",
     "bash tools/gpu_ddp.sh": "gpu-call",
@@ -55,7 +58,7 @@ COMMANDS: dict[str, str] = {
     "for i in 1 2 3 4 5; do uv run pytest packages/comms -q || break; done": "suite",
     "uv run cs336 bench --sweep --warmup 5 --steps 10": "gpu long",
     "uv run cs336 bench --size small --mode forward --attention sdpa": "gpu",
-    "uv run cs336 bench --size medium --compile": "gpu",
+    "uv run cs336 bench --size medium --compile": "gpu long",
     "uv run cs336 bench --size xl --context-length 2048 --checkpoint none,groups --warmup 0 --steps 1": "gpu long",
     "nsys profile -o bench_small --trace=cuda,nvtx,osrt --pytorch=autograd-nvtx uv run cs336 bench --size small "
     "--attention annotated --warmup 5 --steps 10": "nsys",
@@ -63,7 +66,7 @@ COMMANDS: dict[str, str] = {
     "nsys stats --report cuda_gpu_kern_sum --filter-nvtx=attention/softmax bench_small.nsys-rep": "nsys",
     "uv run cs336 residuals": "cpu",
     "uv run cs336 residuals --experiment rmsnorm": "cpu",
-    "uv run cs336 residuals --out residuals.jsonl": "gpu",
+    "uv run cs336 residuals --out residuals.jsonl": "gpu long",
     "uv run cs336 precision --device cuda": "gpu",
     "uv run cs336 hf": "cpu",
     "bash tools/gpu.sh python3 -m cs336_harness.cli hf --out writeup/results/hf_step.jsonl": "gpu-call",
@@ -81,7 +84,7 @@ COMMANDS: dict[str, str] = {
     "for i in 1 2 3 4 5; do uv run pytest packages/sharding -q || break; done": "suite",
     "bash tools/gpu.sh python3 -m pytest -m gpu packages/sharding": "gpu-call",
     "bash tools/gpu.sh python3 -m cs336_harness.cli bench --size xl": "gpu-call",
-    "bash tools/gpu.sh python3 -m pytest -m gpu": "gpu-call",
+    'bash tools/gpu.sh python3 -m pytest -m "gpu and not slow" -n 8': "gpu-call",
     "git switch --detach 7b59342 && git apply writeup/experiments/s11a_attention_pieces.patch": "experiment",
     "bash tools/gpu.sh python3 scratch/attn_probe.py": "experiment",
 }

@@ -2,7 +2,8 @@
 # The memory plan against the CUDA allocator on one GPU: for each loss (standard, chunked, fused) and each kind of
 # checkpointing, the proxy's step (8B blocks with our attention and glue, bf16, three layers at context 8192), run in
 # a process of its own, must peak within 0.1 GiB of the plan (offload: at most 1.5 GiB under it, a bound), and the
-# plan must be the step's peak counted on fake tensors to the byte (packages/harness/tests/test_live_memory.py).
+# plan must be the step's peak counted on fake tensors to the byte (packages/harness/tests/test_live_memory.py: 21
+# steps, all but one marked slow: the quick GPU run keeps that one).
 # One pytest run per loss, all of them within one call's 10 minutes (the first compiles the kernels); the log in
 # $OUT/log.txt.
 #   run (GPU machine, repo root): bash tools/gpu_memory_plan.sh

@@ -354,8 +354,11 @@ def test_a_failed_capture_gives_its_memory_back_on_gpu():
     assert torch.cuda.memory_reserved() <= reserved
 
 
+# Slow: the kernels' own leaderboard-shape tests check each glue kernel at this shape against float64 in the quick
+# GPU run; this repeats it through the benchmark's cases (whose wiring the CPU test above checks).
 @pytest.mark.gpu
 @pytest.mark.gpu_exclusive
+@pytest.mark.slow
 def test_glue_kernels_match_the_model_modules_on_gpu():
     tokens, d_model, heads, d_ff = 32768, 4096, 32, 11008
     cases = {"rms_norm": block_glue.rms_norm_case(tokens, d_model, NO_PEER, NO_PEER),

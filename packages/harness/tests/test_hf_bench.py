@@ -74,9 +74,11 @@ def test_bad_flags_give_one_line(argv, message):
         main(["hf", *argv])
 
 
-# The 1B and 1.7B models with their gradients and optimizer state hold far more than a test sharing the GPU may.
+# The 1B and 1.7B models with their gradients and optimizer state hold far more than a test sharing the GPU may;
+# building and stepping each model both ways is left to the slow GPU tests.
 @pytest.mark.gpu
 @pytest.mark.gpu_exclusive
+@pytest.mark.slow
 def test_gpu_rows_at_the_real_shapes():
     config = HFStepConfig(impls=("sdpa", "ours"), seq_len=2048, warmup=1, steps=2)
     rows = run_hf_step(config)

@@ -569,6 +569,7 @@ def test_gpu_glue_kernels_step_matches_the_models_code_in_bf16() -> None:
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.gpu_exclusive
+@pytest.mark.slow  # three implementations (one compiled), each profiled, alone on the GPU
 def test_gpu_proxy_rows_at_a_small_size() -> None:
     # Ours with the glue kernels and the budget policy, and both baselines, profiled: every row within its cap.
     base = LeaderboardConfig(size="small", vocab_size=32_000, context_length=2048, global_batch=1, world_size=1,

@@ -214,18 +214,34 @@ def _fa_rule(ours, ref64, ref_low):
 
 
 # Both kernels on the GPU: "auto" (the Gluon ones on an H100/H200 at head dims 64 and 128, else Triton) and Triton.
-GPU_PATHS = [{}, {"forward": "triton", "backward": "triton"}]
+GPU_PATHS = {"auto": {}, "triton": {"forward": "triton", "backward": "triton"}}
+
+
+def _gpu_cases(knobs: dict[str, dict], head_dims: list[int]) -> list:
+    """Every (head_dim, knobs, path). Each knob setting compiles and autotunes kernels of its own, so the quick GPU
+    run takes each one once per path, at that path's head dims in turn ("auto" at 96 is the Triton path again); the
+    rest are slow."""
+    cases = []
+    for head_dim in head_dims:
+        for i, (name, knob) in enumerate(knobs.items()):
+            for path, kwargs in GPU_PATHS.items():
+                dims = [d for d in head_dims if path == "triton" or d in (64, 128)]
+                quick = head_dim == dims[(i + (path == "auto")) % len(dims)]
+                cases.append(pytest.param(head_dim, knob, kwargs, id=f"{head_dim}-{name}-{path}",
+                                          marks=() if quick else pytest.mark.slow))
+    return cases
+
+
+GPU_KNOBS = {
+    "sliding-causal": {"causal": True, "window_size": (255, -1)},
+    "window": {"window_size": (100, 37)},
+    "softcap-scale": {"causal": True, "softcap": 30.0, "softmax_scale": 0.09},
+    "bottom-right": {"causal": True, "tq": 700},
+}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", GPU_PATHS, ids=["auto", "triton"])
-@pytest.mark.parametrize("knobs", [
-    {"causal": True, "window_size": (255, -1)},
-    {"window_size": (100, 37)},
-    {"causal": True, "softcap": 30.0, "softmax_scale": 0.09},
-    {"causal": True, "tq": 700},
-], ids=["sliding-causal", "window", "softcap-scale", "bottom-right"])
-@pytest.mark.parametrize("head_dim", [64, 128, 96])
+@pytest.mark.parametrize(("head_dim", "knobs", "path"), _gpu_cases(GPU_KNOBS, [64, 128, 96]))
 def test_gpu_knobs_bf16(knobs, head_dim, path):
     knobs = dict(knobs)
     shape_q, shape_kv = (2, 8, knobs.pop("tq", 1000), head_dim), (2, 2, 1000, head_dim)
@@ -240,12 +256,12 @@ def test_gpu_knobs_bf16(knobs, head_dim, path):
     _fa_rule(ours, ref, low)
 
 
+GPU_VARLEN_KNOBS = {"causal": {"causal": True}, "sliding": {"causal": True, "window_size": (200, -1)}, "full": {},
+                    "softcap": {"causal": True, "softcap": 20.0}}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", GPU_PATHS, ids=["auto", "triton"])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("knobs", [{"causal": True}, {"causal": True, "window_size": (200, -1)}, {},
-                                   {"causal": True, "softcap": 20.0}],
-                         ids=["causal", "sliding", "full", "softcap"])
+@pytest.mark.parametrize(("head_dim", "knobs", "path"), _gpu_cases(GPU_VARLEN_KNOBS, [64, 128]))
 def test_gpu_varlen_bf16(head_dim, knobs, path):
     knobs = dict(knobs) | path
     gen = torch.Generator().manual_seed(head_dim)
