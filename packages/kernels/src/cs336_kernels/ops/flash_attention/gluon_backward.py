@@ -67,7 +67,6 @@ from cs336_kernels.ops.flash_attention.gluon_common import (
     PRODUCER_REGISTERS,
     check_inputs,
     descriptor,
-    exp2_chain,
     mma_layout,
     sequence,
     tanh,
@@ -83,10 +82,6 @@ from cs336_kernels.ops.flash_attention.params import Params
 # 193 KiB of the 227 an sm_90 block may have; at d = 64: K, V 2 x 16 KiB, Q/dO ring 2 x 32 KiB, dS^T 2 x 32 KiB,
 # dQ staging 2 x 16 KiB, L/D ring 2 KiB = 194 KiB.
 CONFIGS = {64: (128, 128, 2), 128: (64, 128, 2)}
-# One exp2 of every SOFT_EXP2_EVERY on the FMA pipe. A score's MUFU exp2 holds the MUFU eight cycles a warp, the FMA
-# pipe's one about eight of its own, and each score already takes about four FMA-pipe instructions (its scale, dP -
-# D, the product with P, the packs): one in four leaves both pipes about 190 cycles a warp per 32 scores.
-SOFT_EXP2_EVERY = gl.constexpr(4)
 
 
 @gluon.constexpr_function
@@ -282,7 +277,7 @@ def _bwd_consumer(
             if VARLEN:
                 keep = keep & (offs_q[None, :] < n_queries) & (offs_k[:, None] < n_k)
             s_t = gl.where(keep, s_t, float("-inf"))
-        p_t = exp2_chain(s_t, qk_scale, lse2[None, :], SOFT_EXP2_EVERY)
+        p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
         if not LATE_DV:
             p16 = gl.convert_layout(p_t.to(dtype), a_layout)
             dv = warpgroup_mma(p16, do_smem, dv, is_async=True)

@@ -5,8 +5,6 @@ descriptors, the wgmma accumulator layout and the register split between produce
 
 from __future__ import annotations
 
-import struct
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -56,59 +54,6 @@ def sequence(CU_Q, CU_K, b, N_QUERIES, N_KEYS, DIAG, VARLEN: gl.constexpr):
 def tanh(x):
     # The hardware's tanh (one MUFU op, relative error below 2^-10.9), as the Triton kernels' tiles.tanh on a GPU.
     return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True, pack=1)
-
-
-# 2^f on [-1/2, 1/2] as c0 + c1 f + c2 f^2 + c3 f^3, fitted for relative error (at most 7.5e-5, a 26th of a bf16
-# half-ulp): the exp2 that exp2_chain runs on the FMA pipe beside the MUFU's.
-EXP2_POLY = (0.9999280571937561, 0.6932609677314758, 0.24261096119880676, 0.05517150089144707)
-# x + 1.5 * 2^23 rounds x (|x| < 2^22) to the integer held in the sum's low mantissa bits.
-ROUND_MAGIC = 12582912.0
-# exp2_chain returns 0 below it, where 2^j 2^f may not be a normal float (2^f < 1 with j = -126), as
-# ex2.approx.ftz does below -126 (2^-125 = 2.4e-38: no softmax weight that bf16 products could tell from 0).
-EXP2_FLOOR = -125.0
-
-
-def _ptx_f32(x: float) -> str:
-    # PTX's hex float: 0f, then the fp32 bits.
-    return "0f" + struct.pack(">f", x).hex().upper()
-
-
-_PTX_POLY = tuple(_ptx_f32(c) for c in EXP2_POLY)
-_PTX_MAGIC = _ptx_f32(ROUND_MAGIC)
-_PTX_FLOOR = _ptx_f32(EXP2_FLOOR)
-
-
-@gluon.constexpr_function
-def _exp2_chain_asm(pack):
-    # PTX for `pack` elements of 2^(x * scale - bias); operands: the results, then x, scale and bias, `pack` each.
-    # The results are written last, once every input has been read. The last element's exp2 runs on the FMA pipe:
-    # 2^x = 2^j 2^f with j = round(x) and f = x - j, 2^f by EXP2_POLY, and j added into its exponent bits (the
-    # rounding sum's bits shifted by 23 are j's).
-    last = pack - 1
-    c0, c1, c2, c3 = _PTX_POLY
-    fmas = "".join(f"neg.f32 e{i}, ${3 * pack + i}; fma.rn.f32 e{i}, ${pack + i}, ${2 * pack + i}, e{i}; "
-                   for i in range(pack))
-    exps = "".join(f"ex2.approx.ftz.f32 e{i}, e{i}; " for i in range(last))
-    soft = (f"add.rn.f32 t, e{last}, {_PTX_MAGIC}; sub.rn.f32 j, t, {_PTX_MAGIC}; sub.rn.f32 f, e{last}, j; "
-            f"fma.rn.f32 q, f, {c3}, {c2}; fma.rn.f32 q, q, f, {c1}; fma.rn.f32 q, q, f, {c0}; "
-            f"mov.b32 tb, t; mov.b32 qb, q; shl.b32 tb, tb, 23; add.s32 qb, qb, tb; "
-            f"setp.ge.f32 ok, e{last}, {_PTX_FLOOR}; selp.b32 ${last}, qb, 0, ok; ")
-    outs = "".join(f"mov.b32 ${i}, e{i}; " for i in range(last))
-    return f"{{ .reg .f32 e<{pack}>, t, j, f, q; .reg .b32 tb, qb; .reg .pred ok; {fmas}{exps}{soft}{outs}}}"
-
-
-@gluon.constexpr_function
-def _exp2_chain_constraints(pack):
-    return ",".join(["=r"] * pack + ["r"] * (3 * pack))
-
-
-@gluon.jit
-def exp2_chain(x, scale, bias, PACK: gl.constexpr):
-    # 2^(x * scale - bias) in one asm statement per PACK elements: their FMAs, then their exp2s, one of every PACK
-    # on the FMA pipe to take work off the MUFU (an eighth of the FMA pipe's rate on sm_90: 16 results a clock per
-    # SM against 128 FMAs).
-    return gl.inline_asm_elementwise(_exp2_chain_asm(PACK), _exp2_chain_constraints(PACK), [x, scale, bias],
-                                     dtype=gl.float32, is_pure=True, pack=PACK)
 
 
 @gluon.jit
