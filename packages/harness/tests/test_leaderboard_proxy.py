@@ -187,9 +187,10 @@ def test_memory_plan_reports_the_policy_and_the_expected_peak() -> None:
     assert plan.expected_peak_bytes == expected_peak_bytes(config, plan.step, plan.policy)
     blocks = activation_peak_bytes(plan.step.block, 2, "none")
     assert plan.expected_peak_bytes >= reserved_bytes(config, plan.step) + blocks
-    plain = memory_plan(dataclasses.replace(leaderboard_config, checkpoint="group:2",
-                                            memory_cap_gib=None).train_config(), None)
-    assert plain.expected_peak_bytes is None and plain.cap_bytes is None
+    grouped = dataclasses.replace(leaderboard_config, checkpoint="group:2", memory_cap_gib=None).train_config()
+    plain = memory_plan(grouped, None)  # segments of several blocks are planned too
+    assert plain.cap_bytes is None and plain.expected_peak_bytes == expected_peak_bytes(grouped, plain.step,
+                                                                                         plain.policy)
     with pytest.raises(ValueError, match="checkpoint 'budget' needs memory_cap_gib without a GPU"):
         memory_plan(dataclasses.replace(config, parallelism=Parallelism(checkpoint="budget")), None)
 

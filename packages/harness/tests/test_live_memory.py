@@ -83,6 +83,8 @@ def _proxy(**overrides: object) -> TrainConfig:
     pytest.param(dict(num_layers=3, checkpoint="attention:2", context_length=8192), marks=pytest.mark.slow),
     pytest.param(dict(num_layers=4, checkpoint="attention:1+selective:2"), marks=pytest.mark.slow),
     pytest.param(dict(checkpoint="attention:7"), marks=pytest.mark.slow),  # the 14-layer proxy
+    pytest.param(dict(num_layers=5, checkpoint="group:3"), marks=pytest.mark.slow),
+    pytest.param(dict(num_layers=4, checkpoint="nested:2"), marks=pytest.mark.slow),
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
 def test_the_plan_expects_the_traced_peak(overrides: dict) -> None:
     config = _proxy(**overrides)
@@ -102,18 +104,23 @@ def test_the_proxy_budget_recomputes_matmuls_only_where_memory_forces() -> None:
 
 
 # The plan to the byte at a tiny awkward shape (a prime context and vocabulary, three sequences, five blocks) for every
-# loss and every checkpointing kind it plans per block, with either glue and compute dtype spread over them: the
-# fake-tensor count takes as long at any size, and at this one every small tensor (rstd, int64 ids, a norm's
-# gradient) shows.
+# loss and every checkpointing kind, with either glue and compute dtype spread over them: the fake-tensor count takes
+# as long at any size, and at this one every small tensor (rstd, int64 ids, a norm's gradient) shows. Five blocks make
+# segments of several blocks differ: group:2 (2, 2, 1), group:3 and sqrt (3, 2: the short one last), nested:2
+# ((2, 1), 2) and nested:3 (2, 2, 1).
 _TINY = ModelConfig.from_preset("tiny", vocab_size=997, context_length=37, num_layers=5, d_model=48, num_heads=3,
                                 d_ff=136)
-_KINDS = ["none", "all", "first:2", "selective:3", "attention", "attention:2+selective:2", "first:1+selective:2"]
+_KINDS = ["none", "all", "first:2", "selective:3", "attention", "attention:2+selective:2", "first:1+selective:2",
+          "group:2", "group:3", "sqrt", "nested:2", "nested:3"]
 _EVERY_LOSS_AND_KIND = [(loss, kind, ("triton", "model")[(i + j) % 2], ("bf16", "fp32")[j % 2])
                         for i, loss in enumerate(registry.LOSSES) for j, kind in enumerate(_KINDS)]
+# In the default run besides none and all: a segment of several blocks whose blocks do not save their input (the
+# model's glue in bf16), and nested segments.
+_DEFAULT_RUN = {("fused", "group:3"), ("standard", "nested:2")}
 
 
 @pytest.mark.parametrize(("loss", "checkpoint", "glue", "dtype"), [
-    case if case[1] in ("none", "all") else pytest.param(*case, marks=pytest.mark.slow)
+    case if case[1] in ("none", "all") or case[:2] in _DEFAULT_RUN else pytest.param(*case, marks=pytest.mark.slow)
     for case in _EVERY_LOSS_AND_KIND], ids="-".join)
 def test_the_plan_is_the_traced_peak_for_every_loss(loss: str, checkpoint: str, glue: str, dtype: str) -> None:
     config = TrainConfig(_TINY, kernels=registry.kernels("sdpa", glue, loss), global_batch=3,

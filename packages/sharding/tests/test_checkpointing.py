@@ -5,6 +5,7 @@ own saves what its policy keeps; the budget rule picks the policy that recompute
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 import weakref
 
@@ -20,10 +21,12 @@ from cs336_sharding.checkpointing import (
     Segment,
     activation_peak_bytes,
     apply_checkpointing,
+    backward_bytes,
     kept_bytes,
     parse_policy,
     plan_segments,
     policy_for_budget,
+    recomputes_earlier_blocks,
 )
 from cs336_sharding.parallelize import apply_compile
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -307,12 +310,50 @@ def test_peak_is_what_every_other_block_keeps_plus_the_last_blocks_activations_a
     assert activation_peak_bytes(_MEMORY, 5, "first:1+selective:2") == 10 + 2 * 60 + 100 + 100 + 30
     # The last block's activations are all alive in its backward, recomputed or kept: checkpointing it saves nothing.
     assert activation_peak_bytes(_MEMORY, 5, "first:4") == activation_peak_bytes(_MEMORY, 5, "all")
-    with pytest.raises(ValueError, match="tiers cover none, all"):
-        activation_peak_bytes(_MEMORY, 5, "group:2")
     with pytest.raises(ValueError, match="kept >= selective >= attention >= checkpointed"):
         BlockMemory(kept=2, selective=1, attention=2, checkpointed=1, working=0)
     with pytest.raises(ValueError, match="working >= 0"):
         BlockMemory(kept=2, selective=2, attention=2, checkpointed=1, working=-1)
+
+
+def test_a_kept_block_that_does_not_save_its_input_frees_the_output_before_it() -> None:
+    memory = dataclasses.replace(_MEMORY, saves_input=False)
+    assert kept_bytes(memory, 3, "none") == [90, 90, 100]  # outputs 0 and 1 freed; the last one counted
+    assert activation_peak_bytes(memory, 3, "none") == 90 + 90 + 100 + 30
+    assert kept_bytes(memory, 3, "first:1") == [0, 90, 100]  # block 1 drops block 0's output, not block 0's input
+    assert kept_bytes(memory, 3, "all") == [10, 10, 10]  # a checkpoint keeps its segment's input
+
+
+def test_segments_of_several_blocks_hold_their_blocks_recomputed_in_their_last_blocks_backward() -> None:
+    # group:2 on 5 blocks: segments (0, 1), (2, 3), (4). The forward keeps each segment's output (its input is the
+    # previous one's). Block 3's backward recomputes block 2 and 3: block 1's output (segment (2, 3)'s input, which
+    # its checkpoint holds), block 2's saved tensors (90) and its output, which block 3 saves (10), then block 3's
+    # activations and working set.
+    assert kept_bytes(_MEMORY, 5, "group:2") == [0, 10, 0, 10, 10]
+    assert backward_bytes(_MEMORY, 5, "group:2") == [100 + 30, 100 + 100 + 30, 10 + 100 + 30, 10 + 100 + 100 + 30,
+                                                   10 + 10 + 100 + 30]
+    assert activation_peak_bytes(_MEMORY, 5, "group:2") == 240
+    assert recomputes_earlier_blocks(5, "group:2") == [False, True, False, True, False]
+    # Blocks that do not save their input: a recomputed block's output is freed inside its segment.
+    memory = dataclasses.replace(_MEMORY, saves_input=False)
+    assert backward_bytes(memory, 5, "group:2") == [130, 90 + 130, 10 + 130, 10 + 90 + 130, 20 + 130]
+    # group:3: (0, 1, 2), (3, 4); the short last segment is not the peak.
+    assert backward_bytes(_MEMORY, 5, "group:3") == [130, 230, 330, 10 + 130, 10 + 100 + 130]
+    assert activation_peak_bytes(_MEMORY, 5, "sqrt") == activation_peak_bytes(_MEMORY, 5, "group:3") == 330
+
+
+def test_nested_segments_hold_the_inputs_of_the_segments_not_yet_recomputed() -> None:
+    # nested:2 on 4 blocks: ((0), (1)), ((2), (3)) in one segment, which keeps its output alone. Block 3's backward
+    # recomputes the outer segment up to the last inner one's input (blocks 0 and 1 run, block 1's output kept for
+    # segment (2, 3)), that segment up to (3)'s input (block 2 runs, its output kept), then block 3: block 1's output
+    # waits for (2)'s recomputation, block 2's is saved by block 3. Block 2 and block 1 each hold their input alone.
+    assert kept_bytes(_MEMORY, 4, "nested:2") == [0, 0, 0, 10]
+    assert backward_bytes(_MEMORY, 4, "nested:2") == [130, 10 + 130, 10 + 130, 10 + 10 + 130]
+    assert activation_peak_bytes(_MEMORY, 4, "nested:2") == 150 < activation_peak_bytes(_MEMORY, 4, "all") == 160
+    assert recomputes_earlier_blocks(4, "nested:2") == [False, True, False, True]
+    # Without blocks saving their input, a block's input is freed once its segment's recomputation has taken it.
+    memory = dataclasses.replace(_MEMORY, saves_input=False)
+    assert backward_bytes(memory, 4, "nested:2") == [130, 130, 130, 10 + 130]
 
 
 @pytest.mark.parametrize(("budget", "keep_attention", "policy"), [

@@ -27,10 +27,12 @@ import torch
 from cs336_basics.config import ModelConfig
 from cs336_sharding.checkpointing import (
     CheckpointPolicySpec,
-    activation_peak_bytes,
+    backward_bytes,
     kept_bytes,
     parse_policy,
+    plan_segments,
     policy_for_budget,
+    recomputes_earlier_blocks,
 )
 
 from cs336_harness.device import GIB
@@ -103,7 +105,7 @@ def _head_gradient_bytes(config: TrainConfig) -> float:
 
 def reserved_bytes(config: TrainConfig, step: StepMemory) -> float:
     """What the step holds in the last block's backward besides the blocks' activations
-    (:func:`~cs336_sharding.checkpointing.activation_peak_bytes`). With P parameters (P_b in one block, G_b of them in
+    (:func:`~cs336_sharding.checkpointing.backward_bytes`). With P parameters (P_b in one block, G_b of them in
     its 2-D weights, what FSDP gathers), N tokens,
     d = d_model, V = vocab, e = the compute dtype's bytes and W ranks:
 
@@ -155,60 +157,73 @@ def head_moments_bytes(config: TrainConfig, head: HeadMemory) -> float:
     return max(2 * gathered + head.forward, 2 * gathered + block + max(head.backward, gathered + head.norm))
 
 
-def _unkept_outputs(step: StepMemory, tiers: list[str]) -> int:
-    """How many blocks' inputs (the previous block's output, or the embedding's) no one keeps: those of the blocks
-    kept whole that do not keep their input themselves (a checkpointed segment keeps its input)."""
-    return 0 if step.block_saves_input else tiers.count("kept")
+def _freed_input_bytes(config: TrainConfig, step: StepMemory, policy: CheckpointPolicySpec) -> float:
+    """The embedding's output (the first block's input, e N d), which every moment of the backward holds
+    (:func:`_held_through_step`), where no one keeps it: a first block run plainly that does not keep its input."""
+    m = config.model
+    first = plan_segments(m.num_layers, policy)[0]
+    if isinstance(first, int) and not step.block.saves_input:
+        return config.compute_dtype.itemsize * config.batch_per_rank * m.context_length * m.d_model
+    return 0
 
 
 def expected_peak_bytes(config: TrainConfig, step: StepMemory, policy: CheckpointPolicySpec) -> float:
     """The step's peak under ``policy``, its blocks, loss and optimizer as ``step`` counted them: the largest of
     :func:`reserved_bytes` plus the blocks' share in the last block's backward
-    (:func:`~cs336_sharding.checkpointing.activation_peak_bytes`); what the step holds at its end (its state and what
-    every block keeps) plus :func:`head_moments_bytes`; the optimizer's update (this rank's weights, gradients and
-    state, 16 P / W, and its temporaries); and with our FSDP two other moments (P parameters, P_b in one block, G_b
-    in its 2-D weights, N
-    tokens, L blocks, d = d_model, V = vocab, e = the compute dtype's bytes, W ranks; what every step holds, as in
-    :func:`reserved_bytes`, aside):
+    (:func:`~cs336_sharding.checkpointing.backward_bytes`; for FSDP2 the largest block's); what the step holds at
+    its end (its state and what every block keeps, :func:`~cs336_sharding.checkpointing.kept_bytes`) plus
+    :func:`head_moments_bytes`; the optimizer's update (this rank's weights, gradients and state, 16 P / W, and its
+    temporaries); and with our FSDP the other blocks' backwards and the embedding's (P parameters, P_b in one block,
+    G_b in its 2-D weights, N tokens, L blocks, d = d_model, V = vocab, e = the compute dtype's bytes, W ranks; what
+    every step holds, as in :func:`reserved_bytes`, aside):
 
-    - the first block's backward: its activations and working set, the fp32 gradients of every later block and of
-      the head (4 (L - 1) P_b + 4 V d, over W ranks plus the reduce-scatter in flight, 4 G_b, with W > 1), its
-      gathered weights and the embedding's, prefetched (e G_b + e V d). Between the first and the last block the
-      peak falls then rises (checkpointed blocks free more gradients' worth than they keep, kept blocks less), so
-      these two moments bound every block's;
+    - each earlier block's backward: its activations and what the other blocks hold then
+      (:func:`~cs336_sharding.checkpointing.backward_bytes`: with segments of several blocks, the segment's
+      recomputed blocks), the fp32 gradients of every later block and of the head (4 (L - 1 - i) P_b + 4 V d for
+      block i, over W ranks plus the reduce-scatter in flight, 4 G_b, with W > 1), its gathered weights and the
+      next one's, prefetched (2 e G_b; for the first block the embedding's, e G_b + e V d). A backward that begins
+      by recomputing earlier blocks (:func:`~cs336_sharding.checkpointing.recomputes_earlier_blocks`), the last
+      block's too, holds its own weights alone: the one prefetched is the first block recomputed, which FSDP frees
+      after its forward;
     - the embedding's backward, last: every block's and the head's fp32 gradients, the embedding's gathered weights,
       its dense weight gradient (zeros, then the scatter-add's result: 2 e V d) and the gradient reaching it.
 
-    A block's output (e N d) that no one keeps is not counted where it is freed (:func:`_unkept_outputs`: a kept
-    block whose norm keeps an fp32 copy of its bf16 input; the final norm likewise for the last block's).
+    A block's output (e N d) that no one keeps is not counted where it is freed (``kept_bytes`` and
+    ``backward_bytes`` leave out the output of a block before one that is run plainly and does not keep its input,
+    :attr:`~cs336_sharding.checkpointing.BlockMemory.saves_input`; :func:`_freed_input_bytes` the embedding's;
+    the final norm likewise for the last block's).
 
-    Exact for our FSDP, whatever the loss and the glue
-    (:func:`~cs336_harness.studies.leaderboard.memory_trace.traced_peak` counts the step's tensors; on one H200 that
-    count is within 0.1 GiB of the allocator's peak: cuBLAS' workspace and rounding); the two-rank terms come from
-    FSDP's code, not a trace. For FSDP2 an estimate.
+    Exact for our FSDP, whatever the loss, the glue and the checkpointing (segments of several blocks and nested
+    ones too; :func:`~cs336_harness.studies.leaderboard.memory_trace.traced_peak` counts the step's tensors; on one
+    H200 that count is within 0.1 GiB of the allocator's peak: cuBLAS' workspace and rounding); the two-rank terms
+    come from FSDP's code, not a trace. For FSDP2 an estimate, whose reserve does not follow the gradients through
+    the backward: the blocks' largest share beside it.
     """
     m = config.model
     block = step.block
-    tiers = policy.per_block(m.num_layers)
     e = config.compute_dtype.itemsize
     output = e * config.batch_per_rank * m.context_length * m.d_model
-    unkept = _unkept_outputs(step, tiers)
+    freed = _freed_input_bytes(config, step, policy)
     held = _held_through_step(config, step)
-    last = reserved_bytes(config, step) + activation_peak_bytes(block, m.num_layers, policy) - unkept * output
-    kept = sum(kept_bytes(block, m.num_layers, policy)) - (unkept + (not step.head.saves_input)) * output
+    blocks = backward_bytes(block, m.num_layers, policy)
+    kept = sum(kept_bytes(block, m.num_layers, policy)) - freed - (not step.head.saves_input) * output
     end = held + kept + head_moments_bytes(config, step.head)
     update = held - output + 4 * m.num_params / config.parallelism.world_size + _LOSS_BYTES + step.optimizer_update
     if config.parallelism.wrapper != "fsdp":
-        return max(last, end, update)
+        return max(reserved_bytes(config, step) + max(blocks) - freed, end, update)
     d, v, w, layers = m.d_model, m.vocab_size, config.parallelism.world_size, m.num_layers
     block_params, block_weights = _block_params(m), _block_weights(m)
+    # FSDP prefetches the next unit its backward order uses: where a block's backward begins by recomputing earlier
+    # blocks, the first of those, freed after its forward (its own backward has not begun).
+    alone = [e * block_weights if again else 0 for again in recomputes_earlier_blocks(layers, policy)]
+    last = reserved_bytes(config, step) + blocks[-1] - freed - alone[-1]
     in_flight = 4 * block_weights if w > 1 else 0
-    grads = 4 * ((layers - 1) * block_params + v * d) / w + in_flight
-    first_input = output if tiers[0] == "kept" and not step.block_saves_input else 0
-    after = _after_head_bytes(config)
-    first = held + after - first_input + block.kept + block.working + grads + e * block_weights + e * v * d
-    embedding = held + after + 4 * (layers * block_params + v * d) / w + in_flight + 3 * e * v * d
-    return max(last, end, first, embedding, update)
+    before = held + _after_head_bytes(config) - freed
+    # Block i's backward, for every block but the last (for a single block, its backward as the first's too).
+    earlier = [before + blocks[i] + 4 * ((layers - 1 - i) * block_params + v * d) / w + in_flight - alone[i]
+               + e * block_weights + (e * v * d if i == 0 else e * block_weights) for i in range(max(layers - 1, 1))]
+    embedding = held + _after_head_bytes(config) + 4 * (layers * block_params + v * d) / w + in_flight + 3 * e * v * d
+    return max(last, end, *earlier, embedding, update)
 
 
 # The wrappers the plan covers: the FSDPs, ours counted to the byte and FSDP2 estimated.
@@ -219,7 +234,8 @@ PLANNED_WRAPPERS: tuple[str, ...] = ("fsdp", "fsdp2")
 class MemoryPlan:
     """The checkpointing a run uses and the memory it expects: ``cap_bytes`` (None without one), ``step`` (what its
     blocks, loss and optimizer hold, :func:`~cs336_harness.step_memory.measure_step`), ``policy`` and
-    ``expected_peak_bytes`` (:func:`expected_peak_bytes`; None for a policy or a wrapper it does not cover)."""
+    ``expected_peak_bytes`` (:func:`expected_peak_bytes`, for every checkpointing policy; None for a wrapper it does
+    not cover, :data:`PLANNED_WRAPPERS`)."""
 
     cap_bytes: float | None
     step: StepMemory
@@ -261,12 +277,7 @@ def memory_plan(config: TrainConfig, device_bytes: int | None) -> MemoryPlan:
                                    keep_attention=par.budget_keeps_attention, kept_budget_bytes=kept_cap)
     else:
         policy = parse_policy(par.checkpoint)
-    expected = None
-    if par.wrapper in PLANNED_WRAPPERS:
-        try:
-            expected = expected_peak_bytes(config, step, policy)
-        except ValueError:  # a policy of segments of several blocks: group, sqrt, nested
-            expected = None
+    expected = expected_peak_bytes(config, step, policy) if par.wrapper in PLANNED_WRAPPERS else None
     return MemoryPlan(cap, step, policy, expected)
 
 

@@ -93,9 +93,10 @@ def activation_bytes(config: ModelConfig, batch: int, *, dtype_bytes: int, atten
                      backward: bool, fused_loss: bool) -> int:
     """The activations of a ``BasicsTransformerLM`` step on ``batch`` sequences of ``config.context_length``
     tokens at its peak: with a backward, what the blocks keep under ``checkpoint`` and the last block's backward
-    holds (policies :func:`~cs336_sharding.checkpointing.activation_peak_bytes` does not cover are counted as
-    ``all``, the least any policy keeps; ``offload`` ones as ``none``: here, in host memory, the copies weigh what
-    the blocks would keep); without, one block's input and output. ``attention`` is a name of
+    holds (:func:`~cs336_sharding.checkpointing.activation_peak_bytes`; the policies that recompute more than one
+    block at a time, and ``selective``, are counted as ``all``, the least any policy keeps, with no block's score
+    matrices kept: a lower bound; ``offload`` ones as ``none``: here, in host memory, the copies weigh what the
+    blocks would keep); without, one block's input and output. ``attention`` is a name of
     :data:`cs336_harness.registry.ATTENTIONS`; ``eager``, ``annotated`` and ``compiled`` build
     the score matrices. An unfused loss adds the fp32 logits."""
     seq, layers = config.context_length, config.num_layers

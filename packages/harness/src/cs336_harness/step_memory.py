@@ -36,13 +36,12 @@ def compiled(config: TrainConfig) -> bool:
 
 
 class MeasuredBlock(NamedTuple):
-    """What :func:`measure_block` counts of one block: its ``memory``; whether its forward keeps its own input
-    (``saves_input``: a norm that keeps an fp32 copy of a bf16 input does not, so the block before it need not keep
-    its output); whether the output projection reads a copy of the attention's output (``attention_copied``: a
-    heads-first output, which the compiled byte model needs)."""
+    """What :func:`measure_block` counts of one block: its ``memory`` (with whether its forward keeps its own input:
+    a norm that keeps an fp32 copy of a bf16 input does not, so the block before it need not keep its output);
+    whether the output projection reads a copy of the attention's output (``attention_copied``: a heads-first output,
+    which the compiled byte model needs)."""
 
     memory: BlockMemory
-    saves_input: bool
     attention_copied: bool
 
 
@@ -109,7 +108,7 @@ def measure_block(config: TrainConfig) -> MeasuredBlock:
                 tiers[tier] = live.live_bytes
                 del out
         saves_input = x.untyped_storage()._cdata in saved
-    return MeasuredBlock(BlockMemory(kept=kept, working=working, **tiers), saves_input, copied[0])
+    return MeasuredBlock(BlockMemory(kept=kept, working=working, saves_input=saves_input, **tiers), copied[0])
 
 
 def compiled_block_memory(shape: ModelConfig, batch: int, seq: int, *, dtype_bytes: int, fused_qkv: bool,
@@ -158,16 +157,16 @@ def compiled_block_memory(shape: ModelConfig, batch: int, seq: int, *, dtype_byt
                        checkpointed=out, working=e * d * f + 2 * e * n * f)
 
 
-def block_memory(config: TrainConfig) -> tuple[BlockMemory, bool]:
-    """What one block of ``config`` keeps in each mode and whether it keeps its input (:class:`MeasuredBlock`):
-    :func:`measure_block`, or :func:`compiled_block_memory` where the block's forward or a piece of its glue is
-    compiled (which keeps the norms' inputs)."""
+def block_memory(config: TrainConfig) -> BlockMemory:
+    """What one block of ``config`` keeps in each mode and whether it keeps its input: :func:`measure_block`, or
+    :func:`compiled_block_memory` where the block's forward or a piece of its glue is compiled (which keeps the
+    norms' inputs)."""
     measured = measure_block(config)
     if not compiled(config):
-        return measured.memory, measured.saves_input
+        return measured.memory
     return compiled_block_memory(config.model, config.batch_per_rank, config.model.context_length,
                                  dtype_bytes=config.compute_dtype.itemsize, fused_qkv=config.fused_qkv,
-                                 attention_copied=measured.attention_copied), True
+                                 attention_copied=measured.attention_copied)
 
 
 @dataclass(frozen=True)
@@ -252,13 +251,12 @@ def measure_optimizer(config: TrainConfig) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class StepMemory:
-    """What the plan counts of a step on fake tensors: ``block`` (what one block keeps in each mode,
-    :func:`block_memory`) and ``block_saves_input`` (whether a block keeps its input, :class:`MeasuredBlock`),
-    ``head`` (the end of the step, :func:`measure_head`), ``optimizer_state`` and ``optimizer_update`` (this rank's
-    optimizer state, and its update's temporaries, :func:`measure_optimizer`)."""
+    """What the plan counts of a step on fake tensors: ``block`` (what one block keeps in each mode and whether it
+    keeps its input, :func:`block_memory`), ``head`` (the end of the step, :func:`measure_head`),
+    ``optimizer_state`` and ``optimizer_update`` (this rank's optimizer state, and its update's temporaries,
+    :func:`measure_optimizer`)."""
 
     block: BlockMemory
-    block_saves_input: bool
     head: HeadMemory
     optimizer_state: int
     optimizer_update: int
@@ -266,5 +264,4 @@ class StepMemory:
 
 def measure_step(config: TrainConfig) -> StepMemory:
     """The :class:`StepMemory` of ``config``."""
-    block, saves_input = block_memory(config)
-    return StepMemory(block, saves_input, measure_head(config), *measure_optimizer(config))
+    return StepMemory(block_memory(config), measure_head(config), *measure_optimizer(config))

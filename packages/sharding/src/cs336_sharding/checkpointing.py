@@ -53,7 +53,8 @@ the same rule picks ``selective:M``, then ``first:N+selective:M``. The blocks ke
 backward runs first, so their activations are freed before any checkpointed block is recomputed, and the
 blocks' share of the peak, reached in the last block's backward, is ``what every block but the last keeps + the
 last block's activations + its backward's working set`` (the last block's activations are all there: kept, or
-recomputed).
+recomputed). Segments of several blocks (``group:K``, ``sqrt``, ``nested:B``) are not among the budget's choices;
+:func:`backward_bytes` counts them too, by how their recomputation runs.
 """
 
 from __future__ import annotations
@@ -366,7 +367,9 @@ class BlockMemory:
     the skipped one's, :class:`SavedOps`);
     ``attention``: checkpointed, the fused attention's outputs kept; ``checkpointed``: checkpointed, nothing kept
     (the output alone). ``working``: what the block's backward holds at its peak beyond its activations (gradient
-    temporaries, less the activations it has freed by then).
+    temporaries, less the activations it has freed by then). ``saves_input``: whether the block's forward keeps its
+    input itself (a norm that keeps an fp32 copy of a bf16 input does not); where nothing else holds that input (a
+    checkpoint holds its segment's), the previous block's output is freed once the block has run.
     """
 
     kept: int
@@ -374,6 +377,7 @@ class BlockMemory:
     attention: int
     checkpointed: int
     working: int
+    saves_input: bool = True
 
     def __post_init__(self) -> None:
         if not self.kept >= self.selective >= self.attention >= self.checkpointed > 0:
@@ -388,32 +392,111 @@ class BlockMemory:
         return self.checkpointed
 
 
-def kept_bytes(memory: BlockMemory, num_blocks: int, policy: str | CheckpointPolicySpec) -> list[int]:
-    """What each block keeps through the forward under ``policy`` (:meth:`CheckpointPolicySpec.per_block`).
+def _blocks(item: int | Segment | Offloaded) -> range:
+    """The blocks an item of a plan runs (consecutive)."""
+    if isinstance(item, int):
+        return range(item, item + 1)
+    if isinstance(item, Offloaded):
+        return range(item.index, item.index + 1)
+    return range(_blocks(item.items[0]).start, _blocks(item.items[-1]).stop)
 
-    Raises:
-        ValueError: for a policy other than ``none``, ``all``, ``first:N[+selective:M]``,
-            ``attention[:N[+selective:M]]``, ``offload[:N[+selective:M]]`` and ``selective[:N]``.
+
+def _beyond_output(memory: BlockMemory, item: int | Segment | Offloaded) -> int:
+    """What an item whose backward has not started holds beyond its input and output: a block run plainly all it
+    saves, a segment of one block the outputs its policy keeps, anything else nothing (a segment of several blocks
+    keeps only its output, an offloaded block's saved tensors are on the host)."""
+    if isinstance(item, int):
+        return memory.kept - memory.checkpointed
+    if isinstance(item, Segment) and item.keeps:
+        return getattr(memory, item.keeps) - memory.checkpointed
+    return 0
+
+
+def _holds_input(memory: BlockMemory, item: int | Segment | Offloaded, top: bool, recomputed: bool) -> bool:
+    """Whether ``item`` holds its input: a block run plainly if it saves it; a segment's checkpoint saves it with the
+    context it runs in, through the segment's backward at the top level, and inside an outer segment's recomputation
+    until the segment's own recomputation (``recomputed``) takes it out; an offloaded block saves it."""
+    if isinstance(item, int):
+        return memory.saves_input
+    if isinstance(item, Segment):
+        return top or not recomputed
+    return True
+
+
+def kept_bytes(memory: BlockMemory, num_blocks: int, policy: str | CheckpointPolicySpec) -> list[int]:
+    """What each block keeps through the forward under ``policy``: what it saves beyond its input (the outputs a
+    segment of one block keeps) and its output, if the next item of the plan (:func:`plan_segments`) holds it (the
+    last block's always counts); the blocks of a segment of several blocks keep nothing but the segment's output, at
+    its last block."""
+    plan = plan_segments(num_blocks, policy)
+    kept = [0] * num_blocks
+    for position, item in enumerate(plan):
+        output = position + 1 == len(plan) or _holds_input(memory, plan[position + 1], True, False)
+        kept[_blocks(item)[-1]] = _beyond_output(memory, item) + output * memory.checkpointed
+    return kept
+
+
+def _backward_of(memory: BlockMemory, plan: tuple[int | Segment | Offloaded, ...], block: int) -> int:
+    """The blocks' activations at the peak of ``block``'s backward (:func:`backward_bytes`)."""
+    held: set[int] = set()  # blocks whose output is alive (-1: the blocks' input, not counted here)
+    total = memory.kept + memory.working
+    items, top = plan, True  # the items of the plan, then of each segment holding the block, recomputed
+    while True:
+        t = next(position for position, item in enumerate(items) if block in _blocks(item))
+        total += sum(_beyond_output(memory, item) for item in items[:t])
+        held.update(_blocks(item).start - 1 for position, item in enumerate(items[: t + 1])
+                    if _holds_input(memory, item, top, position == t))
+        if top and t and isinstance(items[t - 1], Offloaded):
+            total += memory.kept  # the offloaded block's saved tensors coming back
+        if not isinstance(items[t], Segment):
+            return total + len(held - {-1}) * memory.checkpointed
+        items, top = items[t].items, False
+
+
+def backward_bytes(memory: BlockMemory, num_blocks: int, policy: str | CheckpointPolicySpec) -> list[int]:
+    """What the blocks' activations hold at the peak of each block's backward under ``policy``, by how the plan's
+    segments run (:class:`CheckpointedBlocks`, non-reentrant ``torch.utils.checkpoint``): the block's own activations
+    (kept, or recomputed) and its working set, what each item before it keeps (:func:`kept_bytes`), and what the
+    recomputations of the segments that hold it keep. A segment is recomputed when the backward first needs one of
+    its saved tensors, in its last block's backward, and its recomputation keeps what its blocks save, each block's
+    freed by its own backward: a segment of K blocks holds those of the first j + 1 in the backward of its
+    (j + 1)-th block, its blocks' outputs alive where the next block saves its input. A segment of segments
+    (``nested``) keeps, recomputed, the inputs of its segments, each until that segment's own recomputation takes it
+    (a recomputation stops once it has saved again what the first forward saved, checkpoint's early stop: its last
+    segment is not run). The backward of the block after an offloaded one also holds the offloaded block's saved
+    tensors, fetched back.
+
+    The blocks' input (the embedding's output) is not counted.
     """
-    return [getattr(memory, tier) for tier in parse_policy(policy).per_block(num_blocks)]
+    plan = plan_segments(num_blocks, policy)
+    return [_backward_of(memory, plan, block) for block in range(num_blocks)]
+
+
+def recomputes_earlier_blocks(num_blocks: int, policy: str | CheckpointPolicySpec) -> list[bool]:
+    """Whether each block's backward begins by running the forward of earlier blocks again under ``policy``: it is
+    the last block of a segment of several, whose recomputation runs all but the segment's last item (the rest of a
+    segment's blocks are recomputed by then)."""
+
+    def ends(item: int | Segment | Offloaded) -> set[int]:
+        if not isinstance(item, Segment):
+            return set()
+        inside = set().union(*(ends(i) for i in item.items))
+        if item.num_blocks > 1:
+            inside.add(_blocks(item)[-1])
+        return inside
+
+    last = set().union(*(ends(item) for item in plan_segments(num_blocks, policy)))
+    return [block in last for block in range(num_blocks)]
 
 
 def activation_peak_bytes(memory: BlockMemory, num_blocks: int, policy: str | CheckpointPolicySpec) -> int:
-    """The blocks' share of the peak under ``policy``, in the last block's backward: what every other block keeps,
-    the last block's activations (kept or recomputed) and its backward's working set. With offloaded blocks, the
-    larger of that and the backward of each block after an offloaded one: what the blocks up to it keep, its
-    activations and working set, and the offloaded block's activations coming back (the blocks after it have freed
-    theirs). The copies out are counted as done before the backward (the later blocks' forwards hide them).
-
-    Raises:
-        ValueError: for a policy other than ``none``, ``all``, ``first:N[+selective:M]``,
-            ``attention[:N[+selective:M]]``, ``offload[:N[+selective:M]]`` and ``selective[:N]``.
-    """
-    tiers = parse_policy(policy).per_block(num_blocks)
-    kept = kept_bytes(memory, num_blocks, policy)
-    fetches = [sum(kept[: i + 1]) + 2 * memory.kept + memory.working
-               for i in range(num_blocks - 1) if tiers[i] == "offloaded"]
-    return max([sum(kept[:-1]) + memory.kept + memory.working, *fetches])
+    """The blocks' share of the peak under ``policy``: the largest of :func:`backward_bytes`. For the policies that
+    checkpoint blocks one by one, or keep them, the last block's backward: what every other block keeps, its own
+    activations (kept or recomputed) and working set; with offloaded blocks, maybe the backward of a block after
+    one, fetching what the offloaded block saved (the blocks after it have freed theirs; the copies out are counted
+    as done before the backward: the later blocks' forwards hide them). For segments of several blocks, the
+    backward of the last block of one of them, all the segment's blocks recomputed."""
+    return max(backward_bytes(memory, num_blocks, policy))
 
 
 def policy_for_budget(memory: BlockMemory, num_blocks: int, budget_bytes: float, *,
