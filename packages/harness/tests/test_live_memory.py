@@ -121,7 +121,7 @@ _DEFAULT_RUN = {("fused", "group:3"), ("standard", "nested:2")}
 
 @pytest.mark.parametrize(("loss", "checkpoint", "glue", "dtype"), [
     case if case[1] in ("none", "all") or case[:2] in _DEFAULT_RUN else pytest.param(*case, marks=pytest.mark.slow)
-    for case in _EVERY_LOSS_AND_KIND], ids="-".join)
+    for case in _EVERY_LOSS_AND_KIND])
 def test_the_plan_is_the_traced_peak_for_every_loss(loss: str, checkpoint: str, glue: str, dtype: str) -> None:
     config = TrainConfig(_TINY, kernels=registry.kernels("sdpa", glue, loss), global_batch=3,
                          parallelism=Parallelism(checkpoint=checkpoint, compute_dtype=dtype),
