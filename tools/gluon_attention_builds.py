@@ -17,7 +17,7 @@ import argparse
 import re
 
 from cs336_harness.results import append_rows, provenance
-from cs336_kernels.ops.flash_attention.gluon_common import SUPPORTED_HEAD_DIMS
+from cs336_kernels.ops.flash_attention.gluon_common import HEAD_DIMS
 from cs336_kernels.sass import gluon_attention_build, loop_opcodes, loop_spills, read_build
 
 LOOP_OPCODES = ("HGMMA", "WARPGROUP.DEPBAR", "BAR.SYNC", "SYNCS.PHASECHK", "SYNCS.ARRIVE", "MEMBAR", "FMUL", "FFMA",
@@ -45,7 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     meta = provenance()
     for name, deterministic in (("fwd", False), ("bwd", False), ("bwd", True)):
-        for head_dim in SUPPORTED_HEAD_DIMS:
+        for head_dim in HEAD_DIMS["forward" if name == "fwd" else "backward"]:
             for is_causal in (False, True):
                 row = build_row(name, head_dim, is_causal, deterministic)
                 print(" ".join(f"{key}={value}" for key, value in row.items()), flush=True)
