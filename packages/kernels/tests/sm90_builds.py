@@ -5,7 +5,7 @@ kernels for sm_90 without a GPU and print what ptxas made of them.
 Each glue kernel is specialised as its launcher specialises it (default launches) at the leaderboard shapes (bf16,
 d_model 4096, head_dim 128 with 32 heads; the SiLU-mul kernels do not specialise on d_ff; unit strides as constants,
 16-divisible pointers and sizes) and built by ``triton.compile`` for ``GPUTarget("cuda", 90, 32)``; the Gluon
-attention kernels (forward and backward, causal, at each head dim they take) as
+attention kernels (forward and backward, causal, at each head dim they take, and packed at d = 96 and 256) as
 :func:`cs336_kernels.sass.gluon_attention_build` builds them, which is how a Triton whose Gluon API changed is caught
 without an H100. cuobjdump then reads registers per thread, the local-memory spill stores and loads, and the wgmma
 and TMA load instructions in the SASS. One JSON row per build on stdout::
@@ -24,7 +24,7 @@ from typing import Any
 import triton
 import triton.backends.nvidia
 from cs336_kernels.ops import rms_norm, rope, swiglu
-from cs336_kernels.ops.flash_attention.gluon_common import SUPPORTED_HEAD_DIMS
+from cs336_kernels.ops.flash_attention.gluon_common import HEAD_DIMS
 from cs336_kernels.sass import gluon_attention_build, read_build
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -115,10 +115,13 @@ def rows() -> list[dict]:
                       "stride_a": "i32", "stride_b": "i32", "N": "i32",
                       "numel": "i32"},
                      {"BLOCK": swiglu._BLOCK, "ROW_STRIDED": False}, swiglu._NUM_WARPS))
-    for direction in ("fwd", "bwd"):
-        for head_dim in SUPPORTED_HEAD_DIMS:
+    for direction, name in (("fwd", "forward"), ("bwd", "backward")):
+        for head_dim in HEAD_DIMS[name]:
             compiled, _ = gluon_attention_build(direction, head_dim, is_causal=True)
             out.append(resources(f"gluon_{direction} (d {head_dim}, causal)", compiled))
+    for direction, head_dim in (("fwd", 96), ("fwd", 256), ("bwd", 96)):
+        compiled, _ = gluon_attention_build(direction, head_dim, is_causal=True, packed=True)
+        out.append(resources(f"gluon_{direction} (d {head_dim}, causal, packed)", compiled))
     return out
 
 

@@ -183,10 +183,10 @@ def test_backward_with_tma_loads_matches_reference(monkeypatch, shape_q, shape_k
     _check_against_reference(triton_attention, q, k, v, do, is_causal)
 
 
-@pytest.mark.parametrize(("n_queries", "head_dim"), [(128, 64), (70, 128)])
+@pytest.mark.parametrize(("n_queries", "head_dim"), [(128, 64), (70, 96), (70, 128)])
 def test_the_gluon_backwards_dq_accumulator_is_unstaged_in_row_order_and_scaled(n_queries, head_dim):
-    # The Gluon backward stages row 8a + 4b + 2c + d of every dQ tile (64 rows at d = 128, 128 at d = 64) at row
-    # 8a + 4c + 2d + b.
+    # The Gluon backward stages row 8a + 4b + 2c + d of every dQ tile (64 rows at d = 96 and 128, 128 at d = 64) at
+    # row 8a + 4c + 2d + b. At d = 96 the accumulator's rows are 96 wide, read in 128-column tiles.
     block_m = CONFIGS[head_dim][0]
     rows = -(-n_queries // block_m) * block_m
     dq = torch.randn(2, 3, rows, head_dim, generator=torch.Generator().manual_seed(0)).to(DEVICE)
@@ -304,7 +304,7 @@ def test_auto_forward_is_triton_off_sm90():
     q, k, v = (torch.randn(1, 2, 33, 64) for _ in range(3))
     if torch.cuda.is_available():
         q, k, v = (t.cuda() for t in (q, k, v))
-    assert not gluon_applies(q)
+    assert not gluon_applies(q, "forward")
     assert torch.equal(flash_attention(q, k, v, True), flash_attention(q, k, v, True, forward="triton"))
     with pytest.raises((ValueError, TypeError), match="sm_90|dtype"):
         flash_attention(q, k, v, True, forward="gluon")

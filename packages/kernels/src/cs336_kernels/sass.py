@@ -82,11 +82,12 @@ class Build:
     sass: str
 
 
-def gluon_attention_build(direction: str, head_dim: int, is_causal: bool,
-                          deterministic: bool = False) -> tuple[Any, dict[str, Any]]:
+def gluon_attention_build(direction: str, head_dim: int, is_causal: bool, deterministic: bool = False,
+                          packed: bool = False) -> tuple[Any, dict[str, Any]]:
     """The Gluon attention kernel of ``direction`` (``"fwd"``, or ``"bwd"`` in its default or ``deterministic``
     mode) compiled for sm_90 as its launcher calls it (bf16, 4 query heads on 2 key/value heads, 1,024 rows, its
-    own argument list and launch options), and the constexprs it was compiled with. Needs no GPU."""
+    own argument list and launch options; ``packed``: the rows as two packed sequences of 300 and 724), and the
+    constexprs it was compiled with. Needs no GPU."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -103,13 +104,19 @@ def gluon_attention_build(direction: str, head_dim: int, is_causal: bool,
     k = torch.zeros(1, 2, 1024, head_dim, dtype=torch.bfloat16)
     lse = torch.zeros(1, 4, 1024)
     params = make_params(head_dim, is_causal, None, (-1, -1), 0.0)
+    offsets = None
+    if packed:
+        cu_seqlens = torch.tensor([0, 300, 1024], dtype=torch.int32)
+        params = make_params(head_dim, is_causal, None, (-1, -1), 0.0, True, cu_seqlens, cu_seqlens, 724, 724)
+        offsets = torch.zeros(3, dtype=torch.int32)  # the tile queue (forward) or padded starts (backward): a pointer
     if direction == "fwd":
         kernel = gluon_forward._attn_fwd_kernel
-        args, constants = gluon_forward.forward_args(q, k, k, q, lse, torch.zeros(1, dtype=torch.int32), params)
+        args, constants = gluon_forward.forward_args(q, k, k, q, lse, torch.zeros(1, dtype=torch.int32), params,
+                                                     offsets)
     else:
         kernel = gluon_backward._attn_bwd_kernel
         locks = torch.zeros(1, dtype=torch.int32) if deterministic else None
-        args, constants = gluon_backward.backward_args(q, k, k, q, lse, lse, q.float(), k, k, locks, params)
+        args, constants = gluon_backward.backward_args(q, k, k, q, lse, lse, q.float(), k, k, locks, params, offsets)
     names = kernel.arg_names
     signature = {name: "constexpr" if name in constants else mangle_type(arg)
                  for name, arg in zip(names, [*args, *constants.values()], strict=True)}

@@ -63,7 +63,7 @@ def forward_impl(q: torch.Tensor, forward: ForwardImpl) -> str:
         raise ValueError(f"forward must be one of {', '.join(FORWARD_IMPLS)}, got {forward!r}")
     if forward != "auto":
         return forward
-    return "gluon" if gluon_applies(q) else "triton"
+    return "gluon" if gluon_applies(q, "forward") else "triton"
 
 
 def backward_impl(q: torch.Tensor, backward: BackwardImpl) -> str:
@@ -74,7 +74,7 @@ def backward_impl(q: torch.Tensor, backward: BackwardImpl) -> str:
         raise ValueError(f"backward must be one of {', '.join(BACKWARD_IMPLS)}, got {backward!r}")
     if backward != "auto":
         return backward
-    return "gluon" if gluon_applies(q) else "triton"
+    return "gluon" if gluon_applies(q, "backward") else "triton"
 
 
 def _params(cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
@@ -208,8 +208,11 @@ def _check_runs_here(q: torch.Tensor, caller: str) -> None:
 
 def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: Params, forward: str, backward: str,
           deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    if forward == "gluon" or backward == "gluon":
-        check_gluon(_as_dense(q))  # a named Gluon kernel that cannot run says why, before any launch
+    # A named Gluon kernel that cannot run says why, before any launch.
+    if forward == "gluon":
+        check_gluon(_as_dense(q), "forward")
+    if backward == "gluon":
+        check_gluon(_as_dense(q), "backward")
     return flash_attention_op(
         q, k, v, params.cu_seqlens_q, params.cu_seqlens_k, params.max_seqlen_q, params.max_seqlen_k,
         params.softmax_scale, params.window_left, params.window_right, params.bottom_right, params.softcap, forward,
@@ -240,12 +243,12 @@ def flash_attention(
         deterministic: bitwise-reproducible gradients for this call (the Triton backward always is; the Gluon one
             is also under ``torch.use_deterministic_algorithms(True)``).
         backward: "auto" (the default: "gluon" where it applies, else "triton"; see :func:`backward_impl`),
-            "gluon" (sm_90, fp16/bf16, d 64 or 128: five matmuls per tile pair, dQ by fp32 reduce-adds; the faster
-            one on an H200), "triton" (separate dK/dV and dQ kernels without atomics) or "pytorch" (compiled
+            "gluon" (sm_90, fp16/bf16, d 64, 96 or 128: five matmuls per tile pair, dQ by fp32 reduce-adds; the
+            faster one on an H200), "triton" (separate dK/dV and dQ kernels without atomics) or "pytorch" (compiled
             recomputation; plain causal or full attention only).
         forward: "auto" (the Gluon kernel where
             :func:`~cs336_kernels.ops.flash_attention.gluon_common.gluon_applies`, else Triton), "triton" or
-            "gluon".
+            "gluon" (sm_90, fp16/bf16, d 64, 96, 128 or 256).
 
     Returns:
         The attention output, shaped and typed like ``q``; with ``return_lse``, ``(output, lse)``.

@@ -80,15 +80,15 @@ from cs336_kernels.ops.flash_attention.params import Params
 # Per head dim: (BLOCK_M queries per tile, BLOCK_N keys per program, STAGES of the Q/dO ring). Shared memory
 # at d = 128: K, V 2 x 32 KiB, Q/dO ring 2 x 32 KiB, dS^T 2 x 16 KiB, dQ staging 2 x 16 KiB, L/D ring 1 KiB =
 # 193 KiB of the 227 an sm_90 block may have; at d = 64: K, V 2 x 16 KiB, Q/dO ring 2 x 32 KiB, dS^T 2 x 32 KiB,
-# dQ staging 2 x 16 KiB, L/D ring 2 KiB = 194 KiB.
-CONFIGS = {64: (128, 128, 2), 128: (64, 128, 2)}
+# dQ staging 2 x 16 KiB, L/D ring 2 KiB = 194 KiB. d = 96 runs d = 128's tiles (its columns past 96 zeros).
+CONFIGS = {64: (128, 128, 2), 96: (64, 128, 2), 128: (64, 128, 2)}
 
 
 @gluon.constexpr_function
-def dq_part(block_m, head_dim):
+def dq_part(block_m, block_d):
     """The (rows, columns) of the dQ tile part each consumer computes, stages and hands to the dQ writer every
-    query tile: at d = 128 half the columns of a 64-row tile, at d = 64 half the rows of a 128-row one."""
-    return [block_m, head_dim // 2] if head_dim == 128 else [block_m // 2, head_dim]
+    query tile: with 128-column tiles half the columns of a 64-row tile, at d = 64 half the rows of a 128-row one."""
+    return [block_m, block_d // 2] if block_d == 128 else [block_m // 2, block_d]
 
 
 @builtin
@@ -131,16 +131,16 @@ def _consumers_barrier():
 @gluon.jit
 def _bwd_dq_writer(
     dq_desc, DQ_LOCKS, dq_bufs, dq_full, dq_free, b_row, h_kv, H_Q, pid_n, q_first, n_q, lock_tiles, dq_row0, n_k,
-    diag, WIN_L, WIN_R, GROUP, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+    diag, WIN_L, WIN_R, GROUP, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     DETERMINISTIC: gl.constexpr,
 ):
     # Adds the consumers' staged dQ tiles into the accumulator in the consumers' tile order and frees each
     # staging buffer as soon as its reduce-add has read it. In deterministic mode it first waits until the later
     # key blocks have added into the tile, and counts the tile's adds as landed once they have completed: the spin
     # on the lock and the GPU-scope release wait here, not in a consumer.
-    SPLIT_DQ: gl.constexpr = HEAD_DIM == 128
-    DQ_ROWS: gl.constexpr = dq_part(BLOCK_M, HEAD_DIM)[0]
-    DQ_COLS: gl.constexpr = dq_part(BLOCK_M, HEAD_DIM)[1]
+    SPLIT_DQ: gl.constexpr = BLOCK_D == 128
+    DQ_ROWS: gl.constexpr = dq_part(BLOCK_M, BLOCK_D)[0]
+    DQ_COLS: gl.constexpr = dq_part(BLOCK_M, BLOCK_D)[1]
     for t in range(GROUP * n_q):
         h = h_kv * GROUP + t // n_q
         i = q_first + t % n_q
@@ -199,45 +199,48 @@ def _bwd_producer(
 
 
 @gluon.jit
-def _store_rows(OUT, strides, x, b_row, h, start, rows, cols, N_ROWS):
-    # x's rows `rows` (those before N_ROWS) into rows start + rows of head (b_row, h) of OUT, whose (batch, head,
-    # row) strides are `strides`.
+def _store_rows(OUT, strides, x, b_row, h, start, rows, cols, N_ROWS, N_COLS: gl.constexpr):
+    # x's rows `rows` (those before N_ROWS) and columns `cols` (those before N_COLS) into rows start + rows of head
+    # (b_row, h) of OUT, whose (batch, head, row) strides are `strides`.
     base = b_row.to(gl.int64) * strides[0] + h.to(gl.int64) * strides[1]
     rows_at = (start + rows)[:, None].to(gl.int64) * strides[2]
-    gl.store(OUT + base + rows_at + cols[None, :], x, mask=rows[:, None] < N_ROWS)
+    keep = rows[:, None] < N_ROWS
+    if x.shape[1] > N_COLS:
+        keep = keep & (cols[None, :] < N_COLS)
+    gl.store(OUT + base + rows_at + cols[None, :], x, mask=keep)
 
 
 @gluon.jit
 def _bwd_consumer(
     args, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-    STAGES: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr,
+    BLOCK_D: gl.constexpr, STAGES: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr,
 ):
     (DK, DV, dk_strides, dv_strides, bufs, dq_bufs, dq_full, dq_free, b_row, h_kv, pid_n, q_first, n_q, full_lo,
      full_hi, k_start, n_k, n_queries, diag, WIN_L, WIN_R, GROUP, qk_scale, softcap_in, softcap_out, sm_scale) = args
     k_buf, v_buf, q_bufs, do_bufs, l_bufs, d_bufs, ds_bufs, kv_ready, qdo_ready, qdo_empty = bufs
     dtype: gl.constexpr = k_buf.dtype
     KEYS: gl.constexpr = BLOCK_N // 2
-    # Each consumer computes a (64, 64) fp32 part of every dQ tile (32 registers a thread): d = 128 half the
-    # columns of a 64-query tile, d = 64 half the rows of a 128-query one.
-    SPLIT_DQ: gl.constexpr = HEAD_DIM == 128
-    DQ_ROWS: gl.constexpr = dq_part(BLOCK_M, HEAD_DIM)[0]
-    DQ_COLS: gl.constexpr = dq_part(BLOCK_M, HEAD_DIM)[1]
+    # Each consumer computes a (64, 64) fp32 part of every dQ tile (32 registers a thread): with 128-column tiles
+    # half the columns of a 64-query tile, at d = 64 half the rows of a 128-query one.
+    SPLIT_DQ: gl.constexpr = BLOCK_D == 128
+    DQ_ROWS: gl.constexpr = dq_part(BLOCK_M, BLOCK_D)[0]
+    DQ_COLS: gl.constexpr = dq_part(BLOCK_M, BLOCK_D)[1]
     k0 = pid_n * BLOCK_N
     s_layout: gl.constexpr = mma_layout(BLOCK_M)
-    kv_layout: gl.constexpr = mma_layout(HEAD_DIM)
+    kv_layout: gl.constexpr = mma_layout(BLOCK_D)
     dq_layout: gl.constexpr = mma_layout(DQ_COLS)
     # P^T and dS^T feed dV += P^T dO and dK += dS^T Q from registers; for 16-bit types this layout holds the
     # same elements per thread as the S^T accumulator, so the conversion moves no data.
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
 
-    k_all = k_buf.reshape([BLOCK_N, HEAD_DIM])
+    k_all = k_buf.reshape([BLOCK_N, BLOCK_D])
     k_own = k_all.slice(CONSUMER * KEYS, KEYS, dim=0)
-    v_own = v_buf.reshape([BLOCK_N, HEAD_DIM]).slice(CONSUMER * KEYS, KEYS, dim=0)
+    v_own = v_buf.reshape([BLOCK_N, BLOCK_D]).slice(CONSUMER * KEYS, KEYS, dim=0)
     k_dq = k_all.slice(CONSUMER * DQ_COLS, DQ_COLS, dim=1) if SPLIT_DQ else k_all
     # d = 64 puts off dV's product until dS^T is made, so that P^T's and dP^T's 128 fp32 registers a thread do
     # not live beside dV's product in flight (d = 128's 64-query tiles leave room for it).
-    LATE_DV: gl.constexpr = HEAD_DIM == 64
+    LATE_DV: gl.constexpr = BLOCK_D == 64
     offs_k = k0 + CONSUMER * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
     # Key j is seen by queries j - diag - WIN_R .. j - diag + WIN_L: one comparison a score against a per-key bound
     # (a second one only for a bounded left side).
@@ -246,16 +249,16 @@ def _bwd_consumer(
     inv_cap = 1.0 / softcap_out  # unused without a softcap
     s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout)
     dq_zero = gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, layout=dq_layout)
-    dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=kv_layout)
-    dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=kv_layout)
+    dk = gl.zeros([KEYS, BLOCK_D], gl.float32, layout=kv_layout)
+    dv = gl.zeros([KEYS, BLOCK_D], gl.float32, layout=kv_layout)
     mbarrier.wait(kv_ready.index(0), 0)
 
     for t in range(GROUP * n_q):
         i = q_first + t % n_q
         stage = t % STAGES
         slot = t % 2
-        q_smem = q_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
-        do_smem = do_bufs.index(stage).reshape([BLOCK_M, HEAD_DIM])
+        q_smem = q_bufs.index(stage).reshape([BLOCK_M, BLOCK_D])
+        do_smem = do_bufs.index(stage).reshape([BLOCK_M, BLOCK_D])
         offs_q = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_s)
         mbarrier.wait(qdo_ready.index(stage), (t // STAGES) & 1)
         s_t = warpgroup_mma(k_own, q_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -326,11 +329,11 @@ def _bwd_consumer(
         dk, dv, ds16 = warpgroup_mma_wait(0, deps=(dk, dv, ds16))
         mbarrier.arrive(qdo_empty.index(stage))
 
-    # dK, dV rows past the end of the keys are dropped by the mask.
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+    # dK, dV rows past the end of the keys and columns past the head dim are dropped by the mask.
+    offs_d = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, kv_layout))
     rows = k0 + CONSUMER * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kv_layout))
-    _store_rows(DK, dk_strides, (dk * sm_scale).to(dtype), b_row, h_kv, k_start, rows, offs_d, n_k)
-    _store_rows(DV, dv_strides, dv.to(dtype), b_row, h_kv, k_start, rows, offs_d, n_k)
+    _store_rows(DK, dk_strides, (dk * sm_scale).to(dtype), b_row, h_kv, k_start, rows, offs_d, n_k, HEAD_DIM)
+    _store_rows(DV, dv_strides, dv.to(dtype), b_row, h_kv, k_start, rows, offs_d, n_k, HEAD_DIM)
 
 
 # Lengths and head counts only enter comparisons and offsets: one build serves them all.
@@ -369,6 +372,7 @@ def _attn_bwd_kernel(
         dq_row0 = 0
 
     dtype: gl.constexpr = q_desc.dtype
+    BLOCK_D: gl.constexpr = q_desc.block_type.shape[3]  # HEAD_DIM rounded up to a power of two
     k_buf = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
     v_buf = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
@@ -401,13 +405,15 @@ def _attn_bwd_kernel(
                      softcap_out, sm_scale)
     gl.warp_specialize(
         [
-            (_bwd_consumer, (consumer_args, 0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, SOFTCAP, WINDOW, VARLEN)),
-            (_bwd_consumer, (consumer_args, 1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, SOFTCAP, WINDOW, VARLEN)),
+            (_bwd_consumer, (consumer_args, 0, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, STAGES, SOFTCAP, WINDOW,
+                             VARLEN)),
+            (_bwd_consumer, (consumer_args, 1, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, STAGES, SOFTCAP, WINDOW,
+                             VARLEN)),
             (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, l_desc, d_desc, bufs, b_row, h_kv, k_start + k0,
                              q_first, n_q, q_start, dq_row0, GROUP, BLOCK_M, STAGES)),
             (_bwd_dq_writer, (dq_desc, DQ_LOCKS, dq_bufs, dq_full, dq_free, b_row, h_kv, H_KV * GROUP, pid_n,
                               q_first, n_q, LOCK_TILES, dq_row0, n_k, diag, WIN_L, WIN_R, GROUP, BLOCK_M, BLOCK_N,
-                              HEAD_DIM, DETERMINISTIC)),
+                              BLOCK_D, DETERMINISTIC)),
         ],
         [4, 1, 1],
         [CONSUMER_REGISTERS, PRODUCER_REGISTERS, PRODUCER_REGISTERS],
@@ -422,7 +428,7 @@ def staged_row(r):
 
 @triton.jit
 def _dq_unstage_kernel(ACC, DQ, CU_Q, PAD_Q, scale, stride_b, stride_h, stride_t, HEADS, N_QUERIES, ROWS,
-                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, VARLEN: tl.constexpr):
+                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, VARLEN: tl.constexpr):
     # ACC: (batch * heads, ROWS, HEAD_DIM) fp32 whose BLOCK_M-row tiles hold their rows in staged order (a packed
     # batch: (heads, ROWS, HEAD_DIM), sequence b's tiles from row PAD_Q[b]); DQ: (batch, heads, N_QUERIES, HEAD_DIM)
     # with these strides (packed: its rows CU_Q[b]..CU_Q[b + 1] are sequence b's), in row order, times scale. Each
@@ -443,11 +449,12 @@ def _dq_unstage_kernel(ACC, DQ, CU_Q, PAD_Q, scale, stride_b, stride_h, stride_t
         acc_row0 = pid * ROWS + row0
     if row0 >= n_q:
         return
-    cols = tl.arange(0, HEAD_DIM)
-    acc = tl.load(ACC + (acc_row0 + staged_row(r))[:, None] * HEAD_DIM + cols[None, :])
+    cols = tl.arange(0, BLOCK_D)
+    in_d = cols[None, :] < HEAD_DIM
+    acc = tl.load(ACC + (acc_row0 + staged_row(r))[:, None] * HEAD_DIM + cols[None, :], mask=in_d)
     rows = row0 + r
     out = DQ + b * stride_b + h * stride_h + (q_start + rows)[:, None].to(tl.int64) * stride_t
-    tl.store(out + cols[None, :], (acc * scale).to(DQ.dtype.element_ty), mask=(rows < n_q)[:, None])
+    tl.store(out + cols[None, :], (acc * scale).to(DQ.dtype.element_ty), mask=(rows < n_q)[:, None] & in_d)
 
 
 def unstage_dq(acc: torch.Tensor, dq: torch.Tensor, scale: float, params: Params | None = None,
@@ -472,7 +479,8 @@ def unstage_dq(acc: torch.Tensor, dq: torch.Tensor, scale: float, params: Params
     else:
         grid = (rows // block_m, batch * heads)
     _dq_unstage_kernel[grid](acc, dq, params.cu_seqlens_q if varlen else None, pad_q, scale, *dq.stride()[:3], heads,
-                             n_queries, rows, HEAD_DIM=head_dim, BLOCK_M=block_m, VARLEN=varlen)
+                             n_queries, rows, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+                             BLOCK_M=block_m, VARLEN=varlen)
     return dq
 
 
@@ -523,7 +531,7 @@ def backward_args(
     heads_kv, n_keys = k.shape[1], k.shape[2]
     block_m, block_n, stages = CONFIGS[head_dim]
     scalars = params.kernel_args(n_queries, n_keys)
-    dq_block = [1, 1, *dq_part(block_m, head_dim)]
+    dq_block = [1, 1, *dq_part(block_m, triton.next_power_of_2(head_dim))]
     dq_desc = TensorDescriptor.from_tensor(dq_acc, dq_block, gl.NVMMASharedLayout.get_default_for(dq_block, gl.float32))
     args = (
         descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(do, block_m), dq_desc,
@@ -557,7 +565,7 @@ def gluon_attention_backward(
         ``torch.are_deterministic_algorithms_enabled()``: then each (query head, query tile) takes its key blocks'
         adds in descending key order, so dQ is bitwise reproducible too.
     """
-    check_inputs(q, k, v, params)
+    check_inputs(q, k, v, params, "backward")
     if o.shape != q.shape or do.shape != q.shape or o.dtype != q.dtype or do.dtype != q.dtype:
         raise ValueError(
             f"o and do must be shaped and typed like q {tuple(q.shape)}, {q.dtype}; got "
@@ -571,7 +579,7 @@ def gluon_attention_backward(
     delta = _padded_rows(lse.shape, q.device)  # D = rowsum(dO * O), fp32
     bwd_preprocess_kernel[(triton.cdiv(n_queries, 64), batch * heads_q)](
         o, do, delta, *o.stride(), *do.stride(), delta.stride(0), delta.stride(1), heads_q, n_queries,
-        HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=64,
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=64,
     )
     # The kernel's exponent is in base 2; TMA wants the rows' head stride 16-byte aligned.
     lse2 = _padded_rows(lse.shape, q.device).copy_(backward_rows(lse, delta, dlse))

@@ -6,6 +6,7 @@ descriptors, the wgmma accumulator layout and the register split between produce
 from __future__ import annotations
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma
@@ -15,7 +16,12 @@ from cs336_kernels.ops.flash_attention.checks import check_inputs as check_porta
 from cs336_kernels.ops.flash_attention.params import Params
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-SUPPORTED_HEAD_DIMS = (64, 128)
+# The head dims each direction takes. Gluon's shapes and TMA boxes are powers of two, so d = 96 runs in 128-column
+# tiles: TMA reads the columns past 96 as zeros and drops writes there, at a third more matmul work than d needs.
+# The backward has no d = 256: each consumer warpgroup keeps dK and dV of its 64 keys in registers, 2 x 128 fp32 a
+# thread there, past the 240 a consumer has (and K, V and a two-stage Q/dO ring alone would fill 256 KiB of shared
+# memory).
+HEAD_DIMS = {"forward": (64, 96, 128, 256), "backward": (64, 96, 128)}
 # 12 warps (two consumer warpgroups and the producer's warpgroup) share 64 K registers per SM: 168 each at
 # launch, then setmaxnreg moves them from the producer (24) to the consumers (240).
 MAX_REGISTERS = 168
@@ -75,39 +81,44 @@ def mma_layout(n):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
 
 
-def gluon_unsupported(q: torch.Tensor) -> str | None:
-    """Why the Gluon kernels cannot run for (B, H, T, d) queries like ``q`` (a packed batch's (1, H, total, d)
-    view), or None where they can: they need CUDA tensors on an sm_90 GPU (H100/H200), fp16 or bf16 and head dim 64
-    or 128, and run every one of the scores' parameters (scale, softcap, window, alignment, packed sequences)."""
+def gluon_unsupported(q: torch.Tensor, direction: str) -> str | None:
+    """Why the Gluon kernel of ``direction`` ("forward" or "backward") cannot run for (B, H, T, d) queries like
+    ``q`` (a packed batch's (1, H, total, d) view), or None where it can: they need CUDA tensors on an sm_90 GPU
+    (H100/H200), fp16 or bf16 and a head dim of :data:`HEAD_DIMS`, and run every one of the scores' parameters
+    (scale, softcap, window, alignment, packed sequences)."""
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
         return f"the Gluon kernels need CUDA tensors on an sm_90 GPU (H100/H200); got device {q.device}"
     if q.dtype not in SUPPORTED_DTYPES:
         return f"the Gluon kernels take {SUPPORTED_DTYPES}; got {q.dtype}"
-    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
-        return f"the Gluon kernels take head dims {SUPPORTED_HEAD_DIMS}; got {q.shape[-1]}"
+    if q.shape[-1] not in HEAD_DIMS[direction]:
+        return f"the Gluon {direction} takes head dims {HEAD_DIMS[direction]}; got {q.shape[-1]}"
     return None
 
 
-def gluon_applies(q: torch.Tensor) -> bool:
-    """The ``auto`` rule of both directions: whether the Gluon kernels run for queries like ``q``
-    (:func:`gluon_unsupported`)."""
-    return gluon_unsupported(q) is None
+def gluon_applies(q: torch.Tensor, direction: str) -> bool:
+    """The ``auto`` rule of ``direction`` ("forward" or "backward"): whether its Gluon kernel runs for queries like
+    ``q`` (:func:`gluon_unsupported`)."""
+    # Head dims 96 and 256 have not yet run on a GPU: "auto" keeps them on the Triton kernels until
+    # test_gluon_attention.py's tests at those dims pass on sm_90 (a named Gluon kernel runs them).
+    if q.shape[-1] in (96, 256):
+        return False
+    return gluon_unsupported(q, direction) is None
 
 
-def check_gluon(q: torch.Tensor) -> None:
-    """Raise ValueError naming why, where the Gluon kernels cannot run for queries like ``q``
+def check_gluon(q: torch.Tensor, direction: str) -> None:
+    """Raise ValueError naming why, where the Gluon kernel of ``direction`` cannot run for queries like ``q``
     (:func:`gluon_unsupported`)."""
-    reason = gluon_unsupported(q)
+    reason = gluon_unsupported(q, direction)
     if reason is not None:
         raise ValueError(reason)
 
 
-def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: Params) -> None:
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: Params, direction: str) -> None:
     # The portable kernels' checks (types, shapes, GQA heads, devices), then what these kernels add.
     check_portable_inputs(q, k, v, params.window_right == 0)
     if q.dim() != 4:
         raise ValueError(f"q, k, v must be (batch, heads, seq, d); got shapes {tuple(q.shape)}, {tuple(k.shape)}")
-    check_gluon(q)
+    check_gluon(q, direction)
 
 
 def tma_ready(x: torch.Tensor) -> torch.Tensor:
@@ -117,7 +128,7 @@ def tma_ready(x: torch.Tensor) -> torch.Tensor:
 
 
 def descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
-    # (1, 1, rows, d) boxes of a (batch, heads, seq, d) tensor: reads past the end of a head's rows come back
-    # as zeros and writes there are dropped, whatever lies next in memory.
-    block = [1, 1, block_rows, x.shape[-1]]
+    # (1, 1, rows, d rounded up to a power of two) boxes of a (batch, heads, seq, d) tensor: reads past the end of a
+    # head's rows or of d come back as zeros and writes there are dropped, whatever lies next in memory.
+    block = [1, 1, block_rows, triton.next_power_of_2(x.shape[-1])]
     return TensorDescriptor.from_tensor(x, block, gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[x.dtype]))

@@ -14,7 +14,8 @@ from a queue (an atomic counter; head by head, under a causal mask the longest t
   A consumer issues the next tile's ``Q K^T`` and the current tile's ``P V`` back to back and computes the
   next softmax while ``P V`` runs (FA3's intra-warpgroup overlap); the two consumers also overlap each
   other, since the warp schedulers interleave them. O leaves through a staging buffer of its own by a TMA store
-  that completes while the next tile runs.
+  that completes while the next tile runs (at d = 256, where shared memory has no room for it, and for a packed
+  batch, by a masked store from registers).
 
 Conventions are those of :mod:`cs336_kernels.ops.flash_attention.params`: (batch, heads, seq, d) tensors (a packed
 batch as the (1, heads, total, d) view of its (total, heads, d) tensor, its sequences read from cu_seqlens),
@@ -24,7 +25,9 @@ softmax scale and softcap, and the logsumexp ``L`` of the scores in natural-log 
 sees no key. Key tiles outside every row's window are never loaded; only tiles that straddle a window's edge or
 the end of the keys are masked. The tensors are addressed by 4-D TMA descriptors, so the hardware zero-fills reads
 past the end of a head and clips the O store there: any sequence length works without masked loads (a packed
-batch's rows past a sequence's end are its neighbour's, masked as keys and stored around as outputs).
+batch's rows past a sequence's end are its neighbour's, masked as keys and stored around as outputs). Tiles are
+as wide as the head dim rounded up to a power of two: at d = 96 the descriptors' 128-column boxes read zeros past
+column 96.
 
 The kernels need an sm_90 GPU; they do not run in the Triton interpreter. Tests:
 ``pytest -m gpu packages/kernels/tests/test_gluon_attention.py`` on an H100/H200. What each variant measured is in
@@ -68,8 +71,17 @@ from cs336_kernels.ops.flash_attention.params import Params
 # Per head dim: (BLOCK_M query rows per consumer warpgroup, BLOCK_N keys per tile, STAGES of the K/V ring).
 # One wgmma warpgroup covers 64 rows; with the Q and O staging buffers the ring fills most of the 227 KiB of shared
 # memory per block: d = 128: 2 x 16 KiB Q + 2 x 16 KiB O + 2 x (32 + 32) KiB K/V; d = 64: 2 x 8 KiB Q + 2 x 8 KiB O
-# + 3 x (16 + 16) KiB K/V.
-CONFIGS = {64: (64, 128, 3), 128: (64, 128, 2)}
+# + 3 x (16 + 16) KiB K/V; d = 96 runs d = 128's tiles. At d = 256 a consumer's O accumulator takes 128 fp32
+# registers a thread, which leaves room for 64-key tiles only (128-key ones spill); 2 x 32 KiB Q + 2 x (32 + 32)
+# KiB K/V leave no room for O's staging buffers, so O is stored from registers (:func:`stages_o`).
+CONFIGS = {64: (64, 128, 3), 96: (64, 128, 2), 128: (64, 128, 2), 256: (64, 64, 2)}
+
+
+def stages_o(head_dim: int, varlen: bool) -> bool:
+    """Whether O leaves through shared memory and a TMA store (which clips rows past the end of a head), rather than
+    by a masked store from registers: not at d = 256 (no room) nor for a packed batch, whose rows past a sequence's
+    end belong to the next one."""
+    return head_dim <= 128 and not varlen
 
 
 @gluon.jit
@@ -197,14 +209,15 @@ def _scores(s, kt, masked, row0, diag, n_k, WIN_L, WIN_R, qk_scale, softcap_in, 
 @gluon.jit
 def _consumer(
     args, CONSUMER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-    STAGES: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr,
+    BLOCK_D: gl.constexpr, STAGES: gl.constexpr, STAGE_O: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr,
+    VARLEN: gl.constexpr,
 ):
     (o_desc, O, L, CU_Q, CU_K, bufs, o_bufs, tile_buf, n_m, BH, H_Q, N_QUERIES, N_KEYS, DIAG, WIN_L, WIN_R,
-     stride_ot, stride_oh, stride_lb, stride_lh, qk_scale, softcap_in, softcap_out) = args
+     stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, qk_scale, softcap_in, softcap_out) = args
     q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = bufs
     dtype: gl.constexpr = o_desc.dtype
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
-    o_layout: gl.constexpr = mma_layout(HEAD_DIM)
+    o_layout: gl.constexpr = mma_layout(BLOCK_D)
     # P feeds the P V wgmma from registers: for 16-bit types this layout holds the same elements per thread as
     # the S accumulator, so the conversion moves no data.
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -213,8 +226,7 @@ def _consumer(
     id_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
 
     q_tile = q_bufs.index(CONSUMER)
-    q_smem = q_tile.reshape([BLOCK_M, HEAD_DIM])
-    o_tile = o_bufs.index(CONSUMER)
+    q_smem = q_tile.reshape([BLOCK_M, BLOCK_D])
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     n_codes = n_m * BH
     it = 0  # ring position of the tile's first key tile
@@ -229,12 +241,12 @@ def _consumer(
         n_tiles = gl.maximum(j1 - j0, 1)
         row0 = q0 + CONSUMER * BLOCK_M
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
-        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+        acc = gl.zeros([BLOCK_M, BLOCK_D], gl.float32, layout=o_layout)
 
         # Key tile 0: scores and probabilities only; its P V is issued together with tile 1's Q K^T.
         stage = it % STAGES
         mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
-        s = warpgroup_mma(q_smem, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+        s = warpgroup_mma(q_smem, k_bufs.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_zero,
                           use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(stage))
@@ -246,10 +258,10 @@ def _consumer(
             stage = (it + j) % STAGES
             prev = (it + j - 1) % STAGES
             mbarrier.wait(k_ready.index(stage), ((it + j) // STAGES) & 1)
-            s = warpgroup_mma(q_smem, k_bufs.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
+            s = warpgroup_mma(q_smem, k_bufs.index(stage).reshape([BLOCK_N, BLOCK_D]).permute((1, 0)), s_zero,
                               use_acc=False, is_async=True)
             mbarrier.wait(v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
-            acc = warpgroup_mma(p16, v_bufs.index(prev).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+            acc = warpgroup_mma(p16, v_bufs.index(prev).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
             # wgmma groups retire in order: one outstanding group means Q K^T is done and P V may still run.
             s = warpgroup_mma_wait(1, deps=(s,))
             mbarrier.arrive(k_empty.index(stage))
@@ -268,14 +280,14 @@ def _consumer(
         mbarrier.arrive(q_empty.index(0))
         last = (it + n_tiles - 1) % STAGES
         mbarrier.wait(v_ready.index(last), ((it + n_tiles - 1) // STAGES) & 1)
-        acc = warpgroup_mma(p16, v_bufs.index(last).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+        acc = warpgroup_mma(p16, v_bufs.index(last).reshape([BLOCK_N, BLOCK_D]), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(v_empty.index(last))
 
         # Epilogue: a row that saw no key gets 0 and L = -inf. O through this consumer's staging buffer once the
         # previous tile's store has read it, then one TMA store, which clips rows past the end of the head (it
-        # completes while the next tile runs); a packed batch's rows past the end of its sequence belong to the
-        # next one, so there O goes by a masked store from registers. L by a masked store.
+        # completes while the next tile runs); where O is not staged (stages_o) it goes by a masked store from
+        # registers. L by a masked store.
         seen = l_i > 0.0
         l_safe = gl.where(seen, l_i, 1.0)
         acc = acc / gl.convert_layout(l_safe, row_o)[:, None]
@@ -287,16 +299,24 @@ def _consumer(
         offs_m = row0 + gl.arange(0, BLOCK_M, layout=row_s)
         if VARLEN:
             q_start = gl.load(CU_Q + b)
-            rows = row0 + gl.arange(0, BLOCK_M, layout=row_o)
-            cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-            out = O + h.to(gl.int64) * stride_oh + (q_start + rows).to(gl.int64)[:, None] * stride_ot + cols[None, :]
-            gl.store(out, acc.to(dtype), mask=(rows < n_q)[:, None])
-        else:
+        if STAGE_O:
+            o_tile = o_bufs.index(CONSUMER)
             tma.store_wait(0)
             thread_barrier()
-            o_tile.reshape([BLOCK_M, HEAD_DIM]).store(acc.to(dtype))
+            o_tile.reshape([BLOCK_M, BLOCK_D]).store(acc.to(dtype))
             fence_async_shared()
             tma_store(o_desc, [b, h, row0, 0], o_tile)
+        else:
+            rows = row0 + gl.arange(0, BLOCK_M, layout=row_o)
+            cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
+            out = O + h.to(gl.int64) * stride_oh + (q_start + rows).to(gl.int64)[:, None] * stride_ot + cols[None, :]
+            if not VARLEN:  # a packed batch is one (1, heads, total, d) view
+                out += b.to(gl.int64) * stride_ob
+            if HEAD_DIM < BLOCK_D:  # one comparison an element: a row past the end keeps no column
+                keep = cols[None, :] < gl.where(rows < n_q, HEAD_DIM, 0)[:, None]
+            else:
+                keep = (rows < n_q)[:, None]
+            gl.store(out, acc.to(dtype), mask=keep)
         lse = gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # natural-log units
         gl.store(L + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + q_start + offs_m, lse,
                  mask=offs_m < n_q)
@@ -309,19 +329,22 @@ def _consumer(
 
 # Lengths and head counts only enter comparisons and offsets: one build serves them all.
 @gluon.jit(do_not_specialize=["n_m", "BH", "H_Q", "GROUP", "N_QUERIES", "N_KEYS", "DIAG", "WIN_L", "WIN_R",
-                              "stride_ot", "stride_oh", "stride_lb", "stride_lh"])
+                              "stride_ob", "stride_ot", "stride_oh", "stride_lb", "stride_lh"])
 def _attn_fwd_kernel(
     q_desc, k_desc, v_desc, o_desc, O, L, COUNTER, CU_Q, CU_K, TILE_OFFSETS,
-    n_m, BH, H_Q, GROUP, N_QUERIES, N_KEYS, DIAG, WIN_L, WIN_R, stride_ot, stride_oh, stride_lb, stride_lh,
+    n_m, BH, H_Q, GROUP, N_QUERIES, N_KEYS, DIAG, WIN_L, WIN_R, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
     qk_scale, softcap_in, softcap_out,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    REVERSE: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr, VARLEN: gl.constexpr,
+    STAGE_O: gl.constexpr, REVERSE: gl.constexpr, SOFTCAP: gl.constexpr, WINDOW: gl.constexpr,
+    VARLEN: gl.constexpr,
 ):
     # Persistent: one program per SM takes query tiles of 2 * BLOCK_M rows (n_m per (sequence, query head), BH
     # heads) in the order of _tile_code until none is left, so that one tile's epilogue overlaps the next one's loads.
     dtype: gl.constexpr = q_desc.dtype
+    BLOCK_D: gl.constexpr = q_desc.block_type.shape[3]  # HEAD_DIM rounded up to a power of two
     q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-    o_bufs = gl.allocate_shared_memory(dtype, [2] + o_desc.block_type.shape, o_desc.layout)
+    # Without staging O leaves from registers: the Q buffers stand in for the O buffers, never touched.
+    o_bufs = gl.allocate_shared_memory(dtype, [2] + o_desc.block_type.shape, o_desc.layout) if STAGE_O else q_bufs
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     tile_buf = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -344,11 +367,13 @@ def _attn_fwd_kernel(
 
     bufs = (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty)
     consumer_args = (o_desc, O, L, CU_Q, CU_K, bufs, o_bufs, tile_buf, n_m, BH, H_Q, N_QUERIES, N_KEYS, DIAG, WIN_L,
-                     WIN_R, stride_ot, stride_oh, stride_lb, stride_lh, qk_scale, softcap_in, softcap_out)
+                     WIN_R, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, qk_scale, softcap_in, softcap_out)
     gl.warp_specialize(
         [
-            (_consumer, (consumer_args, 0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, SOFTCAP, WINDOW, VARLEN)),
-            (_consumer, (consumer_args, 1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, SOFTCAP, WINDOW, VARLEN)),
+            (_consumer, (consumer_args, 0, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, STAGES, STAGE_O, SOFTCAP, WINDOW,
+                         VARLEN)),
+            (_consumer, (consumer_args, 1, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, STAGES, STAGE_O, SOFTCAP, WINDOW,
+                         VARLEN)),
             (_producer, (q_desc, k_desc, v_desc, bufs, tile_buf, COUNTER, CU_Q, CU_K, TILE_OFFSETS, n_m, BH, H_Q,
                          GROUP, N_QUERIES, N_KEYS, DIAG, WIN_L, WIN_R, BLOCK_M, BLOCK_N, STAGES, REVERSE, VARLEN)),
         ],
@@ -378,13 +403,13 @@ def forward_args(
         descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(o, block_m), o, lse,
         counter, params.cu_seqlens_q, params.cu_seqlens_k, tile_offsets,
         triton.cdiv(rows_q, 2 * block_m), n_seqs * heads_q, heads_q, heads_q // heads_kv, n_queries, n_keys,
-        scalars["DIAG"], scalars["WIN_L"], scalars["WIN_R"], o.stride(2), o.stride(1),
+        scalars["DIAG"], scalars["WIN_L"], scalars["WIN_R"], o.stride(0), o.stride(2), o.stride(1),
         0 if params.varlen else lse.stride(0), lse.stride(1),
         scalars["qk_scale"], scalars["softcap_in"], scalars["softcap_out"],
     )
     return args, {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages,
-                  "REVERSE": params.window_right >= 0, "SOFTCAP": params.softcap > 0,
-                  "WINDOW": params.window_left >= 0, "VARLEN": params.varlen}
+                  "STAGE_O": stages_o(head_dim, params.varlen), "REVERSE": params.window_right >= 0,
+                  "SOFTCAP": params.softcap > 0, "WINDOW": params.window_left >= 0, "VARLEN": params.varlen}
 
 
 def tile_offsets(params: Params, heads_q: int, head_dim: int) -> torch.Tensor:
@@ -401,7 +426,7 @@ def gluon_attention_forward(
     """Attention output and logsumexp from the warp-specialised sm_90 kernel.
 
     Args:
-        q: (batch, heads_q, seq_q, d), fp16 or bf16, d in (64, 128), on an sm_90 GPU; a packed batch as the
+        q: (batch, heads_q, seq_q, d), fp16 or bf16, d in (64, 96, 128, 256), on an sm_90 GPU; a packed batch as the
             (1, heads_q, total_q, d) view of its (total_q, heads_q, d) tensor, its sequences in ``params``.
         k, v: (batch, heads_kv, seq_k, d) with heads_q a multiple of heads_kv (packed: as q).
         params: the scores' parameters (:mod:`~cs336_kernels.ops.flash_attention.params`).
@@ -410,7 +435,7 @@ def gluon_attention_forward(
         ``(o, lse)``: o shaped, typed and laid out like q (:func:`~cs336_kernels.ops._common.output_like`), lse
         (batch, heads_q, seq_q) in fp32, natural log, contiguous.
     """
-    check_inputs(q, k, v, params)
+    check_inputs(q, k, v, params, "forward")
     o = output_like(q)
     q, k, v = tma_ready(q), tma_ready(k), tma_ready(v)
     batch, heads_q, n_queries, head_dim = q.shape
