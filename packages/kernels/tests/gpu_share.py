@@ -3,12 +3,12 @@ repository's, for a run of the whole workspace; the kernels tests', for the kern
 
 Under pytest-xdist (``-n 8``, ``-n auto``) every worker runs its tests on the same GPU. Each test holds a
 cross-process lock from its setup to its teardown (module fixtures included, which are made in their first test's
-setup): shared by default, exclusive for a test marked ``gpu_exclusive``, which then finds the GPU to itself. A
-shared test may reserve at most :data:`SHARED_BUDGET_GIB` of GPU memory beyond what its process held when it
-started, so that sixteen workers (``-n auto`` on the lent 16-core machines) fit on an 80 GiB GPU beside their CUDA
-contexts; one that reserves more fails at its teardown with the fix: mark it ``gpu_exclusive``. Mark one so too
-if it starts processes that use the GPU (their memory is not counted here). After each test the worker hands its
-cached GPU memory back to the driver.
+setup): shared by default, exclusive for a test marked ``gpu_exclusive``, which then finds the GPU to itself (and,
+while it waits for the shared tests running, goes before those that ask after it). A shared test may reserve at most
+:data:`SHARED_BUDGET_GIB` of GPU memory beyond what its process held when it started, so that sixteen workers (``-n
+auto`` on the lent 16-core machines) fit on an 80 GiB GPU beside their CUDA contexts; one that reserves more fails
+at its teardown with the fix: mark it ``gpu_exclusive``. Mark one so too if it starts processes that use the GPU
+(their memory is not counted here). After each test the worker hands its cached GPU memory back to the driver.
 
 Without CUDA the plugin does nothing.
 """
@@ -52,10 +52,19 @@ def _exclusive(item: pytest.Item) -> bool:
 
 @contextlib.contextmanager
 def hold(exclusive: bool) -> Iterator[None]:
-    """Hold the lock, alone or shared, until the block ends (flock: released when its file closes)."""
+    """Hold the lock, alone or shared, until the block ends (flock: released when its file closes).
+
+    Every taker first passes a turnstile (a second lock file beside it), which an exclusive taker keeps until it holds
+    the lock: flock alone lets shared takers pass an exclusive one that waits for as long as shared tests keep
+    coming, and the waiting worker's queued tests with it, to the end of the run."""
+    gate = os.open(LOCK.with_name(LOCK.name + ".gate"), os.O_RDWR | os.O_CREAT, 0o666)
     fd = os.open(LOCK, os.O_RDWR | os.O_CREAT, 0o666)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            fcntl.flock(gate, fcntl.LOCK_EX)
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            os.close(gate)
         yield
     finally:
         os.close(fd)

@@ -1,6 +1,7 @@
-"""The plugin that shares one GPU between pytest-xdist workers (``gpu_share.py``), checked on a CPU: the lock itself,
-and a pytest run of three workers in which an exclusive test overlaps no other while shared tests overlap, and a
-shared test past the memory budget fails with the fix (the CUDA memory calls stood in for)."""
+"""The plugin that shares one GPU between pytest-xdist workers (``gpu_share.py``), checked on a CPU: the lock itself
+(a waiting exclusive taker first), and a pytest run of three workers in which an exclusive test overlaps no other
+while shared tests overlap, and a shared test past the memory budget fails with the fix (the CUDA memory calls stood
+in for)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import gpu_share
@@ -34,6 +37,30 @@ def test_exclusive_excludes_all_and_shared_excludes_exclusive(monkeypatch: pytes
     with gpu_share.hold(exclusive=True):
         assert not _try(gpu_share.LOCK, fcntl.LOCK_SH) and not _try(gpu_share.LOCK, fcntl.LOCK_EX)
     assert _try(gpu_share.LOCK, fcntl.LOCK_EX)
+
+
+def test_a_waiting_exclusive_taker_goes_before_later_shared_ones(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    monkeypatch.setattr(gpu_share, "LOCK", tmp_path / "lock")
+    order: list[str] = []
+
+    def take(name: str, exclusive: bool) -> None:
+        with gpu_share.hold(exclusive):
+            order.append(name)
+
+    with gpu_share.hold(exclusive=False):
+        writer = threading.Thread(target=take, args=("exclusive", True))
+        writer.start()
+        gate = tmp_path / "lock.gate"
+        deadline = time.monotonic() + 10
+        while (not gate.exists() or _try(gate, fcntl.LOCK_EX)) and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the exclusive taker waits at the lock, the turnstile in hand
+        reader = threading.Thread(target=take, args=("shared", False))
+        reader.start()
+        reader.join(timeout=0.3)
+        assert order == []  # the later shared taker waits behind the exclusive one, not beside this shared holder
+    writer.join(timeout=10)
+    reader.join(timeout=10)
+    assert order == ["exclusive", "shared"]
 
 
 _CONFTEST = """
