@@ -5,7 +5,7 @@
 # plan must be the step's peak counted on fake tensors to the byte (packages/harness/tests/test_live_memory.py: 21
 # steps, all but one marked slow: the quick GPU run keeps that one).
 # One pytest run per loss, all of them within one call's 10 minutes (the first compiles the kernels); the log in
-# $OUT/log.txt.
+# $OUT/log.txt, with each step's planned and measured peak.
 #   run (GPU machine, repo root): bash tools/gpu_memory_plan.sh
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -18,6 +18,6 @@ export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}"
     loss="${run%%:*}"
     echo "== the plan against the allocator: the $loss loss"
     timeout "${run##*:}" bash tools/gpu.sh python3 -m pytest -m gpu packages/harness/tests/test_live_memory.py \
-      -k "planned_peak and $loss" -q -p no:cacheprovider || echo "== $loss FAILED or timed out (rc $?)"
+      -k "planned_peak and $loss" -q -s -p no:cacheprovider || echo "== $loss FAILED or timed out (rc $?)"
   done
 } 2>&1 | tee "$OUT/log.txt"

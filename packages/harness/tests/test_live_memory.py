@@ -186,6 +186,9 @@ def test_gpu_allocator_peak_is_the_planned_peak(loss: str, checkpoint: str) -> N
     measured = int(run.stdout.split()[-1])
     config = gpu_proxy_step(loss, checkpoint)
     planned = memory_plan(config, None).expected_peak_bytes
+    # The numbers behind the verdict, for the GPU log (tools/gpu_memory_plan.sh runs with -s).
+    print(f"\n{loss} {checkpoint}: planned {planned / GIB:.3f} GiB, allocator {measured / GIB:.3f} GiB, "
+          f"difference {(measured - planned) / GIB:+.3f} GiB")
     if parse_policy(checkpoint).kind == "offload":
         # What offloaded blocks save leaves for host memory as the later blocks run; the plan counts the copies as
         # out by the backward, and their return with the next block's backward at once: a bound from above.
