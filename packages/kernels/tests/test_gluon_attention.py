@@ -154,8 +154,8 @@ def test_gpu_head_dim_256_takes_the_gluon_forward_and_the_triton_backward(is_cau
 
 @pytest.mark.parametrize("head_dim", [96, 256])
 def test_gpu_auto_keeps_head_dims_96_and_256_on_triton(head_dim):
-    # The gate in gluon_applies (not yet run on a GPU): remove it, and this test, once the tests at these head dims
-    # pass on sm_90. Until then only a named Gluon kernel runs them.
+    # The gate in gluon_applies (not yet timed against the Triton kernels): remove it, and this test, once the Gluon
+    # kernels at these head dims are measured the faster. Until then only a named Gluon kernel runs them.
     q = _inputs((1, 2, 64, head_dim), (1, 2, 64, head_dim), torch.bfloat16, seed=0)[0]
     assert gluon_unsupported(q, "forward") is None
     assert forward_impl(q, "auto") == backward_impl(q, "auto") == "triton"
@@ -305,7 +305,7 @@ def test_gpu_auto_backward_is_gluon_deterministic_or_not(head_dim):
 @pytest.mark.parametrize("lengths", [[300, 1, 0, 700, 129], [1, 300], [300, 65, 212], [128, 128, 128]],
                          ids=["mixed", "one-then-long", "unaligned-middle", "aligned"])
 def test_gpu_packed_backward_takes_sequences_that_start_at_any_token(lengths, head_dim):
-    # The Gluon backward of a packed batch directly (the public functions give packed batches the Triton one).
+    # The Gluon backward of a packed batch, through the kernels' own calls.
     # Its TMA reads L and D along their rows, where a box must start 16-byte aligned: with a sequence starting at
     # a token that is not a multiple of four it stopped on an illegal instruction; it now reads them laid out as
     # the dQ accumulator is, each sequence from a whole tile.

@@ -133,12 +133,7 @@ def flash_attention_backward_op(
                      window_right, bottom_right, softcap)
     q4, k4, v4, o4, do4 = (_as_dense(unit_stride(t)) for t in (q, k, v, o, do))
     lse4, dlse4 = (None if t is None else t.unsqueeze(0) if q.dim() == 3 else t for t in (lse, dlse))
-    name = backward_impl(q4, backward)
-    if params.varlen and name == "gluon":
-        # Packed batches take the Triton backward (a named Gluon one is refused before the call) until the Gluon
-        # one's packed GPU test (test_gluon_attention.py, sequences starting at any token) has passed on sm_90.
-        name = "triton"
-    impl = _BACKWARDS[name]
+    impl = _BACKWARDS[backward_impl(q4, backward)]
     with _deterministic(deterministic):
         grads = impl(q4, k4, v4, o4, do4, lse4, dlse4, params)
     return tuple(_from_dense(g, t) for g, t in zip(grads, (q, k, v), strict=True))
@@ -291,8 +286,9 @@ def flash_attention_varlen(
     """
     check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _check_impls(backward, forward)
-    if backward in ("pytorch", "gluon"):
-        raise ValueError(f"backward={backward!r} runs dense batches only; use 'triton' or 'auto' for packed sequences")
+    if backward == "pytorch":
+        raise ValueError("backward='pytorch' runs dense batches only; use 'auto', 'triton' or 'gluon' for packed "
+                         "sequences")
     params = make_params(q.shape[-1], causal, softmax_scale, window_size, softcap, True, cu_seqlens_q, cu_seqlens_k,
                          max_seqlen_q, max_seqlen_k)
     _check_runs_here(q, "flash_attention_varlen")
