@@ -189,6 +189,8 @@ def _cu(*values, dtype=torch.int32):
      "cu_seqlens_k must be a torch.Tensor"),
     (lambda q, k, v: flash_attention_varlen(q[0], k[0], v[0], _cu(0, 10), _cu(0, 10), 10, 10, backward="pytorch"),
      ValueError, "dense batches only"),
+    (lambda q, k, v: flash_attention_varlen(q[0], k[0], v[0], _cu(0, 10), _cu(0, 10), 10, 10, backward="gluon"),
+     ValueError, "need CUDA tensors on an sm_90 GPU"),
 ])
 def test_bad_knobs_and_packed_inputs_raise(call, error, match):
     q, k, v = (_randn(1, 10, 2, 16, dtype=torch.float32, seed=i) for i in range(3))
