@@ -3,6 +3,7 @@ count of the step itself on fake tensors (and, on a GPU, against the allocator).
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from pathlib import Path
@@ -60,6 +61,21 @@ def test_fake_tensors_count_what_real_ones_would_hold() -> None:
     top = live.peak_sites()[0]
     assert "_to_copy" in top.what and top.bytes == 4 * GIB and top.count == 1
     assert "test_live_memory.py" not in top.where  # only frames of cs336 packages name a site
+
+
+def test_a_backward_that_works_in_place_on_a_device_does_so_on_fake_tensors() -> None:
+    # Gather's backward makes zeros and scatter-adds into them: in place, except on fake tensors or under a
+    # dispatch mode (as LiveMemory is), where PyTorch calls the out-of-place operator. Counted, the gradient is
+    # held once, as in a run without the mode; beside it, the loss and its gradient (two fp32 scalars).
+    def peak(fake: bool) -> int:
+        with fake_tensors() if fake else contextlib.nullcontext():
+            logits = torch.zeros(256, 1024, requires_grad=True)
+            targets = torch.zeros(256, 1, dtype=torch.long)
+            with LiveMemory() as live:
+                logits.gather(-1, targets).sum().backward()
+        return live.peak_bytes
+
+    assert peak(fake=True) == peak(fake=False) == 256 * 1024 * 4 + 2 * 4
 
 
 def test_peak_sites_needs_sites() -> None:
@@ -191,8 +207,9 @@ def test_gpu_allocator_peak_is_the_planned_peak(loss: str, checkpoint: str) -> N
           f"difference {(measured - planned) / GIB:+.3f} GiB")
     if parse_policy(checkpoint).kind == "offload":
         # What offloaded blocks save leaves for host memory as the later blocks run; the plan counts the copies as
-        # out by the backward, and their return with the next block's backward at once: a bound from above.
-        assert 0 <= planned - measured < 1.5 * GIB
+        # out by the backward, and their return with the next block's backward at once: a bound from above, up to
+        # what the count leaves out (below).
+        assert -0.1 * GIB <= planned - measured < 1.5 * GIB
         return
     # What the count leaves out: the allocator's 512-byte rounding and the libraries' workspaces (cuBLAS: 32 MiB
     # per stream and handle).

@@ -26,6 +26,7 @@ FP32_REL_TOL = 2e-5
 # FlashAttention's rule for 16-bit runs (bf16 weights, or autocast): the patched model's error against the fp32 model
 # at most this many times the unpatched one's.
 ERROR_RATIO = 2.0
+BF16_ROUNDING = 2.0**-8  # bf16's unit roundoff: the relative error of one rounding at most
 VOCAB = 97
 
 
@@ -35,17 +36,15 @@ def tiny_config(family: str, **overrides) -> transformers.PretrainedConfig:
     common = {"vocab_size": VOCAB, "hidden_size": 80, "intermediate_size": 88, "num_hidden_layers": 2,
               "num_attention_heads": 5, "num_key_value_heads": 1, "max_position_embeddings": 256,
               "rms_norm_eps": 1e-6}
+    # The overrides go to the constructor, which derives fields from them (Qwen's layer_types has one entry a layer).
     configs = {
-        "llama": lambda: transformers.LlamaConfig(**common, tie_word_embeddings=True),  # Llama 3.2 ties its head
-        "qwen2": lambda: transformers.Qwen2Config(**common),  # q, k and v projections with a bias
-        "qwen3": lambda: transformers.Qwen3Config(**{**common, "num_attention_heads": 4, "num_key_value_heads": 2},
-                                                  head_dim=24),  # per-head q/k norms
-        "mistral": lambda: transformers.MistralConfig(**common, sliding_window=5),  # a window shorter than the batch
+        "llama": lambda: transformers.LlamaConfig(**{**common, "tie_word_embeddings": True, **overrides}),  # tied head
+        "qwen2": lambda: transformers.Qwen2Config(**{**common, **overrides}),  # q, k and v projections with a bias
+        "qwen3": lambda: transformers.Qwen3Config(**{**common, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                                     "head_dim": 24, **overrides}),  # per-head q/k norms
+        "mistral": lambda: transformers.MistralConfig(**{**common, "sliding_window": 5, **overrides}),  # < the batch
     }
-    config = configs[family]()
-    for key, value in overrides.items():
-        setattr(config, key, value)
-    return config
+    return configs[family]()
 
 
 def build(family: str, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32, seed: int = 0,
@@ -355,7 +354,9 @@ def test_bf16_within_flash_attentions_error_rule_on_gpu(family):
             logits = model(input_ids=ids).logits
             model.train()
         results[name] = {"loss": loss, "logits": logits, **grads}
-    for key, exact in results["fp32"].items():
-        hf_err = _rel_err(results["hf"][key], exact)
-        ours_err = _rel_err(results["ours"][key], exact)
-        assert ours_err <= ERROR_RATIO * hf_err, (key, ours_err, hf_err)
+    # With FlashAttention's floor, one rounding to bf16: a mean (the loss) can fall far below it by chance, its
+    # rounding errors cancelling, and twice that is no bound.
+    errors = {key: (_rel_err(results["ours"][key], exact), _rel_err(results["hf"][key], exact))
+              for key, exact in results["fp32"].items()}
+    over = {key: err for key, err in errors.items() if err[0] > ERROR_RATIO * err[1] + BF16_ROUNDING}
+    assert not over, over

@@ -9,7 +9,10 @@ the same storage) are counted at their new size. So what it reports is what the 
 Inside :func:`fake_tensors` no operator computes anything, so the peak of a whole training step at the leaderboard's
 shape takes seconds on a laptop's CPU. Host reads of fake values (an input check's ``.item()``) get 0, what a
 check that passes sees, or the value given (an optimizer's count of steps taken must not be 0); code whose memory
-depends on tensor values cannot be counted this way.
+depends on tensor values cannot be counted this way. Some of PyTorch's derivative formulas work in place on a
+temporary of their own, but out of place on a tensor subclass or under a dispatch mode such as this one (gather's
+backward: zeros, then ``scatter_add_``); inside those backward nodes the in-place operator runs, so what is counted
+is what a run without the mode holds (:data:`_IN_PLACE_ON_DEVICE`).
 
     with fake_tensors(), LiveMemory() as live:
         model = build(...); loss = model(x); loss.backward()
@@ -34,6 +37,9 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 _SITE_FRAMES = 3  # innermost frames of our packages that name where a storage was made
+# Backward nodes whose formula writes its own zeros in place, but under a dispatch mode or on fake tensors calls the
+# out-of-place operator (which would count a second full-size gradient): the node, that operator, the in-place one.
+_IN_PLACE_ON_DEVICE = {"GatherBackward0": (torch.ops.aten.scatter_add.default, torch.ops.aten.scatter_add_.default)}
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,10 @@ class LiveMemory(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
             return self.host_read  # a host read of a fake value (module docstring)
+        if (node := torch._C._current_autograd_node()) is not None:
+            out_of_place, in_place = _IN_PLACE_ON_DEVICE.get(node.name(), (None, None))
+            if func is out_of_place:
+                func = in_place
         out = func(*args, **(kwargs or {}))
         # An output on an input's storage (a view, an in-place op) is not new, even when made before the mode.
         inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
