@@ -470,15 +470,20 @@ def table_varlen_window() -> str:
 
 
 def table_hf() -> str:
-    """The Hugging Face training step (``cs336 hf``) of each model from its latest call: HF as it comes (SDPA),
-    with Liger-Kernel's patch and with ours; "OOM" where a step ran out of memory."""
+    """The Hugging Face training step (``cs336 hf``) of each model from the latest call of each layout (packed, and
+    batched: a row each), with its GPU: HF as it comes (SDPA), with Liger-Kernel's patch and with ours; "OOM" where a
+    step ran out of memory."""
     hf = rows("hf_step")
-    latest = max(r["call_id"] for r in hf)
-    out = [{"model": r["model"], "impl": r["impl"],
-            **({"ms": r["step_ms"], "tps": round(r["tokens_per_s"]), "peak": r["peak_gib"]} if r["status"] == "ok"
-               else {"ms": "OOM"})} for r in hf if r["call_id"] == latest]
-    return markdown_table(out, [("model", "model"), ("impl", "impl"), ("ms", "step (ms)"), ("tps", "tokens/s"),
-                                ("peak", "peak (GiB)")], floatfmt=".4g")
+    out = []
+    for layout in ("packed", "batched"):
+        timed = [r for r in hf if r["layout"] == layout]
+        latest = max(r["call_id"] for r in timed)
+        out += [{"model": r["model"], "layout": layout, "gpu": r["device"].removeprefix("NVIDIA ").split()[0],
+                 "impl": r["impl"], **({"ms": r["step_ms"], "tps": round(r["tokens_per_s"]), "peak": r["peak_gib"]}
+                                        if r["status"] == "ok" else {"ms": "OOM"})}
+                for r in timed if r["call_id"] == latest]
+    return markdown_table(out, [("model", "model"), ("layout", "layout"), ("gpu", "GPU"), ("impl", "impl"),
+                                ("ms", "step (ms)"), ("tps", "tokens/s"), ("peak", "peak (GiB)")], floatfmt=".4g")
 
 
 def table_proxy_breakdown() -> str:
