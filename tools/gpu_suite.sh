@@ -6,7 +6,8 @@
 # per core) and the runs (default 5). No run starts after $SUITE_DEADLINE_S seconds (default 570) less the longest
 # run so far, so the runs that do not fit are skipped, and the next call runs them (`bash tools/gpu_suite.sh 8 N`).
 # Log: $OUT/gpu_suite_log.txt, its failures and one summary line per run; each run's whole output (every test's
-# outcome as it ends, every test phase over a second) in $OUT/gpu_suite_runN.txt. The slow GPU tests run in their sections' calls (tools/README.md).
+# outcome as it ends, every test phase over a second) in $OUT/gpu_suite_runN.txt. The slow GPU tests run in their
+# sections' calls (tools/README.md).
 #   run (GPU machine, repo root): bash tools/gpu_suite.sh 8 5; bash tools/gpu_suite.sh auto 1
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
