@@ -347,8 +347,7 @@ def table_two_gpu() -> str:
     out = [{**_shown(r), "date": r["date"][:10], "mfu": row_mfu(r), "datasheet": model_flops(r) / r["step_s"]
             / (r["world_size"] * H200_DATASHEET_BF16_FLOPS)} for r in sorted(picked, key=lambda r: r["step_s"])]
     return markdown_table(out, ["attention", ("checkpoint", "checkpointing"), ("optimizer", "AdamW"),
-                                ("step_s", "step (s)"), ("step_max_s", "slowest step (s)"),
-                                ("mfu", "MFU (772)"), ("datasheet", "MFU (989)"),
+                                ("step_s", "step (s)"), ("mfu", "MFU (772)"), ("datasheet", "MFU (989)"),
                                 ("peak_step_gib", "peak (GiB)"), ("date", "date (UTC)")], floatfmt=".4g")
 
 
@@ -426,15 +425,14 @@ def table_anchors() -> str:
              "triton": "ours, Triton backward", "sdpa": "SDPA (cuDNN)",
              "sdpa_flash": "SDPA flash backend", "flex": "FlexAttention"}
     out = [{"shape": f"({r['batch']},{r['heads']},{r['seq']},{r['d']})", "impl": names[r["impl"]],
-            "fwd": r["fwd_ms"], "bwd": r["bwd_ms"], "fb": r["fwd_bwd_ms"], "tflops": r["fwd_bwd_tflops"]}
-           for r in picked]
+            "fwd": r["fwd_ms"], "bwd": r["bwd_ms"], "fb": r["fwd_bwd_ms"]} for r in picked]
     return markdown_table(out, [("shape", "(b,h,s,d)"), "impl", ("fwd", "fwd (ms)"), ("bwd", "bwd (ms)"),
-                                ("fb", "fwd+bwd (ms)"), ("tflops", "fwd+bwd TFLOP/s")], floatfmt=".3g")
+                                ("fb", "fwd+bwd (ms)")], floatfmt=".3g")
 
 
 def table_anchors_fa4() -> str:
-    """Ours, cuDNN and FlashAttention-4 forward + backward from the latest call that timed FA4, with each one's time
-    over cuDNN's in that call: ours as that call ran it, its kept kernels where it also timed a change (rows with a
+    """Ours, cuDNN and FlashAttention-4 forward + backward from the latest call that timed FA4, with our time over
+    FA4's in that call: ours as that call ran it, its kept kernels where it also timed a change (rows with a
     ``variant``), else the kernels it timed, which a later change replaced."""
     timed = [r for r in rows("attention_anchors") if r.get("status") == "ok" and "fwd_bwd_ms" in r]
     latest = max(r["call_id"] for r in timed if r["impl"] == "fa4")
@@ -443,11 +441,9 @@ def table_anchors_fa4() -> str:
     out = []
     for b, h, seq, d in dict.fromkeys(key[:4] for key in last):
         ms = {impl: last[(b, h, seq, d, impl)]["fwd_bwd_ms"] for impl in ("ours", "sdpa", "fa4")}
-        out.append({"shape": f"({b},{h},{seq},{d})", **ms, "ours_ratio": ms["ours"] / ms["sdpa"],
-                    "fa4_ratio": ms["fa4"] / ms["sdpa"]})
+        out.append({"shape": f"({b},{h},{seq},{d})", **ms, "ratio": ms["ours"] / ms["fa4"]})
     return markdown_table(out, [("shape", "(b,h,s,d)"), ("ours", "ours (ms)"), ("sdpa", "cuDNN (ms)"),
-                                ("fa4", "FA4 (ms)"), ("ours_ratio", "ours / cuDNN"), ("fa4_ratio", "FA4 / cuDNN")],
-                          floatfmt=".3g")
+                                ("fa4", "FA4 (ms)"), ("ratio", "ours / FA4")], floatfmt=".3g")
 
 
 _VARLEN_IMPLS = {"ours": "ours", "ours_per_document": "ours, each document alone", "flex": "FlexAttention",
@@ -471,19 +467,19 @@ def table_varlen_window() -> str:
 
 def table_hf() -> str:
     """The Hugging Face training step (``cs336 hf``) of each model from the latest call of each layout (packed, and
-    batched: a row each), with its GPU: HF as it comes (SDPA), with Liger-Kernel's patch and with ours; "OOM" where a
-    step ran out of memory."""
+    batched: a row each): with Liger-Kernel's patch and with ours ("OOM" where a step ran out of memory); HF as it
+    comes (SDPA) only where it ran, since the section says where it did not."""
     hf = rows("hf_step")
     out = []
     for layout in ("packed", "batched"):
         timed = [r for r in hf if r["layout"] == layout]
         latest = max(r["call_id"] for r in timed)
-        out += [{"model": r["model"], "layout": layout, "gpu": r["device"].removeprefix("NVIDIA ").split()[0],
-                 "impl": r["impl"], **({"ms": r["step_ms"], "tps": round(r["tokens_per_s"]), "peak": r["peak_gib"]}
-                                        if r["status"] == "ok" else {"ms": "OOM"})}
-                for r in timed if r["call_id"] == latest]
-    return markdown_table(out, [("model", "model"), ("layout", "layout"), ("gpu", "GPU"), ("impl", "impl"),
-                                ("ms", "step (ms)"), ("tps", "tokens/s"), ("peak", "peak (GiB)")], floatfmt=".4g")
+        out += [{"model": r["model"], "layout": layout, "impl": r["impl"],
+                 **({"ms": r["step_ms"], "tps": round(r["tokens_per_s"]), "peak": r["peak_gib"]}
+                    if r["status"] == "ok" else {"ms": "OOM"})}
+                for r in timed if r["call_id"] == latest and (r["impl"] != "sdpa" or r["status"] == "ok")]
+    return markdown_table(out, [("model", "model"), ("layout", "layout"), ("impl", "impl"), ("ms", "step (ms)"),
+                                ("tps", "tokens/s"), ("peak", "peak (GiB)")], floatfmt=".4g")
 
 
 def table_proxy_breakdown() -> str:
