@@ -354,9 +354,11 @@ def test_bf16_within_flash_attentions_error_rule_on_gpu(family):
             logits = model(input_ids=ids).logits
             model.train()
         results[name] = {"loss": loss, "logits": logits, **grads}
-    # With FlashAttention's floor, one rounding to bf16: a mean (the loss) can fall far below it by chance, its
-    # rounding errors cancelling, and twice that is no bound.
+    # The loss, one mean, takes FlashAttention's floor of one rounding to bf16 besides: its rounding errors cancel, so
+    # the unpatched model's can fall far below a rounding by chance, and twice that is no bound. Every tensor is held
+    # to twice the unpatched model's error alone.
     errors = {key: (_rel_err(results["ours"][key], exact), _rel_err(results["hf"][key], exact))
               for key, exact in results["fp32"].items()}
-    over = {key: err for key, err in errors.items() if err[0] > ERROR_RATIO * err[1] + BF16_ROUNDING}
+    over = {key: err for key, err in errors.items()
+            if err[0] > ERROR_RATIO * err[1] + (BF16_ROUNDING if key == "loss" else 0.0)}
     assert not over, over

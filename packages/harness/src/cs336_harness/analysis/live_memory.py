@@ -37,9 +37,10 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 _SITE_FRAMES = 3  # innermost frames of our packages that name where a storage was made
-# Backward nodes whose formula writes its own zeros in place, but under a dispatch mode or on fake tensors calls the
-# out-of-place operator (which would count a second full-size gradient): the node, that operator, the in-place one.
-_IN_PLACE_ON_DEVICE = {"GatherBackward0": (torch.ops.aten.scatter_add.default, torch.ops.aten.scatter_add_.default)}
+# Out-of-place operators that a backward node's formula calls under a dispatch mode or on fake tensors where it
+# otherwise writes its own zeros in place (counted as made, they would be a second full-size gradient): the operator,
+# the node, the in-place operator.
+_IN_PLACE_ON_DEVICE = {torch.ops.aten.scatter_add.default: ("GatherBackward0", torch.ops.aten.scatter_add_.default)}
 
 
 @dataclass(frozen=True)
@@ -129,9 +130,10 @@ class LiveMemory(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
             return self.host_read  # a host read of a fake value (module docstring)
-        if (node := torch._C._current_autograd_node()) is not None:
-            out_of_place, in_place = _IN_PLACE_ON_DEVICE.get(node.name(), (None, None))
-            if func is out_of_place:
+        if func in _IN_PLACE_ON_DEVICE:
+            node_name, in_place = _IN_PLACE_ON_DEVICE[func]
+            node = torch._C._current_autograd_node()
+            if node is not None and node.name() == node_name:
                 func = in_place
         out = func(*args, **(kwargs or {}))
         # An output on an input's storage (a view, an in-place op) is not new, even when made before the mode.
