@@ -30,9 +30,14 @@ The glue is copies and casts, elementwise and the mask: ``glue_share`` is their 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
+import torch
+
+from cs336_harness import instrument
 from cs336_harness.analysis import trace
 from cs336_harness.analysis.tables import markdown_table
 
@@ -115,6 +120,20 @@ def step_breakdown(events: Sequence[dict[str, Any]], within: str = "step") -> di
             "glue_share": sum(by_kind[k] for k in GLUE_KINDS) / total,
             "top_kernels": [{"name": name[:_NAME_CHARS], "kind": kernel_kind(name), "count": count, "ms": ms}
                             for name, (count, ms) in top]}
+
+
+def profiled_breakdown(step: Callable[[], None], device: torch.device) -> dict[str, Any] | None:
+    """Run ``step`` (one training step that ends with a device synchronisation) once under torch.profiler inside a
+    ``step`` range, and return its GPU time by kind (:func:`step_breakdown`); None on a CPU, which has no GPU kernels
+    to sort."""
+    with instrument.profile(device) as prof, instrument.annotate("step"):
+        step()
+    if torch.device(device).type != "cuda":
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return step_breakdown(trace.load_trace(path))
 
 
 def breakdown_markdown(rows: Sequence[dict[str, Any]], labels: Sequence[str]) -> str:

@@ -7,6 +7,7 @@ Examples::
     bash tools/gpu.sh python3 -m cs336_harness.cli hf --out writeup/results/hf_step.jsonl
     uv run cs336 hf                                   # the tiny models on a CPU
     uv run cs336 hf --model qwen3-1.7b --impl ours,liger --layout batched --steps 20
+    uv run cs336 hf --model llama-3.2-1b --impl ours,liger --layout batched --profile   # GPU time by kind
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 
 import torch
 
+from cs336_harness.analysis import kernel_kinds
 from cs336_harness.analysis.tables import format_table
 from cs336_harness.commands._shared import add_quiet_argument, csv_of
 from cs336_harness.results import append_rows, check_writable
@@ -40,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                       f"on CPU)")
     parser.add_argument("--warmup", type=int, default=None, help=f"untimed steps (default {d.warmup}; 1 on CPU)")
     parser.add_argument("--steps", type=int, default=None, help=f"timed steps (default {d.steps}; 2 on CPU)")
+    parser.add_argument("--profile", action="store_true",
+                        help="one more step per row under torch.profiler: its GPU time by kind of kernel and the "
+                             "kernels that took the most (GPU only)")
     parser.add_argument("--out", default=None, help="append rows (with provenance) to this JSONL file")
     add_quiet_argument(parser)
 
@@ -48,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = HFStepConfig.for_device(
             torch.cuda.is_available(), models=args.model, impls=args.impl, layout=args.layout, batch=args.batch,
-            seq_len=args.seq_len, dtype=args.dtype, warmup=args.warmup, steps=args.steps)
+            seq_len=args.seq_len, dtype=args.dtype, warmup=args.warmup, steps=args.steps, profile=args.profile or None)
         if args.out:
             check_writable(args.out)
         rows = run_hf_step(config, progress=not args.quiet)
@@ -58,6 +63,13 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("cs336 hf: no implementation ran (see the lines above)")
     columns = ["model", "impl", "layout", "tokens", "status", "step_ms", "tokens_per_s", "vs_liger", "peak_gib"]
     print(format_table(rows, columns, floatfmt=".3f"))
+    for row in rows:
+        if row.get("breakdown"):
+            label = f"{row['model']} {row['impl']}"
+            print(f"\n{label}: GPU time of one step by kind (ms)\n"
+                  + kernel_kinds.breakdown_markdown([row], [row["impl"]])
+                  + f"\n\n{label}: the kernels with the most GPU time in that step\n"
+                  + kernel_kinds.top_kernels_markdown(row["breakdown"]))
     if args.out:
         append_rows(args.out, rows)
     return 0

@@ -23,7 +23,7 @@ What each ``impl`` runs:
 - ``ours``: ``cs336_kernels.hf.patch(model)`` with ``attn_implementation="cs336"``.
 
 Every impl gets the same weights (one seed) and the same batches. ``warmup`` steps, then ``steps`` timed steps, the
-device synchronised around each.
+device synchronised around each; with ``profile`` (GPU only), one more step on the last batch under torch.profiler.
 
     bash tools/gpu.sh python3 -m cs336_harness.cli hf --out writeup/results/hf_step.jsonl
 
@@ -31,7 +31,8 @@ Row fields: ``bench`` ("hf"), ``model``, ``impl``, ``layout``, ``batch``, ``seq_
 ``dtype``, ``status`` (``ok`` or ``oom``), ``step_ms`` (median), ``step_ms_all``, ``tokens_per_s`` (tokens over the
 median step), ``peak_gib`` (the CUDA allocator's peak over the timed steps, weights and optimizer state included;
 None on a CPU), ``losses`` (every step's loss, warm-up included), ``vs_liger`` (tokens_per_s over the Liger row's of
-the same model and layout, when both ran).
+the same model and layout, when both ran); with ``profile``, ``breakdown``: that step's GPU time by kind of kernel
+(:func:`cs336_harness.analysis.kernel_kinds.step_breakdown`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from typing import Any
 
 import torch
 
+from cs336_harness.analysis import kernel_kinds
 from cs336_harness.device import DTYPES, GIB
 from cs336_harness.progress import progress_bar
 from cs336_harness.studies.fused.common import peer_module
@@ -86,6 +88,7 @@ class HFStepConfig:
     warmup: int = 3
     steps: int = 10
     device: str = "cuda"
+    profile: bool = False
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.models if m not in MODELS]
@@ -106,6 +109,8 @@ class HFStepConfig:
             raise ValueError(f"warmup must be an int >= 0, got {self.warmup!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.profile and self.device != "cuda":
+            raise ValueError("profile times GPU kernels and needs CUDA; a CPU run has none to time")
         if self.device == "cpu" and self.dtype == "bf16" and "ours" in self.impls:
             raise ValueError("on a CPU our attention runs in Triton's interpreter, which computes bf16 wrongly: "
                              "use --dtype fp32 there")
@@ -180,24 +185,32 @@ def measure(model: torch.nn.Module, config: HFStepConfig, data: list[dict[str, t
     """The timing fields of one impl's row (module docstring); ``tick`` after each step."""
     cuda = config.device == "cuda"
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
+
+    def step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _sync(config.device)
+        return loss
+
     losses, times = [], []
     for i, batch in enumerate(data):
         if i == config.warmup and cuda:
             torch.cuda.reset_peak_memory_stats()
         _sync(config.device)
         start = time.perf_counter()
-        loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        _sync(config.device)
+        loss = step(batch)
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
         tick()
     step_s = statistics.median(times[config.warmup:])
-    return {"status": "ok", "step_ms": 1e3 * step_s, "step_ms_all": [1e3 * t for t in times[config.warmup:]],
-            "tokens_per_s": config.batch * config.seq_len / step_s,
-            "peak_gib": torch.cuda.max_memory_allocated() / GIB if cuda else None, "losses": losses}
+    row = {"status": "ok", "step_ms": 1e3 * step_s, "step_ms_all": [1e3 * t for t in times[config.warmup:]],
+           "tokens_per_s": config.batch * config.seq_len / step_s,
+           "peak_gib": torch.cuda.max_memory_allocated() / GIB if cuda else None, "losses": losses}
+    if config.profile:
+        row["breakdown"] = kernel_kinds.profiled_breakdown(lambda: step(data[-1]), torch.device(config.device))
+    return row
 
 
 def run_hf_step(config: HFStepConfig, progress: bool = False,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -26,7 +25,7 @@ import torch.distributed as dist
 from cs336_comms.process_group import current_device, run_ranks
 
 from cs336_harness import instrument, registry
-from cs336_harness.analysis import kernel_kinds, trace
+from cs336_harness.analysis import kernel_kinds
 from cs336_harness.device import GIB, mfu
 from cs336_harness.memory_plan import device_memory_bytes, memory_plan
 from cs336_harness.progress import progress_bar
@@ -43,21 +42,6 @@ def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
     packed = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(packed, op=dist.ReduceOp.MAX)
     return packed.tolist()
-
-
-def _profiled_step(training: Training, inputs: torch.Tensor, targets: torch.Tensor, device: torch.device,
-                   sync: Callable[[], None]) -> dict[str, Any] | None:
-    """One more step under torch.profiler, inside a ``step`` range that ends after a device synchronisation; its
-    GPU time by kind (None on CPU, which has no GPU kernels to sort)."""
-    with instrument.profile(device) as prof, instrument.annotate("step"):
-        training.step(inputs, targets)
-        sync()
-    if device.type != "cuda":
-        return None
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        return kernel_kinds.step_breakdown(trace.load_trace(path))
 
 
 def _handout_ms(training: Training, inputs: torch.Tensor, targets: torch.Tensor, device: torch.device,
@@ -136,7 +120,11 @@ def _rank_main(rank: int, world_size: int, config: LeaderboardConfig, show_progr
         if config.profile:
             bar.set_postfix_str("profiled step")
             check_time(config.warmup + config.steps)
-            breakdown = _profiled_step(training, inputs, targets, device, sync)
+            def step() -> None:
+                training.step(inputs, targets)
+                sync()
+
+            breakdown = kernel_kinds.profiled_breakdown(step, device)
             bar.update()
         handout_ms = None
         if config.handout_timing and cuda:
