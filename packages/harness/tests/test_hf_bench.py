@@ -74,14 +74,22 @@ def test_bad_flags_give_one_line(argv, message):
         main(["hf", *argv])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA --profile is a valid flag")
+def test_profile_without_cuda_is_refused():
+    with pytest.raises(SystemExit, match="profile times GPU kernels and needs CUDA"):
+        main(["hf", "--profile"])
+
+
 # The 1B and 1.7B models with their gradients and optimizer state hold far more than a test sharing the GPU may;
 # building and stepping each model both ways is left to the slow GPU tests.
 @pytest.mark.gpu
 @pytest.mark.gpu_exclusive
 @pytest.mark.slow
 def test_gpu_rows_at_the_real_shapes():
-    config = HFStepConfig(impls=("sdpa", "ours"), seq_len=2048, warmup=1, steps=2)
+    config = HFStepConfig(impls=("sdpa", "ours"), seq_len=2048, warmup=1, steps=2, profile=True)
     rows = run_hf_step(config)
     assert {(r["model"], r["impl"]) for r in rows} == {(m, i) for m in config.models for i in ("sdpa", "ours")}
     for row in rows:
         assert row["status"] == "ok" and row["peak_gib"] > 0
+        kernel_ms = row["breakdown"]["kernel_ms"]
+        assert kernel_ms["attention"] > 0 and kernel_ms["gemm"] > 0
