@@ -17,8 +17,13 @@
 #   attention_kernels.jsonl (step 4), ncu_bwd_details.csv, ncu_bwd_raw.csv (every metric of both launches),
 #   ncu_bwd_source.tgz (per-instruction SASS counters and stall samples of both), ncu_fwd.tgz (the same three for the
 #   forward), ncu_reports.tgz (the two backward .ncu-rep files, if under 16 MiB), log.txt.
-#   run (GPU machine, repo root): bash tools/gpu_attention_fa4.sh
+# `deterministic` instead (issue 55: what the deterministic backward's extra time is spent on): step 2, then Nsight
+# Compute as in step 3 on one launch of our backward by default and deterministic and of FA4's deterministic one at
+# (1, 32, 16384, 128): ncu_det_details.csv, ncu_det_raw.csv, ncu_det_source.tgz.
+#   run (GPU machine, repo root): bash tools/gpu_attention_fa4.sh [deterministic]
 set -uo pipefail
+mode="${1:-all}"
+[[ "$mode" == all || "$mode" == deterministic ]] || { echo "usage: bash tools/gpu_attention_fa4.sh [deterministic]" >&2; exit 2; }
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 OUT="${OUT:-$root/gpu_out}"
@@ -59,6 +64,12 @@ join_csv() {  # join_csv DEST PART...: the parts that exist, one after another (
   [ -s "$dest" ] || rm -f "$dest"
 }
 
+deterministic_anchors() {  # step 2
+  step "2. anchors: default and deterministic at 32k" 90 150 "${py[@]}" -m cs336_harness.cli attention --part anchors \
+    --anchor-impls ours,ours_deterministic,fa4,fa4_deterministic --anchor-shapes 1,32,32768,128 --quiet \
+    --out "$OUT/attention_anchors.jsonl"
+}
+
 pack() {  # pack DEST FILE...: a gzipped tar of the files that exist, named without their folder
   local dest="$1"; shift
   local present=() f
@@ -73,28 +84,37 @@ pack() {  # pack DEST FILE...: a gzipped tar of the files that exist, named with
   fa4_versions
   ncu --version | tail -1
 
-  step "1. anchors: ours, cuDNN, FA4 at four shapes" 120 330 "${py[@]}" -m cs336_harness.cli attention --part anchors \
-    --anchor-impls ours,sdpa,fa4 --anchor-shapes "${shapes[@]}" --quiet --out "$OUT/attention_anchors.jsonl"
-  step "2. anchors: default and deterministic at 32k" 90 150 "${py[@]}" -m cs336_harness.cli attention --part anchors \
-    --anchor-impls ours,ours_deterministic,fa4,fa4_deterministic --anchor-shapes 1,32,32768,128 --quiet \
-    --out "$OUT/attention_anchors.jsonl"
+  if [ "$mode" = deterministic ]; then
+    deterministic_anchors
+    ncu_launch det_ours_default '^_attn_bwd_kernel' 1,32,16384,128 ours
+    ncu_launch det_ours '^_attn_bwd_kernel' 1,32,16384,128 ours_deterministic
+    ncu_launch det_fa4 'FlashAttentionBackwardSm90' 1,32,16384,128 fa4_deterministic
+    export_ncu det_ours_default det_ours det_fa4
+    join_csv "$OUT/ncu_det_details.csv" "$work"/det_{ours_default,ours,fa4}.details.csv
+    join_csv "$OUT/ncu_det_raw.csv" "$work"/det_{ours_default,ours,fa4}.raw.csv
+    pack "$OUT/ncu_det_source.tgz" "$work"/det_{ours_default,ours,fa4}.source.csv
+  else
+    step "1. anchors: ours, cuDNN, FA4 at four shapes" 120 330 "${py[@]}" -m cs336_harness.cli attention --part anchors \
+      --anchor-impls ours,sdpa,fa4 --anchor-shapes "${shapes[@]}" --quiet --out "$OUT/attention_anchors.jsonl"
+    deterministic_anchors
 
-  ncu_launch bwd_ours '^_attn_bwd_kernel' 1,32,16384,128 ours
-  ncu_launch bwd_fa4 'FlashAttentionBackwardSm90' 1,32,16384,128 fa4
-  export_ncu bwd_ours bwd_fa4
-  join_csv "$OUT/ncu_bwd_details.csv" "$work/bwd_ours.details.csv" "$work/bwd_fa4.details.csv"
-  join_csv "$OUT/ncu_bwd_raw.csv" "$work/bwd_ours.raw.csv" "$work/bwd_fa4.raw.csv"
-  pack "$OUT/ncu_bwd_source.tgz" "$work/bwd_ours.source.csv" "$work/bwd_fa4.source.csv"
+    ncu_launch bwd_ours '^_attn_bwd_kernel' 1,32,16384,128 ours
+    ncu_launch bwd_fa4 'FlashAttentionBackwardSm90' 1,32,16384,128 fa4
+    export_ncu bwd_ours bwd_fa4
+    join_csv "$OUT/ncu_bwd_details.csv" "$work/bwd_ours.details.csv" "$work/bwd_fa4.details.csv"
+    join_csv "$OUT/ncu_bwd_raw.csv" "$work/bwd_ours.raw.csv" "$work/bwd_fa4.raw.csv"
+    pack "$OUT/ncu_bwd_source.tgz" "$work/bwd_ours.source.csv" "$work/bwd_fa4.source.csv"
 
-  step "4. kernel times of one forward + backward" 45 90 "${py[@]}" tools/attention_peers_profile.py \
-    --impls ours,fa4,sdpa --shape 1,32,16384,128 --out "$OUT/attention_kernels.jsonl"
+    step "4. kernel times of one forward + backward" 45 90 "${py[@]}" tools/attention_peers_profile.py \
+      --impls ours,fa4,sdpa --shape 1,32,16384,128 --out "$OUT/attention_kernels.jsonl"
 
-  ncu_launch fwd_ours '^_attn_fwd_kernel' 1,16,16384,64 ours
-  ncu_launch fwd_fa4 'FlashAttentionForwardSm90' 1,16,16384,64 fa4
-  export_ncu fwd_ours fwd_fa4
-  pack "$OUT/ncu_fwd.tgz" "$work"/fwd_ours.{details,raw,source}.csv "$work"/fwd_fa4.{details,raw,source}.csv
+    ncu_launch fwd_ours '^_attn_fwd_kernel' 1,16,16384,64 ours
+    ncu_launch fwd_fa4 'FlashAttentionForwardSm90' 1,16,16384,64 fa4
+    export_ncu fwd_ours fwd_fa4
+    pack "$OUT/ncu_fwd.tgz" "$work"/fwd_ours.{details,raw,source}.csv "$work"/fwd_fa4.{details,raw,source}.csv
 
-  pack "$OUT/ncu_reports.tgz" "$work"/bwd_{ours,fa4}.ncu-rep
+    pack "$OUT/ncu_reports.tgz" "$work"/bwd_{ours,fa4}.ncu-rep
+  fi
   for f in "$OUT"/*; do  # what comes back is at most 16 MiB a file
     if [ "$(stat -c %s "$f")" -gt $((16 * 1024 * 1024)) ]; then
       echo "== $(basename "$f") is over 16 MiB: removed"; rm -f "$f"
