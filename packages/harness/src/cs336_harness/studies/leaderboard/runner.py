@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from cs336_comms.process_group import current_device, run_ranks
 
-from cs336_harness import instrument, registry
+from cs336_harness import registry
 from cs336_harness.analysis import kernel_kinds
 from cs336_harness.device import GIB, mfu
 from cs336_harness.memory_plan import device_memory_bytes, memory_plan
