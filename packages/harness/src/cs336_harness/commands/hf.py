@@ -63,12 +63,14 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("cs336 hf: no implementation ran (see the lines above)")
     columns = ["model", "impl", "layout", "tokens", "status", "step_ms", "tokens_per_s", "vs_liger", "peak_gib"]
     print(format_table(rows, columns, floatfmt=".3f"))
-    for row in rows:
-        if row.get("breakdown"):
-            label = f"{row['model']} {row['impl']}"
-            print(f"\n{label}: GPU time of one step by kind (ms)\n"
-                  + kernel_kinds.breakdown_markdown([row], [row["impl"]])
-                  + f"\n\n{label}: the kernels with the most GPU time in that step\n"
+    for model in dict.fromkeys(r["model"] for r in rows):
+        profiled = [r for r in rows if r["model"] == model and r.get("breakdown")]
+        if not profiled:
+            continue
+        print(f"\n{model}: GPU time of one step by kind (ms), a column per impl\n"
+              + kernel_kinds.breakdown_markdown(profiled, [r["impl"] for r in profiled]))
+        for row in profiled:
+            print(f"\n{model} {row['impl']}: the kernels with the most GPU time in that step\n"
                   + kernel_kinds.top_kernels_markdown(row["breakdown"]))
     if args.out:
         append_rows(args.out, rows)
