@@ -74,6 +74,28 @@ def test_bad_flags_give_one_line(argv, message):
         main(["hf", *argv])
 
 
+def test_profiled_rows_print_one_table_per_model_with_a_column_per_impl(monkeypatch, capsys):
+    import cs336_harness.commands.hf as hf_command
+
+    def breakdown(attention_ms: float) -> dict:
+        kernel_ms = {"attention": attention_ms, "gemm": 10.0}
+        return {"kernel_ms": kernel_ms, "kernel_total_ms": attention_ms + 10.0, "step_wall_ms": 30.0, "idle_ms": 1.0,
+                "glue_share": 0.0, "top_kernels": [{"name": "gemm_kernel", "kind": "gemm", "count": 2, "ms": 10.0}]}
+
+    rows = [{"model": "llama-3.2-1b", "impl": impl, "layout": "batched", "tokens": 8, "status": "ok", "step_ms": 30.0,
+             "tokens_per_s": 1.0, "vs_liger": None, "peak_gib": 1.0, "breakdown": breakdown(ms)}
+            for impl, ms in (("ours", 4.0), ("liger", 6.0))]
+    monkeypatch.setattr(hf_command, "run_hf_step", lambda config, progress: rows)
+    assert main(["hf", "--model", "llama-3.2-1b", "--impl", "ours,liger", "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("GPU time of one step by kind") == 1
+    table = printed.split("a column per impl\n", 1)[1]
+    assert "| ours" in table.splitlines()[0] and "liger" in table.splitlines()[0]
+    assert "4 (28.6%)" in table and "6 (37.5%)" in table
+    assert "llama-3.2-1b ours: the kernels with the most GPU time" in printed
+    assert "llama-3.2-1b liger: the kernels with the most GPU time" in printed
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA --profile is a valid flag")
 def test_profile_without_cuda_is_refused():
     with pytest.raises(SystemExit, match="profile times GPU kernels and needs CUDA"):
