@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = HFStepConfig.for_device(
             torch.cuda.is_available(), models=args.model, impls=args.impl, layout=args.layout, batch=args.batch,
-            seq_len=args.seq_len, dtype=args.dtype, warmup=args.warmup, steps=args.steps, profile=args.profile or None)
+            seq_len=args.seq_len, dtype=args.dtype, warmup=args.warmup, steps=args.steps, profile=args.profile)
         if args.out:
             check_writable(args.out)
         rows = run_hf_step(config, progress=not args.quiet)
