@@ -1,13 +1,16 @@
-"""The kernels package on the torch and Triton releases at the ends of its declared range, one fresh environment each.
+"""The kernels package on the torch, Triton and transformers releases at the ends of its declared ranges, one fresh
+environment each.
 
 For each torch release asked for (default: the oldest and the newest minor release that
 ``packages/kernels/pyproject.toml`` admits, each at its newest patch), a virtual environment gets that torch from PyPI,
 the Triton release that torch pins (the pair a user gets), and this checkout's ``cs336-kernels`` with every extra and
-its test tools; the package's whole suite then runs there from the package alone, on CPU in Triton's interpreter, slow
-tests included (among them the offline sm_90 builds of every kernel, the Gluon attention kernels too). One row per
-environment goes to ``writeup/results/kernels_compat.jsonl``: the versions, the declared range it ran under, pytest's
-counts and whether the sm_90 builds passed. ``tests/test_kernels_compat.py`` checks at every CI run that both ends of
-the declared range have a passing row under that range, so the range cannot change without a new run. ::
+its test tools; the ``hf`` extra's ``transformers`` goes with the torch end it shares (its oldest minor release with the
+oldest torch, its newest with the newest; the newest for a torch asked for by name). The package's whole suite then
+runs there from the package alone, on CPU in Triton's interpreter, slow tests included (among them the offline sm_90
+builds of every kernel, the Gluon attention kernels too). One row per environment goes to
+``writeup/results/kernels_compat.jsonl``: the versions, the declared ranges it ran under, pytest's counts and whether
+the sm_90 builds passed. ``tests/test_kernels_compat.py`` checks at every CI run that both ends of the declared ranges
+have a passing row under them, so a range cannot change without a new run. ::
 
     uv run python tools/kernels_compat.py                  # both ends of the declared range
     uv run python tools/kernels_compat.py --torch 2.13     # other torch minor releases, each with its Triton
@@ -37,19 +40,21 @@ from packaging.version import Version
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS = ROOT / "packages" / "kernels"
 OUT = ROOT / "writeup" / "results" / "kernels_compat.jsonl"
-PINNED = ("torch", "triton")
+PINNED = ("torch", "triton", "transformers")
 # The test that compiles every kernel for sm_90 (the Gluon attention kernels among them) under the installed Triton.
 SM90_TEST = "test_kernels_build_for_sm90"
 PYTHON = "3.11"
 
 
 def declared_range(pyproject: Path = KERNELS / "pyproject.toml") -> dict[str, str]:
-    """The kernels package's version specifiers of torch and Triton, as ``{"torch": ">=2.10,<2.16", ...}``
-    (packaging's normal form: its clauses sorted)."""
-    dependencies = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    """The kernels package's version specifiers of torch, Triton and (its ``hf`` extra's) transformers, as
+    ``{"torch": "<2.16,>=2.10", ...}`` (packaging's normal form: its clauses sorted)."""
+    project = tomllib.loads(pyproject.read_text())["project"]
+    dependencies = [*project["dependencies"], *project.get("optional-dependencies", {}).get("hf", [])]
     found = {req.name: str(req.specifier) for req in map(Requirement, dependencies) if req.name in PINNED}
     if sorted(found) != sorted(PINNED):
-        raise ValueError(f"{pyproject} must require each of {PINNED}; it requires {dependencies}")
+        raise ValueError(f"{pyproject} must require each of {PINNED} (transformers in its hf extra); it requires "
+                         f"{dependencies}")
     return found
 
 
@@ -70,17 +75,18 @@ def minor(version: str) -> tuple[int, int]:
 
 
 def missing_runs(declared: dict[str, str], rows: list[dict]) -> list[str]:
-    """The ends of the declared range that no passing row recorded under it covers: the oldest pair (the oldest
-    minor release of torch and of Triton in one run) and the newest pair. A row passes when its suite passed and its
-    sm_90 builds ran and passed."""
+    """The ends of the declared ranges that no passing row recorded under them covers: the oldest set (the oldest
+    minor release of torch, Triton and transformers in one run) and the newest set. A row passes when its suite passed
+    and its sm_90 builds ran and passed."""
     passing = [row for row in rows if row.get("requires") == declared and row.get("returncode") == 0
                and row.get("sm90_builds") == "passed"]
     ends = {package: range_ends(spec) for package, spec in declared.items()}
     missing = []
     for index, end in enumerate(("oldest", "newest")):
         pair = {package: ends[package][index] for package in PINNED}
-        if not any(all(minor(row[package]) == pair[package] for package in PINNED) for row in passing):
-            missing.append(f"{end} pair: " + " + ".join(f"{p} {pair[p][0]}.{pair[p][1]}" for p in PINNED))
+        if not any(all(package in row and minor(row[package]) == pair[package] for package in PINNED)
+                   for row in passing):
+            missing.append(f"{end} set: " + " + ".join(f"{p} {pair[p][0]}.{pair[p][1]}" for p in PINNED))
     return missing
 
 
@@ -107,8 +113,9 @@ def _outcome(junit: Path, test: str) -> str:
     return "not run"
 
 
-def compat_row(torch_minor: str, declared: dict[str, str], folder: Path) -> tuple[dict, dict]:
-    """Build the environment of ``torch_minor`` in ``folder``, run the suite there; its row and versions."""
+def compat_row(torch_minor: str, transformers_minor: str, declared: dict[str, str], folder: Path) -> tuple[dict, dict]:
+    """Build the environment of ``torch_minor`` and ``transformers_minor`` in ``folder``, run the suite there; its row
+    and versions."""
     venv = folder / "venv"
     python = venv / "bin" / "python"
     _run(["uv", "venv", "--quiet", "--python", PYTHON, str(venv)])
@@ -116,11 +123,12 @@ def compat_row(torch_minor: str, declared: dict[str, str], folder: Path) -> tupl
     extras = ",".join(pyproject["project"]["optional-dependencies"])
     # setuptools: torch.compile under torch 2.10 on Python 3.11 needs it, and torch 2.10 declares it for 3.12 only.
     _run(["uv", "pip", "install", "--quiet", "--python", str(python), f"torch=={torch_minor}.*",
-          f"{KERNELS}[{extras}]", *pyproject["dependency-groups"]["dev"], "setuptools"])
-    probe = "import json, platform, torch, triton; print(json.dumps([torch.__version__, triton.__version__, " \
-            "platform.python_version()]))"
+          f"transformers=={transformers_minor}.*", f"{KERNELS}[{extras}]", *pyproject["dependency-groups"]["dev"],
+          "setuptools"])
+    probe = "import json, platform, torch, triton, transformers; print(json.dumps([torch.__version__, " \
+            "triton.__version__, transformers.__version__, platform.python_version()]))"
     found = json.loads(_run([str(python), "-c", probe], capture_output=True, text=True).stdout)
-    versions = dict(zip(("torch", "triton", "python"), found, strict=True))
+    versions = dict(zip(("torch", "triton", "transformers", "python"), found, strict=True))
     junit = folder / "junit.xml"
     start = time.perf_counter()
     suite = subprocess.run([str(python), "-m", "pytest", "-n", "2", "-q", "-p", "no:cacheprovider",
@@ -129,7 +137,8 @@ def compat_row(torch_minor: str, declared: dict[str, str], folder: Path) -> tupl
     lines = [line for line in suite.stdout.splitlines() if line.strip()]
     summary = lines[-1] if lines else ""
     row = {"what": "the kernels package's CPU suite in a fresh environment", "requires": declared,
-           "torch_asked": f"{torch_minor}.*", "pytest_summary": summary, **_counts(summary),
+           "torch_asked": f"{torch_minor}.*", "transformers_asked": f"{transformers_minor}.*",
+           "pytest_summary": summary, **_counts(summary),
            "returncode": suite.returncode, "sm90_builds": _outcome(junit, SM90_TEST) if junit.exists() else "not run",
            "wall_s": round(wall, 1)}
     if suite.returncode != 0:
@@ -144,15 +153,20 @@ def main() -> int:
     parser.add_argument("--out", default=str(OUT), help="rows file (default: %(default)s)")
     args = parser.parse_args()
     declared = declared_range()
-    releases = args.torch or [f"{a}.{b}" for a, b in range_ends(declared["torch"])]
+    torch_ends, transformers_ends = ([f"{a}.{b}" for a, b in range_ends(declared[package])]
+                                     for package in ("torch", "transformers"))
+    # The ends go together (oldest with oldest); a torch asked for by name gets the newest transformers.
+    runs = list(zip(torch_ends, transformers_ends, strict=True)) if args.torch is None else [
+        (torch_minor, transformers_ends[1]) for torch_minor in args.torch]
     # Taken once, before the first row makes the rows file (tracked) differ from the commit.
     meta = provenance()
     status = 0
-    for torch_minor in releases:
+    for torch_minor, transformers_minor in runs:
         with tempfile.TemporaryDirectory(prefix="kernels-compat-") as folder:
-            row, versions = compat_row(torch_minor, declared, Path(folder))
+            row, versions = compat_row(torch_minor, transformers_minor, declared, Path(folder))
         append_rows(args.out, [row], meta | versions)
-        print(f"torch {versions['torch']} + triton {versions['triton']}: {row['pytest_summary']} "
+        print(f"torch {versions['torch']} + triton {versions['triton']} + transformers {versions['transformers']}: "
+              f"{row['pytest_summary']} "
               f"(sm_90 builds {row['sm90_builds']})", flush=True)
         status |= row["returncode"] != 0 or row["sm90_builds"] != "passed"
     return int(status)

@@ -197,4 +197,26 @@ def test_transformers_is_imported_by_the_hf_module_alone():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "0")})
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "install cs336-kernels[hf] (transformers >= 5)" in done.stdout
+    assert "install cs336-kernels[hf] (transformers >= 5.4)" in done.stdout
+
+
+def test_an_older_transformers_is_refused_on_import():
+    pytest.importorskip("transformers")
+    code = ("import transformers\ntransformers.__version__ = '5.3.0'\n"
+            "try:\n    import cs336_kernels.hf\nexcept ImportError as e:\n    print(e)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "cs336_kernels.hf needs transformers >= 5.4, found 5.3.0" in done.stdout
+
+
+def test_the_hf_extra_admits_the_oldest_transformers_the_module_takes():
+    pytest.importorskip("transformers")
+    from cs336_kernels.hf import OLDEST_TRANSFORMERS
+    from packaging.requirements import Requirement
+    try:
+        requires = importlib.metadata.requires("cs336-kernels") or []
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("imported from a source tree on PYTHONPATH: no installed metadata")
+    hf = [req for req in map(Requirement, requires) if req.name == "transformers"]
+    assert len(hf) == 1 and hf[0].marker.evaluate({"extra": "hf"}), requires
+    assert {(c.operator, c.version) for c in hf[0].specifier if c.operator == ">="} == {(">=", OLDEST_TRANSFORMERS)}

@@ -1,4 +1,4 @@
-"""Our kernels in Hugging Face ``transformers`` (>= 5) models: Llama, Qwen2, Qwen3 and Mistral, any size.
+"""Our kernels in Hugging Face ``transformers`` (>= 5.4) models: Llama, Qwen2, Qwen3 and Mistral, any size.
 
     import cs336_kernels.hf
     model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16)   # or .from_config(config)
@@ -56,8 +56,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from cs336_kernels.ops.flash_attention import flash_attention, flash_attention_varlen
+from cs336_kernels.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+from cs336_kernels.ops.rms_norm import rms_norm
+from cs336_kernels.ops.rope import rope
+from cs336_kernels.ops.swiglu import silu_mul
+
+# The oldest release the tests pass on (the hf extra's lower bound): before it HF's mask functions and Cache.update
+# take other arguments, which would fail deep inside a forward.
+OLDEST_TRANSFORMERS = "5.4"
+
 try:
+    from packaging.version import Version  # a dependency of transformers
     from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers import __version__ as transformers_version
     from transformers.modeling_outputs import CausalLMOutputWithPast
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.llama import modeling_llama
@@ -66,14 +78,12 @@ try:
     from transformers.models.qwen3 import modeling_qwen3
     from transformers.utils import can_return_tuple
 except ImportError as error:
-    raise ImportError("cs336_kernels.hf patches Hugging Face transformers models: install cs336-kernels[hf] "
-                      "(transformers >= 5)") from error
+    raise ImportError(f"cs336_kernels.hf patches Hugging Face transformers models: install cs336-kernels[hf] "
+                      f"(transformers >= {OLDEST_TRANSFORMERS})") from error
 
-from cs336_kernels.ops.flash_attention import flash_attention, flash_attention_varlen
-from cs336_kernels.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
-from cs336_kernels.ops.rms_norm import rms_norm
-from cs336_kernels.ops.rope import rope
-from cs336_kernels.ops.swiglu import silu_mul
+if Version(transformers_version) < Version(OLDEST_TRANSFORMERS):
+    raise ImportError(f"cs336_kernels.hf needs transformers >= {OLDEST_TRANSFORMERS}, found {transformers_version}: "
+                      "install cs336-kernels[hf] to upgrade it")
 
 
 @dataclass(frozen=True)
