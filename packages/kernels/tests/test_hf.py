@@ -165,6 +165,35 @@ def test_patch_replaces_every_kernel_site_and_keeps_the_state_dict():
     assert all(torch.equal(model.state_dict()[k], v) for k, v in names.items())
 
 
+@pytest.mark.parametrize("order", ["patch_then_lora", "lora_then_patch"])
+def test_lora_adapters_on_a_patched_model(order):
+    # PEFT's LoRA wraps the projections the patched forwards call, before or after patch(): the adapters' gradients
+    # (the only trainable ones) match LoRA on the unpatched model.
+    peft = pytest.importorskip("peft")
+    model = build("qwen3")
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"], lora_dropout=0.0,
+                             init_lora_weights=False)  # random B: the adapters change the output
+    torch.manual_seed(2)
+    reference = peft.get_peft_model(copy.deepcopy(model), config)
+    if order == "patch_then_lora":
+        ours = peft.get_peft_model(patched_copy(model), config)
+    else:
+        ours = hf.patch(peft.get_peft_model(copy.deepcopy(model), config))
+        ours.base_model.model.set_attn_implementation("cs336")
+    ours.load_state_dict(reference.state_dict())
+    ids, labels = batch(16)
+    results = []
+    for lora in (reference, ours):
+        lora.zero_grad(set_to_none=True)
+        loss = lora(input_ids=ids, labels=labels).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in lora.named_parameters() if p.requires_grad}))
+    (ref_loss, ref_grads), (loss, grads) = results
+    assert len(grads) == 2 * 4 * 2 and grads.keys() == ref_grads.keys()  # A and B of 4 sites in each of 2 layers
+    assert _rel_err(loss, ref_loss) <= FP32_REL_TOL
+    assert all(_rel_err(grads[name], ref_grads[name]) <= FP32_REL_TOL for name in grads)
+
+
 @pytest.mark.slow
 def test_loss_follows_hf_kwargs():
     # num_items_in_batch (gradient accumulation: the sum over that many tokens) and shift_labels as HF's loss takes.
