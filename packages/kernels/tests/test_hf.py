@@ -124,6 +124,30 @@ def test_patch_works_with_any_attention():
     assert all(_rel_err(grads[n], g) < FP32_REL_TOL for n, g in want_grads.items())
 
 
+@pytest.mark.parametrize("family", ["gemma2", pytest.param("gemma3", marks=pytest.mark.slow)])
+def test_attention_alone_in_a_family_patch_does_not_cover(family):
+    # attn_implementation="cs336" without patch(): Gemma-2 passes its logit softcap, query_pre_attn_scalar's scaling
+    # and a sliding window on alternate layers; Gemma-3 its per-layer sliding and full attention. Against HF's eager
+    # attention (the one Gemma-2's softcap runs on).
+    common = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 88, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
+              "sliding_window": 5, "query_pre_attn_scalar": 24}
+    config = (transformers.Gemma2Config(**common, attn_logit_softcapping=20.0) if family == "gemma2" else
+              transformers.Gemma3TextConfig(**common, layer_types=["sliding_attention", "full_attention"]))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(DEVICE).train()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.3 if param.dim() == 1 else 1.5 / param.shape[-1] ** 0.5)
+    ids, labels = batch(24)  # longer than the window
+    ref_loss, ref_grads = loss_and_grads(model, ids, labels)
+    ours = copy.deepcopy(model)
+    ours.set_attn_implementation("cs336")
+    loss, grads = loss_and_grads(ours, ids, labels)
+    assert _rel_err(loss, ref_loss) <= FP32_REL_TOL
+    assert all(_rel_err(grads[name], ref_grads[name]) <= FP32_REL_TOL for name in grads)
+
+
 @pytest.mark.slow
 def test_under_autocast_as_trainer_runs_it():
     # fp32 weights under autocast (Trainer's bf16=True; fp16 here, which the interpreter computes right): the head's
