@@ -182,21 +182,34 @@ def test_patch_replaces_every_kernel_site_and_keeps_the_state_dict():
     hf.patch(model)
     patched = [name for name, module in model.named_modules() if "forward" in vars(module)]
     kinds = {type(module).__name__ for name, module in model.named_modules() if "forward" in vars(module)}
-    assert kinds == {"Qwen3RMSNorm", "Qwen3Attention", "Qwen3MLP", "Qwen3ForCausalLM"}
-    # 2 layers x (2 norms + q_norm + k_norm + attention + MLP), the final norm, the head.
-    assert len(patched) == 2 * 6 + 2
+    assert kinds == {"Qwen3RMSNorm", "Qwen3Attention", "Qwen3MLP", "Qwen3ForCausalLM", "Linear"}
+    # 2 layers x (2 norms + q_norm + k_norm + attention + MLP), the final norm, the causal LM and its head.
+    assert len(patched) == 2 * 6 + 3 and "lm_head" in patched
     assert model.state_dict().keys() == names.keys()
     assert all(torch.equal(model.state_dict()[k], v) for k, v in names.items())
 
 
-@pytest.mark.parametrize("order", ["patch_then_lora", "lora_then_patch"])
-def test_lora_adapters_on_a_patched_model(order):
+def _trainable_step(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    return out, {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize(("order", "targets"), [
+    ("patch_then_lora", "blocks"), ("lora_then_patch", "blocks"), ("patch_then_lora", "head"),
+    pytest.param("lora_then_patch", "head", marks=pytest.mark.slow),
+    pytest.param("patch_then_lora", "head_saved", marks=pytest.mark.slow)])
+def test_lora_adapters_on_a_patched_model(order, targets):
     # PEFT's LoRA wraps the projections the patched forwards call, before or after patch(): the adapters' gradients
-    # (the only trainable ones) match LoRA on the unpatched model.
+    # (the only trainable ones) match LoRA on the unpatched model. An adapter on the head (LoRA, or modules_to_save's
+    # trained copy) computes more than the head's weight product: HF's loss from the logits, never the fused loss.
     peft = pytest.importorskip("peft")
     model = build("qwen3")
-    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"], lora_dropout=0.0,
-                             init_lora_weights=False)  # random B: the adapters change the output
+    sites = {"blocks": ["q_proj", "v_proj", "gate_proj", "down_proj"], "head": ["q_proj", "lm_head"],
+             "head_saved": ["q_proj"]}[targets]
+    config = peft.LoraConfig(r=4, target_modules=sites, lora_dropout=0.0, init_lora_weights=False,  # random B
+                             modules_to_save=["lm_head"] if targets == "head_saved" else None)
     torch.manual_seed(2)
     reference = peft.get_peft_model(copy.deepcopy(model), config)
     if order == "patch_then_lora":
@@ -206,15 +219,43 @@ def test_lora_adapters_on_a_patched_model(order):
         ours.base_model.model.set_attn_implementation("cs336")
     ours.load_state_dict(reference.state_dict())
     ids, labels = batch(16)
-    results = []
-    for lora in (reference, ours):
-        lora.zero_grad(set_to_none=True)
-        loss = lora(input_ids=ids, labels=labels).loss
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad for n, p in lora.named_parameters() if p.requires_grad}))
-    (ref_loss, ref_grads), (loss, grads) = results
-    assert len(grads) == 2 * 4 * 2 and grads.keys() == ref_grads.keys()  # A and B of 4 sites in each of 2 layers
-    assert _rel_err(loss, ref_loss) <= FP32_REL_TOL
+    (ref_out, ref_grads), (out, grads) = (_trainable_step(lora, ids, labels) for lora in (reference, ours))
+    # A and B of each site in each of 2 layers (the head's once); modules_to_save trains a copy of the head.
+    expected = {"blocks": 2 * 4 * 2, "head": 2 * 2 + 2, "head_saved": 2 * 2 + 1}[targets]
+    assert len(grads) == expected and grads.keys() == ref_grads.keys()
+    assert (out.logits is None) == (targets == "blocks")
+    assert _rel_err(out.loss, ref_out.loss) <= FP32_REL_TOL
+    assert all(_rel_err(grads[name], ref_grads[name]) <= FP32_REL_TOL for name in grads)
+
+
+@pytest.mark.parametrize("order", ["patch_then_shard", "shard_then_patch"])
+def test_under_fsdp2_with_the_head_sharded_on_its_own(order):
+    # fully_shard on each block, on the head alone (untied: Qwen2 here) and on the root: the fused loss runs as the
+    # head's forward, so FSDP2 gathers the head's weight for it and for its backward; patch finds the modules FSDP2
+    # gave classes of their own. One rank: every parameter a DTensor all the same.
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    reference = build("qwen2")
+    ids, labels = batch(16)
+    ref_out, ref_grads = _trainable_step(reference, ids, labels)
+    model = copy.deepcopy(reference)
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        if order == "patch_then_shard":
+            hf.patch(model)
+        for block in (*model.model.layers, model.lm_head, model):
+            fully_shard(block)
+        if order == "shard_then_patch":
+            hf.patch(model)
+        model.set_attn_implementation("cs336")
+        out, grads = _trainable_step(model, ids, labels)
+        grads = {name: grad.full_tensor() for name, grad in grads.items()}
+    finally:
+        dist.destroy_process_group()
+    assert out.logits is None  # the fused loss ran
+    assert _rel_err(out.loss, ref_out.loss) <= FP32_REL_TOL
+    assert grads.keys() == ref_grads.keys()
     assert all(_rel_err(grads[name], ref_grads[name]) <= FP32_REL_TOL for name in grads)
 
 

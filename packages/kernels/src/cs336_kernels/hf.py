@@ -20,7 +20,12 @@ names; only their ``forward`` is replaced on the instance, which ``copy.deepcopy
 - the causal-LM head: a forward with ``labels`` in training mode computes the loss with
   :func:`~cs336_kernels.fused_linear_cross_entropy` from the last hidden states (HF's loss: labels shifted left by
   one, or ``shift_labels`` as given; ``ignore_index``; the sum over ``num_items_in_batch`` when given, else the mean)
-  and returns ``logits=None``. Without labels, or in eval mode, HF's forward runs and returns the logits.
+  and returns ``logits=None``. Without labels, or in eval mode, HF's forward runs and returns the logits. The loss
+  runs as the head module's forward (hooks on the head, such as FSDP2's where the head is sharded on its own, run
+  around it). A head that is not a bias-free ``torch.nn.Linear`` when patched, or that is wrapped or replaced after
+  (PEFT's LoRA or ``modules_to_save``, ``resize_token_embeddings``), keeps HF's loss from the logits.
+
+``patch`` works on a model sharded by FSDP2's ``fully_shard`` as on one that is not (either order).
 
 Under autocast (fp32 weights, Trainer's ``bf16=True``) the LM head's matmul and the attention take autocast's dtype,
 as HF's own forward has them (our operators are not autocast ops, so the casts are explicit).
@@ -55,6 +60,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 
 from cs336_kernels.ops.flash_attention import flash_attention, flash_attention_varlen
 from cs336_kernels.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
@@ -162,12 +168,30 @@ def _attention_forward(family: Family) -> Callable:
     return forward
 
 
+def _head_forward(self: torch.nn.Linear, hidden: torch.Tensor, targets: torch.Tensor | None = None,
+                  reduction: str = "mean", ignore_index: int = -100) -> torch.Tensor:
+    """The LM head: its product as before (``targets`` None), or the fused loss of ``hidden`` against ``targets``
+    without the logits. The loss runs as the head's forward so that hooks on the head run around it: FSDP2's, where
+    the head is sharded on its own, gather its weight before and again for the backward."""
+    if targets is None:
+        return F.linear(hidden, self.weight)
+    hidden, weight = _autocast(hidden, self.weight)  # as autocast runs the head's matmul (Trainer's bf16=True)
+    return fused_linear_cross_entropy(hidden, weight, targets, reduction, ignore_index)
+
+
+def _is_patched(module: torch.nn.Module, forward: Callable) -> bool:
+    own = vars(module).get("forward")
+    return isinstance(own, types.MethodType) and own.__func__ is forward
+
+
 @can_return_tuple
 def _causal_lm_forward(self: torch.nn.Module, input_ids: torch.Tensor | None = None,
                        attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                        **kwargs) -> CausalLMOutputWithPast:
     labels = kwargs.get("labels")
-    if labels is None or not self.training:
+    # A head that is not ours, as PEFT's LoRA or modules_to_save wrap it or resize_token_embeddings replaces it: HF's
+    # loss (from the logits), which covers whatever the head computes.
+    if labels is None or not self.training or not _is_patched(self.lm_head, _head_forward):
         return type(self).forward(self, input_ids, attention_mask, position_ids, **kwargs)
     kwargs.pop("labels")
     if kwargs.pop("logits_to_keep", 0) != 0:
@@ -181,14 +205,17 @@ def _causal_lm_forward(self: torch.nn.Module, input_ids: torch.Tensor | None = N
     if targets is None:
         targets = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     num_items = kwargs.get("num_items_in_batch")
-    weight = self.lm_head.weight
-    hidden, weight = _autocast(hidden, weight)  # as autocast runs the head's matmul (Trainer's bf16=True)
-    loss = fused_linear_cross_entropy(hidden, weight, targets.to(hidden.device), "mean" if num_items is None else "sum",
-                                      ignore_index)
+    loss = self.lm_head(hidden, targets.to(hidden.device), "mean" if num_items is None else "sum", ignore_index)
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if isinstance(num_items, torch.Tensor) else num_items)
     rest = {key: value for key, value in outputs.items() if key != "last_hidden_state"}
     return CausalLMOutputWithPast(loss=loss, logits=None, **rest)
+
+
+def _model_class(module: torch.nn.Module) -> type:
+    """The module's class, or where FSDP2 has sharded it (``fully_shard`` gives it a class of its own, ``FSDPModule``
+    and the module's), the class it had before."""
+    return next(cls for cls in type(module).__mro__ if not issubclass(cls, FSDPModule))
 
 
 def family_of(model: torch.nn.Module) -> Family:
@@ -216,11 +243,12 @@ def patch(model: torch.nn.Module) -> torch.nn.Module:
     forwards = {family.cls("RMSNorm"): _rms_norm_forward, family.cls("MLP"): _mlp_forward,
                 family.cls("Attention"): _attention_forward(family), family.cls("ForCausalLM"): _causal_lm_forward}
     for module in model.modules():
-        forward = forwards.get(type(module))
+        forward = forwards.get(_model_class(module))
         if forward is None:
             continue
-        if type(module) is family.cls("ForCausalLM") and module.lm_head.bias is not None:
-            raise ValueError("the fused loss takes a bias-free LM head; this model's lm_head has a bias")
+        head = module.lm_head if forward is _causal_lm_forward else None
+        if head is not None and _model_class(head) is torch.nn.Linear and head.bias is None:
+            head.forward = types.MethodType(_head_forward, head)
         module.forward = types.MethodType(forward, module)
     return model
 
