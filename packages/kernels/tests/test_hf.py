@@ -228,6 +228,23 @@ def test_lora_adapters_on_a_patched_model(order, targets):
     assert all(_rel_err(grads[name], ref_grads[name]) <= FP32_REL_TOL for name in grads)
 
 
+def test_with_gradient_checkpointing():
+    # Trainer's gradient_checkpointing=True: HF recomputes each block in the backward, our kernels inside it.
+    reference = build("llama")
+    ids, labels = batch(16)
+    want_loss, want_grads = loss_and_grads(reference, ids, labels)
+    model = patched_copy(reference)
+    if hasattr(model, "activation_checkpointing_enable"):  # its name from transformers 5.2x on
+        model.activation_checkpointing_enable()
+        assert model.is_activation_checkpointing
+    else:
+        model.gradient_checkpointing_enable()
+        assert model.is_gradient_checkpointing
+    loss, grads = loss_and_grads(model, ids, labels)
+    assert _rel_err(loss, want_loss) <= FP32_REL_TOL
+    assert all(_rel_err(grads[name], want_grads[name]) <= FP32_REL_TOL for name in want_grads)
+
+
 @pytest.mark.parametrize("order", ["patch_then_shard", "shard_then_patch"])
 def test_under_fsdp2_with_the_head_sharded_on_its_own(order):
     # fully_shard on each block, on the head alone (untied: Qwen2 here) and on the root: the fused loss runs as the
