@@ -54,6 +54,7 @@ import it. Tests: ``packages/kernels/tests/test_hf.py`` (tiny random models of e
 
 from __future__ import annotations
 
+import re
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,7 +74,6 @@ from cs336_kernels.ops.swiglu import silu_mul
 OLDEST_TRANSFORMERS = "5.4"
 
 try:
-    from packaging.version import Version  # a dependency of transformers
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers import __version__ as transformers_version
     from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -87,7 +87,12 @@ except ImportError as error:
     raise ImportError(f"cs336_kernels.hf patches Hugging Face transformers models: install cs336-kernels[hf] "
                       f"(transformers >= {OLDEST_TRANSFORMERS})") from error
 
-if Version(transformers_version) < Version(OLDEST_TRANSFORMERS):
+
+def _minor(version: str) -> tuple[int, int]:
+    return tuple(int(part) for part in re.match(r"(\d+)\.(\d+)", version).groups())
+
+
+if _minor(transformers_version) < _minor(OLDEST_TRANSFORMERS):
     raise ImportError(f"cs336_kernels.hf needs transformers >= {OLDEST_TRANSFORMERS}, found {transformers_version}: "
                       "install cs336-kernels[hf] to upgrade it")
 
