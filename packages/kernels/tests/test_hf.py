@@ -327,6 +327,30 @@ def test_twenty_adamw_steps_follow_the_same_loss_curve(family):
     assert ((got - want).abs() / want).max() < 1e-4
 
 
+@pytest.mark.slow
+def test_trainer_with_packed_batches_and_gradient_accumulation(tmp_path):
+    # transformers.Trainer as a user runs it: DataCollatorWithFlattening packs documents of uneven lengths into one
+    # row (position_ids), two micro-batches a step (the loss summed over num_items_in_batch), three steps.
+    pytest.importorskip("accelerate")  # Trainer's dependency (peft brings it)
+    reference = build("qwen3")
+    gen = torch.Generator().manual_seed(0)
+    documents = [{"input_ids": torch.randint(0, VOCAB, (n,), generator=gen).tolist()}
+                 for n in (9, 5, 12, 7, 3, 10, 8, 6)]
+    curves = []
+    for model in (copy.deepcopy(reference), patched_copy(reference)):
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=3,
+            learning_rate=1e-3, logging_steps=1, report_to=[], use_cpu=DEVICE == "cpu", save_strategy="no", seed=0,
+            disable_tqdm=True)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=documents,
+                                       data_collator=transformers.DataCollatorWithFlattening())
+        trainer.train()
+        curves.append(torch.tensor([log["loss"] for log in trainer.state.log_history if "loss" in log]))
+    want, got = curves
+    assert len(want) == 3 and want[-1] < want[0]
+    assert ((got - want).abs() / want).max() < 1e-4
+
+
 def test_rejects_what_it_cannot_patch():
     with pytest.raises(ValueError, match=r"model_type 'gpt2'"):
         hf.patch(transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2)))
