@@ -215,14 +215,14 @@ def _fa_rule(ours, ref64, ref_low):
         assert err <= 2 * err_low + 1e-4, f"{name}: {err:.3e} against PyTorch's bf16 {err_low:.3e}"
 
 
-# Both kernels on the GPU: "auto" (the Gluon ones on an H100/H200 at head dims 64 and 128, else Triton) and Triton.
+# Both kernels on the GPU: "auto" (the Gluon ones on an H100/H200 where they run, else Triton) and Triton.
 GPU_PATHS = {"auto": {}, "triton": {"forward": "triton", "backward": "triton"}}
 
 
 def _gpu_cases(knobs: dict[str, dict], head_dims: list[int]) -> list:
     """Every (head_dim, knobs, path). Each knob setting compiles and autotunes kernels of its own, so the quick GPU
-    run takes each one once per path, at that path's head dims in turn ("auto" at 96 is the Triton path again); the
-    rest are slow."""
+    run takes each one once per path, at that path's head dims in turn ("auto" at 64 and 128 only: at 96 and 256 the
+    Gluon kernels are the named ones of test_gluon_attention.py); the rest are slow."""
     cases = []
     for head_dim in head_dims:
         for i, (name, knob) in enumerate(knobs.items()):

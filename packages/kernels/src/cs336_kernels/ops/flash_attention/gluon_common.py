@@ -98,10 +98,6 @@ def gluon_unsupported(q: torch.Tensor, direction: str) -> str | None:
 def gluon_applies(q: torch.Tensor, direction: str) -> bool:
     """The ``auto`` rule of ``direction`` ("forward" or "backward"): whether its Gluon kernel runs for queries like
     ``q`` (:func:`gluon_unsupported`)."""
-    # Head dims 96 and 256: "auto" keeps them on the Triton kernels until the Gluon ones there are timed the faster
-    # (d = 96 runs 128-column tiles; a named Gluon kernel runs them).
-    if q.shape[-1] in (96, 256):
-        return False
     return gluon_unsupported(q, direction) is None
 
 
