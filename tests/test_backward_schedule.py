@@ -4,20 +4,13 @@ and waits only add; and the notes' figures at (1, 32, 32768, 128) come out of it
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from tool_modules import load_tool
 
 
 @pytest.fixture(scope="module")
 def schedule():
-    spec = importlib.util.spec_from_file_location("backward_schedule", ROOT / "tools" / "backward_schedule.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("backward_schedule")
 
 
 def _orders(heads, blocks):

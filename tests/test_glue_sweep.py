@@ -4,21 +4,15 @@ the fastest of pass 2, compared with the default."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 from cs336_kernels.ops.rms_norm import Launch, launch_settings
-
-ROOT = Path(__file__).resolve().parents[1]
+from tool_modules import load_tool
 
 
 @pytest.fixture
 def glue_sweep(monkeypatch):
-    spec = importlib.util.spec_from_file_location("glue_sweep", ROOT / "tools" / "glue_sweep.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_tool("glue_sweep")
     monkeypatch.setattr(module, "SHAPES", {"fwd": ((1, 4), (2, 8)), "bwd": ((1, 8), (2, 16))})
     monkeypatch.setattr(module, "STAGES", (1, 3))
     monkeypatch.setattr(module, "PROGRAMS_PER_SM", {"fwd": (1, 4), "bwd": (2,)})

@@ -5,21 +5,16 @@ row per case; a CSV whose marked cases do not match the order file is refused.""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from tool_modules import load_tool
 
 
 @pytest.fixture
 def profile_tool():
-    spec = importlib.util.spec_from_file_location("kernel_limits_profile", ROOT / "tools" / "kernel_limits_profile.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("kernel_limits_profile")
 
 
 def _write(tmp_path: Path, tool, kernels: list[dict], order: list[dict]) -> tuple[Path, Path]:

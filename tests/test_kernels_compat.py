@@ -5,21 +5,15 @@ now. A range changed without a new run fails here; so does a range wider than it
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from tool_modules import load_tool
 
 
 @pytest.fixture(scope="module")
 def compat():
-    spec = importlib.util.spec_from_file_location("kernels_compat", ROOT / "tools" / "kernels_compat.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("kernels_compat")
 
 
 def test_both_ends_of_the_declared_range_have_a_passing_run(compat):

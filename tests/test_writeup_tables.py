@@ -2,18 +2,14 @@
 what the committed rows build, so a number in a table cannot drift from its rows; and the leaderboard's MFU is
 computed from a row's shape and step time against the ceiling of the GPU the row names."""
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 from cs336_basics.config import ModelConfig
 from cs336_harness.analysis.tables import fill_tables
 from cs336_harness.studies.leaderboard.flops import step_flops
+from tool_modules import load_tool
 
-_SPEC = importlib.util.spec_from_file_location("writeup_tables",
-                                               Path(__file__).resolve().parents[1] / "tools" / "writeup_tables.py")
-writeup = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(writeup)
+writeup = load_tool("writeup_tables")
 
 
 def test_the_sections_hold_the_tables_the_rows_build() -> None:
