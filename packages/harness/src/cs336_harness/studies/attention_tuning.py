@@ -2,8 +2,8 @@
 
 The kernels in :mod:`cs336_kernels.ops.flash_attention` autotune over a short pruned list of
 (BLOCK_M, BLOCK_N, num_warps, num_stages) per regime (dtype width, padded head dim), so that a cold
-start stays fast. This sweep widens those lists with :data:`CANDIDATES` (bf16/fp16 at d = 64 and 128,
-through :func:`cs336_kernels.ops.flash_attention.tuning.extra_configs`), lets the autotuner time every
+start stays fast. This sweep widens those lists with :data:`CANDIDATES` (bf16/fp16 at d = 64 and 128, and
+the backward's at 256, through :func:`cs336_kernels.ops.flash_attention.tuning.extra_configs`), lets the autotuner time every
 candidate at the real shapes and records:
 
 - one ``bench = "tune"`` row per (shape, kernel, candidate) with the autotuner's median (a short
@@ -17,7 +17,7 @@ GPU machine (``cs336 tune``, :mod:`cs336_harness.commands.tune`)::
 
     bash tools/gpu.sh python3 -m cs336_harness.cli tune --out $OUT/attention_tuning.jsonl
 
-``--builds`` needs no GPU: it compiles each kernel (bf16, causal, d = 64 and 128) for sm_90 with every
+``--builds`` needs no GPU: it compiles each kernel (bf16, causal, d = 64, 128 and 256) for sm_90 with every
 listed and candidate config and records what ptxas and the SASS say (``bench = "build"`` rows: registers
 per thread, stack frame bytes, and static counts in the SASS of local-memory spill stores and loads,
 of wgmma, mma.sync and TMA-load instructions, and spill stores, loads and instructions per main loop)::
@@ -49,7 +49,8 @@ from cs336_harness.results import append_rows, provenance
 from cs336_harness.studies.attention import AttentionBenchConfig, flash_rows, warm_kernels
 
 # Extra candidates per kernel and (bytes per element, padded head dim). The forward and dQ kernels need
-# BLOCK_N | BLOCK_M, the dK/dV kernels BLOCK_M | BLOCK_N.
+# BLOCK_N | BLOCK_M, the dK/dV kernels BLOCK_M | BLOCK_N. The d = 256 entries are the larger tiles whose sm_90
+# builds keep spills out of the main loop (the forward at 256 runs on the Gluon kernel).
 CANDIDATES: dict[str, dict[Regime, list[Entry]]] = {
     "fwd": {
         (2, 64): [(128, 64, 4, 4), (128, 128, 8, 4), (256, 64, 8, 3), (64, 64, 4, 3)],
@@ -58,10 +59,12 @@ CANDIDATES: dict[str, dict[Regime, list[Entry]]] = {
     "dkdv": {
         (2, 64): [(32, 128, 8, 3), (64, 128, 8, 1), (32, 128, 8, 2), (64, 64, 8, 2)],
         (2, 128): [(32, 128, 8, 1), (64, 64, 8, 1), (32, 128, 8, 2)],
+        (2, 256): [(32, 64, 8, 2)],
     },
     "dq": {
         (2, 64): [(128, 128, 8, 3), (64, 64, 4, 4), (128, 64, 8, 4)],
         (2, 128): [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
+        (2, 256): [(64, 64, 8, 2), (128, 32, 8, 2)],
     },
 }
 SHAPES: tuple[tuple[int, int, int, int], ...] = (
@@ -180,13 +183,13 @@ def build_row(name: str, head_dim: int, entry: Entry, tma: bool = False) -> dict
 
 
 def build_rows(out: str | None, progress: bool = False) -> list[dict[str, Any]]:
-    """:func:`build_row` for every listed and candidate config of the 16-bit d = 64 and 128 regimes; with
+    """:func:`build_row` for every listed and candidate config of the 16-bit d = 64, 128 and 256 regimes; with
     ``progress``, a bar on stderr counts the builds done."""
     meta = provenance()
     builds = []
     for name in KERNELS:
         table, tma_table = listed_configs(name), listed_configs(name, tma=True)
-        for head_dim in (64, 128):
+        for head_dim in (64, 128, 256):
             entries = dict.fromkeys([*table[(2, head_dim)], *CANDIDATES[name].get((2, head_dim), [])])
             builds += [(name, head_dim, entry, False) for entry in entries]
             builds += [(name, head_dim, entry, True) for entry in tma_table.get((2, head_dim), [])]
