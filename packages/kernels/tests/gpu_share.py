@@ -8,7 +8,8 @@ while it waits for the shared tests running, goes before those that ask after it
 :data:`SHARED_BUDGET_GIB` of GPU memory beyond what its process held when it started, so that sixteen workers (``-n
 auto`` on the lent 16-core machines) fit on an 80 GiB GPU beside their CUDA contexts; one that reserves more fails
 at its teardown with the fix: mark it ``gpu_exclusive``. Mark one so too if it starts processes that use the GPU
-(their memory is not counted here). After each test the worker hands its cached GPU memory back to the driver.
+(their memory is not counted here). The exclusive tests run last. After each test the worker hands its cached GPU
+memory back to the driver.
 
 Without CUDA the plugin does nothing.
 """
@@ -68,6 +69,14 @@ def hold(exclusive: bool) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The exclusive tests last (a stable sort: each group keeps its order). An exclusive test waits for every
+    shared test running to end, so every worker but its own idles while the GPU drains: at the end, one after
+    another, they drain it once, where spread through the run each drained it again."""
+    if ACTIVE:
+        items.sort(key=_exclusive)
 
 
 @pytest.hookimpl(tryfirst=True)

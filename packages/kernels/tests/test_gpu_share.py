@@ -1,7 +1,7 @@
 """The plugin that shares one GPU between pytest-xdist workers (``gpu_share.py``), checked on a CPU: the lock itself
-(a waiting exclusive taker first), and a pytest run of three workers in which an exclusive test overlaps no other
-while shared tests overlap, and a shared test past the memory budget fails with the fix (the CUDA memory calls stood
-in for)."""
+(a waiting exclusive taker first), the exclusive tests sorted last, and a pytest run of three workers in which an
+exclusive test overlaps no other and runs after the shared ones while shared tests overlap, and a shared test past
+the memory budget fails with the fix (the CUDA memory calls stood in for)."""
 
 from __future__ import annotations
 
@@ -92,15 +92,15 @@ def _record(name, exclusive, seconds):
     with open({log!r}, "a") as f:
         f.write(json.dumps({{"name": name, "exclusive": exclusive, "start": start, "end": time.time()}}) + "\\n")
 
-@pytest.mark.parametrize("i", range(6))
-def test_shared(i):
-    _record(f"shared{{i}}", False, 0.6)
-
 @pytest.mark.gpu_exclusive
 @pytest.mark.parametrize("i", range(2))
 def test_exclusive(i):
     _record(f"exclusive{{i}}", True, 0.3)
     os.environ["RESERVED_GIB"] = "30"  # within an exclusive test's rights
+
+@pytest.mark.parametrize("i", range(6))
+def test_shared(i):
+    _record(f"shared{{i}}", False, 0.6)
 
 def test_shared_past_the_budget():
     os.environ["RESERVED_GIB"] = "5"
@@ -130,3 +130,23 @@ def test_three_workers_run_an_exclusive_test_alone(tmp_path: Path):
                 assert not overlap(a, b), (a, b)
     shared = [r for r in runs if not r["exclusive"]]
     assert any(overlap(a, b) for a in shared for b in shared if a is not b)  # the workers did run side by side
+    # Collected first, the exclusive tests ran last: after every shared test had ended.
+    assert min(r["start"] for r in runs if r["exclusive"]) >= max(r["end"] for r in shared)
+
+
+def test_exclusive_tests_are_sorted_last_in_their_order(monkeypatch: pytest.MonkeyPatch):
+    class Item:
+        def __init__(self, name: str, exclusive: bool):
+            self.name, self.exclusive = name, exclusive
+
+        def get_closest_marker(self, name: str):
+            return object() if name == "gpu_exclusive" and self.exclusive else None
+
+    items = [Item("x1", True), Item("s1", False), Item("x2", True), Item("s2", False)]
+    monkeypatch.setattr(gpu_share, "ACTIVE", True)
+    gpu_share.pytest_collection_modifyitems(items)
+    assert [item.name for item in items] == ["s1", "s2", "x1", "x2"]
+    monkeypatch.setattr(gpu_share, "ACTIVE", False)  # without CUDA the order is pytest's
+    items.reverse()
+    gpu_share.pytest_collection_modifyitems(items)
+    assert [item.name for item in items] == ["x2", "x1", "s2", "s1"]
