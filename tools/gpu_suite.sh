@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The quick GPU run (every package's tests and tests/ marked gpu and not slow: every kernel and path once) under
 # pytest-xdist, several runs in a row: the workers share the GPU through packages/kernels/tests/gpu_share.py (tests
-# marked gpu_exclusive run alone), so every run must pass. A run took 251 s at -n 8 on a fresh H100 (Triton and
-# Inductor compiling; logs/2026-12-07-s29/), so two fit in one call. Arguments: the workers (default 8; `auto` is one
-# per core) and the runs (default 5). No run starts after $SUITE_DEADLINE_S seconds (default 570) less the longest
+# marked gpu_exclusive run alone, after the others), so every run must pass. A run took 268 s at -n 8 on a fresh H100
+# (Triton and Inductor compiling), 85-130 s on the same machine after (logs/2026-12-08-s32/). Arguments: the workers
+# (default 8; `auto` is one per core) and the runs (default 5). No run starts after $SUITE_DEADLINE_S seconds (default 570) less the longest
 # run so far, so the runs that do not fit are skipped, and the next call runs them (`bash tools/gpu_suite.sh 8 N`).
 # Log: $OUT/gpu_suite_log.txt, its failures and one summary line per run; each run's whole output (every test's
 # outcome as it ends, every test phase over a second) in $OUT/gpu_suite_runN.txt. The slow GPU tests run in their

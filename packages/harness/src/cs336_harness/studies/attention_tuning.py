@@ -2,8 +2,8 @@
 
 The kernels in :mod:`cs336_kernels.ops.flash_attention` autotune over a short pruned list of
 (BLOCK_M, BLOCK_N, num_warps, num_stages) per regime (dtype width, padded head dim), so that a cold
-start stays fast. This sweep widens those lists with :data:`CANDIDATES` (bf16/fp16 at d = 64 and 128, and
-the backward's at 256, through :func:`cs336_kernels.ops.flash_attention.tuning.extra_configs`), lets the autotuner time every
+start stays fast. This sweep widens those lists with :data:`CANDIDATES` (bf16/fp16 at d = 64 and 128,
+through :func:`cs336_kernels.ops.flash_attention.tuning.extra_configs`), lets the autotuner time every
 candidate at the real shapes and records:
 
 - one ``bench = "tune"`` row per (shape, kernel, candidate) with the autotuner's median (a short
@@ -49,8 +49,7 @@ from cs336_harness.results import append_rows, provenance
 from cs336_harness.studies.attention import AttentionBenchConfig, flash_rows, warm_kernels
 
 # Extra candidates per kernel and (bytes per element, padded head dim). The forward and dQ kernels need
-# BLOCK_N | BLOCK_M, the dK/dV kernels BLOCK_M | BLOCK_N. The d = 256 entries are the larger tiles whose sm_90
-# builds keep spills out of the main loop (the forward at 256 runs on the Gluon kernel).
+# BLOCK_N | BLOCK_M, the dK/dV kernels BLOCK_M | BLOCK_N.
 CANDIDATES: dict[str, dict[Regime, list[Entry]]] = {
     "fwd": {
         (2, 64): [(128, 64, 4, 4), (128, 128, 8, 4), (256, 64, 8, 3), (64, 64, 4, 3)],
@@ -59,12 +58,10 @@ CANDIDATES: dict[str, dict[Regime, list[Entry]]] = {
     "dkdv": {
         (2, 64): [(32, 128, 8, 3), (64, 128, 8, 1), (32, 128, 8, 2), (64, 64, 8, 2)],
         (2, 128): [(32, 128, 8, 1), (64, 64, 8, 1), (32, 128, 8, 2)],
-        (2, 256): [(32, 64, 8, 2)],
     },
     "dq": {
         (2, 64): [(128, 128, 8, 3), (64, 64, 4, 4), (128, 64, 8, 4)],
         (2, 128): [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
-        (2, 256): [(64, 64, 8, 2), (128, 32, 8, 2)],
     },
 }
 SHAPES: tuple[tuple[int, int, int, int], ...] = (
