@@ -85,7 +85,8 @@ def _check_against_reference(fn, q, k, v, do, is_causal, bottom_right=True):
 
 
 # (shape of q, shape of k and v): lengths of 1, primes and non-multiples of the 16-wide interpreter tiles,
-# Tq < Tk and Tq > Tk, grouped-query heads, a head dim that is not a power of two, and 3-D inputs.
+# Tq < Tk and Tq > Tk, grouped-query heads, a head dim that is not a power of two, 3-D inputs, and head dims past
+# 128 (whose backward takes dV and dK in a pass each).
 CPU_SHAPES = [
     ((1, 1, 1, 16), (1, 1, 1, 16)),
     ((2, 17, 16), (2, 17, 16)),
@@ -94,6 +95,8 @@ CPU_SHAPES = [
     ((1, 4, 33, 32), (1, 2, 70, 32)),
     ((1, 3, 70, 16), (1, 1, 33, 16)),
     ((1, 1, 20, 40), (1, 1, 45, 40)),
+    ((1, 2, 45, 256), (1, 1, 45, 256)),
+    ((1, 1, 30, 192), (1, 1, 37, 192)),
 ]
 
 _COMBOS = [(is_causal, dtype) for is_causal in (False, True) for dtype in (torch.float32, torch.float16)]
