@@ -20,10 +20,16 @@
 # `deterministic` instead (issue 55: what the deterministic backward's extra time is spent on): step 2, then Nsight
 # Compute as in step 3 on one launch of our backward by default and deterministic and of FA4's deterministic one at
 # (1, 32, 16384, 128): ncu_det_details.csv, ncu_det_raw.csv, ncu_det_source.tgz.
-#   run (GPU machine, repo root): bash tools/gpu_attention_fa4.sh [deterministic]
+# `varlen` instead (issue 53: what separates our packed forward and windowed backward from FA4's): `cs336 attention
+# --part varlen --part window` for ours and FA4 (attention_varlen.jsonl), Nsight Compute as in step 3 on one launch of
+# each forward on the varlen part's packed batch, then of each backward under its 4,096-key window at (1, 32, 32768,
+# 128) (ncu_varlen_details.csv, ncu_varlen_raw.csv, ncu_varlen_source.tgz), and every kernel of one packed forward +
+# backward of both timed (attention_kernels.jsonl).
+#   run (GPU machine, repo root): bash tools/gpu_attention_fa4.sh [deterministic | varlen]
 set -uo pipefail
 mode="${1:-all}"
-[[ "$mode" == all || "$mode" == deterministic ]] || { echo "usage: bash tools/gpu_attention_fa4.sh [deterministic]" >&2; exit 2; }
+[[ "$mode" == all || "$mode" == deterministic || "$mode" == varlen ]] \
+  || { echo "usage: bash tools/gpu_attention_fa4.sh [deterministic | varlen]" >&2; exit 2; }
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 OUT="${OUT:-$root/gpu_out}"
@@ -38,10 +44,11 @@ py=(bash tools/gpu.sh python3)
 shapes=(1,32,32768,128 4,32,4096,128 1,16,16384,64 1,32,16384,128)
 
 
-ncu_launch() {  # ncu_launch NAME REGEX SHAPE IMPL: the second launch of kernel REGEX (-s 1 skips the warm-up's)
-  local name="$1" regex="$2" shape="$3" impl="$4"
+ncu_launch() {  # ncu_launch NAME REGEX IMPL ARGS...: the second launch of kernel REGEX (-s 1 skips the warm-up's)
+  local name="$1" regex="$2" impl="$3"
+  shift 3
   step "ncu $name" 60 150 bash tools/gpu.sh ncu --clock-control none --set full -k "regex:$regex" -s 1 -c 1 -f \
-    -o "$work/$name" python3 tools/attention_peers_profile.py --impls "$impl" --shape "$shape"
+    -o "$work/$name" python3 tools/attention_peers_profile.py --impls "$impl" "$@"
 }
 
 export_ncu() {  # export_ncu NAME...: details, raw metrics and per-instruction SASS pages of each report that exists
@@ -84,11 +91,24 @@ pack() {  # pack DEST FILE...: a gzipped tar of the files that exist, named with
   fa4_versions
   ncu --version | tail -1
 
-  if [ "$mode" = deterministic ]; then
+  if [ "$mode" = varlen ]; then
+    step "varlen and window: ours, FA4" 90 180 "${py[@]}" -m cs336_harness.cli attention --part varlen --part window \
+      --varlen-impls ours,fa4 --window-impls ours,fa4 --quiet --out "$OUT/attention_varlen.jsonl"
+    ncu_launch vfwd_ours '^_attn_fwd_kernel' ours --case varlen
+    ncu_launch vfwd_fa4 'FlashAttentionForwardSm90' fa4 --case varlen
+    step "kernel times of one packed forward + backward" 45 90 "${py[@]}" tools/attention_peers_profile.py \
+      --case varlen --impls ours,fa4 --out "$OUT/attention_kernels.jsonl"
+    ncu_launch wbwd_ours '^_attn_bwd_kernel' ours --case window --shape 1,32,32768,128
+    ncu_launch wbwd_fa4 'FlashAttentionBackwardSm90' fa4 --case window --shape 1,32,32768,128
+    export_ncu vfwd_ours vfwd_fa4 wbwd_ours wbwd_fa4
+    join_csv "$OUT/ncu_varlen_details.csv" "$work"/{vfwd_ours,vfwd_fa4,wbwd_ours,wbwd_fa4}.details.csv
+    join_csv "$OUT/ncu_varlen_raw.csv" "$work"/{vfwd_ours,vfwd_fa4,wbwd_ours,wbwd_fa4}.raw.csv
+    pack "$OUT/ncu_varlen_source.tgz" "$work"/{vfwd_ours,vfwd_fa4,wbwd_ours,wbwd_fa4}.source.csv
+  elif [ "$mode" = deterministic ]; then
     deterministic_anchors
-    ncu_launch det_ours_default '^_attn_bwd_kernel' 1,32,16384,128 ours
-    ncu_launch det_ours '^_attn_bwd_kernel' 1,32,16384,128 ours_deterministic
-    ncu_launch det_fa4 'FlashAttentionBackwardSm90' 1,32,16384,128 fa4_deterministic
+    ncu_launch det_ours_default '^_attn_bwd_kernel' ours --shape 1,32,16384,128
+    ncu_launch det_ours '^_attn_bwd_kernel' ours_deterministic --shape 1,32,16384,128
+    ncu_launch det_fa4 'FlashAttentionBackwardSm90' fa4_deterministic --shape 1,32,16384,128
     export_ncu det_ours_default det_ours det_fa4
     join_csv "$OUT/ncu_det_details.csv" "$work"/det_{ours_default,ours,fa4}.details.csv
     join_csv "$OUT/ncu_det_raw.csv" "$work"/det_{ours_default,ours,fa4}.raw.csv
@@ -98,8 +118,8 @@ pack() {  # pack DEST FILE...: a gzipped tar of the files that exist, named with
       --anchor-impls ours,sdpa,fa4 --anchor-shapes "${shapes[@]}" --quiet --out "$OUT/attention_anchors.jsonl"
     deterministic_anchors
 
-    ncu_launch bwd_ours '^_attn_bwd_kernel' 1,32,16384,128 ours
-    ncu_launch bwd_fa4 'FlashAttentionBackwardSm90' 1,32,16384,128 fa4
+    ncu_launch bwd_ours '^_attn_bwd_kernel' ours --shape 1,32,16384,128
+    ncu_launch bwd_fa4 'FlashAttentionBackwardSm90' fa4 --shape 1,32,16384,128
     export_ncu bwd_ours bwd_fa4
     join_csv "$OUT/ncu_bwd_details.csv" "$work/bwd_ours.details.csv" "$work/bwd_fa4.details.csv"
     join_csv "$OUT/ncu_bwd_raw.csv" "$work/bwd_ours.raw.csv" "$work/bwd_fa4.raw.csv"
@@ -108,8 +128,8 @@ pack() {  # pack DEST FILE...: a gzipped tar of the files that exist, named with
     step "4. kernel times of one forward + backward" 45 90 "${py[@]}" tools/attention_peers_profile.py \
       --impls ours,fa4,sdpa --shape 1,32,16384,128 --out "$OUT/attention_kernels.jsonl"
 
-    ncu_launch fwd_ours '^_attn_fwd_kernel' 1,16,16384,64 ours
-    ncu_launch fwd_fa4 'FlashAttentionForwardSm90' 1,16,16384,64 fa4
+    ncu_launch fwd_ours '^_attn_fwd_kernel' ours --shape 1,16,16384,64
+    ncu_launch fwd_fa4 'FlashAttentionForwardSm90' fa4 --shape 1,16,16384,64
     export_ncu fwd_ours fwd_fa4
     pack "$OUT/ncu_fwd.tgz" "$work"/fwd_ours.{details,raw,source}.csv "$work"/fwd_fa4.{details,raw,source}.csv
 
@@ -120,6 +140,10 @@ pack() {  # pack DEST FILE...: a gzipped tar of the files that exist, named with
       echo "== $(basename "$f") is over 16 MiB: removed"; rm -f "$f"
     fi
   done
+  if [ -s "$OUT/attention_varlen.jsonl" ]; then
+    echo "== varlen and window"
+    "${py[@]}" -m cs336_harness.cli attention --markdown "$OUT/attention_varlen.jsonl" 2>&1 | tail -20
+  fi
   if [ -s "$OUT/attention_anchors.jsonl" ]; then
     echo "== anchors"
     "${py[@]}" -m cs336_harness.cli attention --markdown "$OUT/attention_anchors.jsonl" 2>&1 | tail -30
