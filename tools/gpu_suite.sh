@@ -6,7 +6,8 @@
 # (default 8; `auto` is one per core) and the runs (default 5). No run starts after $SUITE_DEADLINE_S seconds (default 570) less the longest
 # run so far, so the runs that do not fit are skipped, and the next call runs them (`bash tools/gpu_suite.sh 8 N`).
 # Log: $OUT/gpu_suite_log.txt, its failures and one summary line per run; each run's whole output (every test's
-# outcome as it ends, every test phase over a second) in $OUT/gpu_suite_runN.txt. The slow GPU tests run in their
+# outcome as it ends, every test phase over a second) in $OUT/gpu_suite_runN.txt; a row per finished run (wall time,
+# pytest's summary, provenance) in $OUT/quick_suite.jsonl (tools/time_quick_suite.py; for writeup/results/). The slow GPU tests run in their
 # sections' calls (tools/README.md).
 #   run (GPU machine, repo root): bash tools/gpu_suite.sh 8 5; bash tools/gpu_suite.sh auto 1
 set -uo pipefail
@@ -30,8 +31,9 @@ py=(bash tools/gpu.sh python3)
     start=$(date +%s)
     # Every test's outcome as it ends (-v), so that a run the deadline stops still says what ran and failed; at the
     # end of a run that finishes, every test phase that took a second or more (the costs the quick run is cut by).
-    timeout "$(left)" "${py[@]}" -m pytest -m "gpu and not slow" -n "$workers" -v -rfE --durations=0 \
-      --durations-min=1 -p no:cacheprovider > "$OUT/gpu_suite_run$run.txt" 2>&1
+    timeout "$(left)" "${py[@]}" tools/time_quick_suite.py --out "$OUT/quick_suite.jsonl" \
+      --log "$OUT/gpu_suite_run$run.txt" -- -m "gpu and not slow" -n "$workers" -v -rfE --durations=0 \
+      --durations-min=1 > /dev/null 2>&1
     rc=$?
     took=$(($(date +%s) - start))
     [ "$took" -gt "$longest" ] && longest=$took
