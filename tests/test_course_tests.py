@@ -1,6 +1,6 @@
 """tools/course_tests.sh (the course's own tests with our adapters): its wrong invocations end with the usage and a
-non-zero status before touching anything. The run itself needs the course's files (not in this repo): its CPU and GPU
-logs are in writeup/results/logs/."""
+non-zero status before touching anything. The run itself needs the course's files (not in this repo, prepared from a
+clone of theirs)."""
 
 from __future__ import annotations
 
